@@ -1,0 +1,30 @@
+# The two commands a fresh machine needs (see README.md):
+#   make demo   set up, start the local Slurm cluster, run configs/local-tiny.toml end to end, show the report
+#   make test   set up, start the local Slurm cluster, run the test suite
+PYTHON ?= python3
+PIP = $(PYTHON) -m pip
+STAMP = .setup-done
+
+.PHONY: setup cluster demo test clean-demo
+
+# torch 2.13.0 is the CPU build on these machines' disk; installing it first keeps pip from pulling a
+# multi-GB CUDA build for the range in setup.cfg.
+$(STAMP): setup.cfg pyproject.toml
+	$(PIP) install --quiet --disable-pip-version-check torch==2.13.0
+	$(PIP) install --quiet --disable-pip-version-check -e '.[train,report,test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+cluster: setup
+	bridge-cluster up
+
+demo: cluster
+	bridge-submit configs/local-tiny.toml --wait
+	bridge-report runs/local-tiny
+
+test: cluster
+	$(PYTHON) -m pytest -q tests
+
+clean-demo:
+	rm -rf runs/local-tiny

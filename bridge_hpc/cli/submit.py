@@ -1,0 +1,76 @@
+"""``bridge-submit CONFIG``: validate a job config, render its sbatch script, submit it with submitit."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import List, Optional
+
+from bridge_hpc.errors import exits_on_config_error
+from bridge_hpc.jobconfig import load_job_config
+from bridge_hpc.render import render_script
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bridge-submit",
+        description="Validate a TOML job config, render it into an sbatch script and submit it.",
+    )
+    p.add_argument("config", help="job config (TOML); may extend cluster profiles")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any key, e.g. --set slurm.time=02:00:00 --set train.train_iters=500")
+    p.add_argument("--dry-run", action="store_true", help="print the rendered script; write and submit nothing")
+    p.add_argument("--force", action="store_true",
+                   help="submit into a run folder that holds a different job (its old files are kept)")
+    p.add_argument("--wait", action="store_true", help="wait for the job to end, showing its state")
+    return p
+
+
+def wait_for(job, poll_s: float = 2.0) -> str:
+    """Show state changes until the job is done (a requeue brings it back to PENDING, not done)."""
+    last = None
+    while True:
+        state = job.state
+        if state != last:
+            print(f"{time.strftime('%H:%M:%S')}  job {job.job_id}: {state}", flush=True)
+            last = state
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE") \
+                or state.startswith("CANCELLED"):
+            return state
+        time.sleep(poll_s)
+
+
+@exits_on_config_error
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = load_job_config(args.config, args.overrides)
+    if args.dry_run:
+        sys.stdout.write(render_script(cfg))
+        return 0
+    from bridge_hpc.submit import submit  # submitit only when submitting
+
+    try:
+        sub = submit(cfg, force=args.force)
+    except FileNotFoundError as err:
+        print(f"error: cannot run sbatch ({err}); is Slurm installed? `bridge-cluster up` starts a local one", file=sys.stderr)
+        return 1
+    except Exception as err:  # submitit wraps sbatch's refusal in its own error types
+        if type(err).__name__ not in ("FailedJobError", "FailedSubmissionError", "CalledProcessError"):
+            raise
+        print(f"error: sbatch refused the job: {str(err).strip()}", file=sys.stderr)
+        return 1
+    print(f"Submitted job {sub.job_id} ({cfg.job.name}, {cfg.num_tasks} ranks on {cfg.slurm.nodes} node(s))")
+    print(f"  run folder : {sub.run_dir}")
+    print(f"  script     : {sub.script_path}")
+    print(f"  config     : {sub.resolved_path}")
+    print(f"  log        : {sub.stdout}")
+    print(f"  follow     : bridge-status {sub.run_dir} --follow")
+    if args.wait:
+        state = wait_for(sub.job)
+        return 0 if state == "COMPLETED" else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

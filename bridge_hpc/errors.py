@@ -1,0 +1,48 @@
+"""One error type for bad input, and one way to report it.
+
+Every command-line tool turns a :class:`ConfigError` into a single message on stderr and exit
+status 2 — no traceback — so that a user sees which file and which key is wrong and what was expected.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, Optional, TypeVar
+
+EXIT_BAD_INPUT = 2
+
+F = TypeVar("F", bound=Callable[..., int])
+
+
+class ConfigError(Exception):
+    """Bad user input: names the file, the key (dotted, e.g. ``slurm.time``) and what was expected."""
+
+    def __init__(self, message: str, *, path: Optional[str] = None, key: Optional[str] = None):
+        self.path = path
+        self.key = key
+        self.message = message
+        super().__init__(self.format())
+
+    def format(self) -> str:
+        where = []
+        if self.path:
+            where.append(str(self.path))
+        if self.key:
+            where.append(f"key '{self.key}'")
+        prefix = ": ".join(where)
+        return f"{prefix}: {self.message}" if prefix else self.message
+
+
+def exits_on_config_error(main: F) -> F:
+    """Decorate a CLI ``main`` so that a ConfigError becomes one line on stderr and exit status 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except ConfigError as err:
+            print(f"error: {err.format()}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+
+    return wrapper  # type: ignore[return-value]

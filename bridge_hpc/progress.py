@@ -1,0 +1,326 @@
+"""The progress log (``progress.txt``): a writer for rank 0 and a parser for ``bridge-report``.
+
+The format is Megatron-LM's (described in ``shared/notes/progress-log.md``)::
+
+    <YYYY-MM-DD HH:MM:SS>\\tJob ID: <id>\\t# GPUs: <world>\\t<event>[\\t<Key>: <value>]...
+
+Users already have tools that parse it, some by position (Megatron itself reads the FLOPs of a
+``Saved checkpoint`` line as the 8th tab-separated token), so bridge_hpc keeps the standard events and
+fields exactly where Megatron puts them and only *appends*: extra fields go after the standard ones,
+extra events (``Loaded checkpoint``, ``First step``, ``Ending job``, ``Restart``) use the same
+``Key: value`` style.  These extra events are what make goodput computable: why a run ended, and the
+time spent on start-up, checkpoint load and save and on steps that were lost.
+
+Stdlib only: the ranks import the writer, the login node imports the parser.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+STARTING_JOB = "Starting job"
+SAVED_CHECKPOINT = "Saved checkpoint"
+SAVING_ASYNC = "Saving async checkpoint"
+LOADED_CHECKPOINT = "Loaded checkpoint"
+FIRST_STEP = "First step"
+ENDING_JOB = "Ending job"
+RESTART = "Restart"
+
+SAVE_EVENTS = (SAVED_CHECKPOINT, SAVING_ASYNC)
+
+END_REASONS = ("signal", "time_limit", "duration", "interval", "done", "error", "fault", "straggler")
+
+
+def format_time(epoch: float) -> str:
+    """Local time, second resolution, as Megatron writes it (its readers compare with ``now()``)."""
+    return time.strftime(TIME_FORMAT, time.localtime(epoch))
+
+
+def parse_time(text: str) -> float:
+    """Inverse of :func:`format_time`; raises ValueError on a malformed stamp."""
+    return time.mktime(time.strptime(text, TIME_FORMAT))
+
+
+# --------------------------------------------------------------------------------------------------
+# Parser
+
+
+@dataclass
+class Event:
+    """One line of the log. ``fields`` keeps the raw text values, in file order."""
+
+    time: float
+    job_id: str
+    world_size: int
+    name: str
+    fields: Dict[str, str] = field(default_factory=dict)
+
+    def number(self, key: str) -> Optional[float]:
+        """The leading number of a field (``"95.2 TFLOP/s/GPU"`` -> 95.2); None if absent or not numeric."""
+        text = self.fields.get(key)
+        if text is None:
+            return None
+        try:
+            return float(text.split()[0])
+        except (ValueError, IndexError):
+            return None
+
+
+@dataclass
+class Run:
+    """One ``Starting job`` line and every line after it up to the next ``Starting job``.
+
+    A Slurm requeue and an in-job restart by fault tolerance both start a new run; the ``Restart``
+    line that precedes an in-job restart belongs to the run it ends.
+    """
+
+    job_id: str
+    world_size: int
+    start: Event
+    events: List[Event] = field(default_factory=list)  # after the Starting job line
+
+    @property
+    def restart_count(self) -> Optional[int]:
+        value = self.start.number("Restart count")
+        return None if value is None else int(value)
+
+    def of(self, *names: str) -> List[Event]:
+        return [e for e in self.events if e.name in names]
+
+    def last(self, name: str) -> Optional[Event]:
+        found = self.of(name)
+        return found[-1] if found else None
+
+
+def parse_line(line: str) -> Optional[Event]:
+    """Parse one line; None for anything that is not a well-formed progress line (never raises)."""
+    tokens = line.rstrip("\r\n").split("\t")
+    if len(tokens) < 4:
+        return None
+    try:
+        stamp = parse_time(tokens[0])
+        job_key, job_id = tokens[1].split(": ", 1)
+        gpus_key, gpus = tokens[2].split(": ", 1)
+        world_size = int(gpus)
+    except ValueError:
+        return None
+    if job_key != "Job ID" or gpus_key != "# GPUs":
+        return None
+    fields = {}
+    for token in tokens[4:]:
+        key, sep, value = token.partition(": ")
+        if sep:  # a token that is not `Key: value` is ignored, not fatal
+            fields[key] = value
+    return Event(stamp, job_id, world_size, tokens[3], fields)
+
+
+def parse_events(path: str) -> List[Event]:
+    """All well-formed lines of ``path``.
+
+    A last line without its newline was cut short by a kill (the writers end every line with one in
+    the same write), so it is dropped: a half-written ``Iteration: 12`` could really be 1234.
+    """
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    complete = lines[:-1]  # the text after the last newline is '' or a truncated line
+    return [event for event in map(parse_line, complete) if event is not None]
+
+
+def group_runs(events: List[Event]) -> List[Run]:
+    """Split events into runs; lines before the first ``Starting job`` are ignored."""
+    runs: List[Run] = []
+    for event in events:
+        if event.name == STARTING_JOB:
+            runs.append(Run(event.job_id, event.world_size, event))
+        elif runs:
+            runs[-1].events.append(event)
+    return runs
+
+
+def parse_progress(path: str) -> List[Run]:
+    """Read a progress log written by bridge_hpc, Megatron-LM or Megatron Bridge into runs."""
+    return group_runs(parse_events(path))
+
+
+def cumulative_baseline(events: List[Event], world_size: int) -> Tuple[Optional[float], float]:
+    """Megatron's ``get_start_time_from_progress_log``, for the events of an existing log.
+
+    Returns (time of the first ``Starting job`` of ``world_size`` since the last line with another
+    world size, or None; FLOPs of the last ``Saved checkpoint`` before that line — or of the last
+    one overall when there is no such line, which is the baseline the next ``Starting job`` gets).
+    Like Megatron, only ``Saved checkpoint`` counts: an async save line is written when the save is
+    scheduled, before it is known to be durable.
+    """
+    start: Optional[float] = None
+    start_flops: Optional[float] = None
+    latest_flops = 0.0
+    for event in events:
+        if event.name == SAVED_CHECKPOINT:
+            flops = event.number("Floating-point operations")
+            if flops is not None:
+                latest_flops = flops
+        if event.world_size != world_size:
+            start, start_flops = None, None
+            continue
+        if event.name == STARTING_JOB and start is None:
+            start, start_flops = event.time, latest_flops
+    return start, (latest_flops if start_flops is None else start_flops)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writer
+
+
+class ProgressLog:
+    """Appends progress lines for rank 0 of the training loop.
+
+    Every line is one ``write`` on an ``O_APPEND`` descriptor followed by ``fsync``, so a SIGKILL
+    right after a call never loses that line and never interleaves half lines. Call order per run:
+    :meth:`starting_job`, optionally :meth:`loaded_checkpoint`, :meth:`first_step`, any number of
+    :meth:`saved_checkpoint`, then :meth:`ending_job` (or, for an in-job restart, :meth:`restart`
+    followed by a new :meth:`starting_job`).
+
+    ``clock`` returns epoch seconds; it is injectable so tests can write a log with known times.
+    """
+
+    def __init__(self, path: str, job_id: str, world_size: int, *, clock: Callable[[], float] = time.time):
+        self.path = os.fspath(path)
+        self.job_id = str(job_id)
+        self.world_size = int(world_size)
+        self.clock = clock
+        self.restart_count = 0
+        self._job_start: Optional[float] = None  # process start of this run (epoch)
+        self._job_start_flops = 0.0
+        self._cumulative: Optional[Tuple[Optional[float], float]] = None  # read from the file once
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def starting_job(self, restart_count: int = 0, startup_s: Optional[float] = None) -> None:
+        """Start a run (a new job, a requeue, or an in-job restart with a higher ``restart_count``).
+
+        ``startup_s`` is how long the process has already been running (launch, imports, rendezvous);
+        throughput and start-up time count from then, as Megatron counts from its process start.
+        The existing file is read here, once, for the cumulative-throughput baseline.
+        """
+        now = self.clock()
+        self.restart_count = int(restart_count)
+        self._job_start = now - (startup_s or 0.0)
+        self._job_start_flops = 0.0
+        if self._cumulative is None:
+            events = parse_events(self.path) if os.path.exists(self.path) else []
+            self._cumulative = cumulative_baseline(events, self.world_size)
+        start, flops = self._cumulative
+        if start is None:  # this line is the first of this world size: it is the baseline
+            self._cumulative = (parse_time(format_time(now)), flops)
+        fields = [("Restart count", str(self.restart_count))]
+        if startup_s is not None:
+            fields.append(("Seconds since process start", f"{startup_s:.1f}"))
+        self._write(STARTING_JOB, fields, now)
+
+    def loaded_checkpoint(self, iteration: int, load_s: float, flops_so_far: float = 0.0) -> None:
+        """A checkpoint was loaded. ``flops_so_far`` (stored in the checkpoint) is where this job's
+        FLOPs count starts, so job throughput counts only work done by this job."""
+        self._job_start_flops = float(flops_so_far)
+        self._write(LOADED_CHECKPOINT, [("Iteration", str(iteration)), ("Load seconds", f"{load_s:.1f}")])
+
+    def first_step(self, iteration: int) -> float:
+        """The first training step of this run is done; logs and returns the start-up seconds
+        (process start to now: launch, load, compilation, the first step itself)."""
+        now = self.clock()
+        startup = now - self._started()
+        self._write(FIRST_STEP, [("Iteration", str(iteration)), ("Start-up seconds", f"{startup:.1f}")], now)
+        return startup
+
+    def saved_checkpoint(
+        self,
+        iteration: int,
+        flops_so_far: float,
+        tokens: float,
+        save_s: Optional[float] = None,
+        *,
+        async_: bool = False,
+    ) -> Tuple[float, float]:
+        """A checkpoint was saved (or, with ``async_``, scheduled); returns (job, cumulative) TFLOP/s/GPU.
+
+        ``flops_so_far`` counts from iteration 0 of the model (Megatron's
+        ``num_floating_point_operations_so_far``); ``tokens`` = consumed samples x sequence length.
+        The standard fields come first, in Megatron's order; ``Save seconds`` (time training was
+        blocked by the save) is appended after them.
+        """
+        now = self.clock()
+        scale = 1e12 * self.world_size
+        job_tp = (flops_so_far - self._job_start_flops) / (max(now - self._started(), 1e-9) * scale)
+        cum_start, cum_flops = self._cumulative or (now, 0.0)
+        cum_tp = (flops_so_far - cum_flops) / (max(now - cum_start, 1e-9) * scale)
+        fields = [
+            ("Iteration", str(iteration)),
+            ("Job throughput", f"{job_tp:.1f} TFLOP/s/GPU"),
+            ("Cumulative throughput", f"{cum_tp:.1f} TFLOP/s/GPU"),
+            ("Floating-point operations", f"{flops_so_far:.2e}"),
+            ("Tokens (in billions)", f"{tokens / 1e9:.2f}"),
+        ]
+        if save_s is not None:
+            fields.append(("Save seconds", f"{save_s:.1f}"))
+        self._write(SAVING_ASYNC if async_ else SAVED_CHECKPOINT, fields, now)
+        return job_tp, cum_tp
+
+    def ending_job(self, reason: str, iteration: int, steps_lost: int) -> None:
+        """The run ends. ``reason`` is one of :data:`END_REASONS`; ``steps_lost`` = steps done since
+        the last checkpoint, which the next run will redo."""
+        if reason not in END_REASONS:
+            raise ValueError(f"reason must be one of {', '.join(END_REASONS)}, got {reason!r}")
+        self._write(
+            ENDING_JOB,
+            [
+                ("Reason", reason),
+                ("Iteration", str(iteration)),
+                ("Steps lost", str(steps_lost)),
+                ("Restart count", str(self.restart_count)),
+            ],
+        )
+
+    def restart(self, cause: str, lost_s: float) -> None:
+        """Fault tolerance restarts training inside this allocation; call before the next
+        :meth:`starting_job`. ``lost_s`` = seconds from the fault to now (detection and teardown),
+        which the report charges to the run that failed."""
+        self._write(RESTART, [("Cause", cause), ("Lost seconds", f"{lost_s:.1f}")])
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def _started(self) -> float:
+        if self._job_start is None:
+            raise RuntimeError("ProgressLog.starting_job() must be called first")
+        return self._job_start
+
+    def _write(self, event: str, fields: List[Tuple[str, str]], now: Optional[float] = None) -> None:
+        stamp = format_time(self.clock() if now is None else now)
+        parts = [stamp, f"Job ID: {self.job_id}", f"# GPUs: {self.world_size}", event]
+        parts += [f"{key}: {value}" for key, value in fields]
+        line = "\t".join(parts) + "\n"
+        directory = os.path.dirname(self.path) or "."
+        os.makedirs(directory, exist_ok=True)
+        created = not os.path.exists(self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if not created and _ends_without_newline(fd):
+                line = "\n" + line  # a killed writer left a half line: do not glue ours onto it
+            os.write(fd, line.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:  # make the new directory entry durable too
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+
+def _ends_without_newline(fd: int) -> bool:
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"

@@ -1,0 +1,186 @@
+"""The mutable state of a run: config, progress counters, timers, loggers and the signal flag.
+
+One :class:`GlobalState` is created by ``pretrain`` and handed (by reference) to every part of the
+loop and to forward-step functions that ask for it, as in Megatron Bridge. Only
+:class:`TrainState` is checkpointed; everything else is rebuilt on start.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from bridge_hpc.training.config import ConfigContainer
+
+
+@dataclass
+class TrainState:
+    """Progress counters: the part of the state that a checkpoint must carry to resume exactly.
+
+    ``consumed_train_samples`` is also the data position: datasets are read in index order from it.
+    """
+
+    step: int = 0
+    consumed_train_samples: int = 0
+    skipped_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    floating_point_operations_so_far: float = 0.0
+    do_train: bool = False
+    do_valid: bool = False
+    do_test: bool = False
+
+    def state_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+class _Timer:
+    """Wall-clock timer; synchronizes CUDA so GPU work is counted where it ran."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._elapsed = 0.0
+        self._start: Optional[float] = None
+
+    def start(self, barrier: bool = False) -> None:
+        if barrier and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._start = time.perf_counter()
+
+    def stop(self, barrier: bool = False) -> None:
+        if self._start is None:
+            return
+        if barrier and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._elapsed += time.perf_counter() - self._start
+        self._start = None
+
+    def elapsed(self, reset: bool = True) -> float:
+        """Seconds accumulated (including a running interval); ``reset`` zeroes the total."""
+        running = self._start is not None
+        if running:
+            self.stop()
+        value = self._elapsed
+        if reset:
+            self._elapsed = 0.0
+        if running:
+            self.start()
+        return value
+
+
+class _NullTimer:
+    def start(self, barrier: bool = False) -> None:
+        pass
+
+    def stop(self, barrier: bool = False) -> None:
+        pass
+
+    def elapsed(self, reset: bool = True) -> float:
+        return 0.0
+
+
+class Timers:
+    """``timers(name, log_level).start()/.stop()/.elapsed()`` as megatron's Timers.
+
+    megatron-core's own Timers call ``torch.cuda`` unconditionally, hence this small replacement.
+    Timers above ``timing_log_level`` are no-ops, so fine-grained timing costs nothing when off.
+    """
+
+    def __init__(self, log_level: int):
+        self.log_level = log_level
+        self._timers: Dict[str, _Timer] = {}
+        self._null = _NullTimer()
+
+    def __call__(self, name: str, log_level: int = 0):
+        if log_level > self.log_level:
+            return self._null
+        if name not in self._timers:
+            self._timers[name] = _Timer(name)
+        return self._timers[name]
+
+    def elapsed_all(self, reset: bool = True) -> Dict[str, float]:
+        return {name: timer.elapsed(reset=reset) for name, timer in self._timers.items()}
+
+
+class DistributedSignalHandler:
+    """Records that a stop signal arrived; the loop acts on it between steps.
+
+    The handler does nothing but set a flag: anything more (collectives, I/O, locks) inside a
+    signal handler can deadlock. After each step the loop all-reduces the flag so every rank sees
+    it at the same iteration and they all stop, save and exit together.
+    """
+
+    def __init__(self, signals: List[str]):
+        self.signals = [getattr(signal, name) for name in signals]
+        self.received: Optional[int] = None
+        self._previous: Dict[int, Any] = {}
+
+    def __enter__(self) -> "DistributedSignalHandler":
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def _record(self, signum, frame) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
+class GlobalState:
+    """Everything the loop shares: ``cfg``, ``train_state``, ``timers``, loggers, signal handler.
+
+    The TensorBoard writer is created on first use and only on the last rank (as in Bridge), so
+    ranks that never log never import tensorboard.
+    """
+
+    def __init__(self) -> None:
+        self.cfg: Optional[ConfigContainer] = None
+        self.train_state = TrainState()
+        self._timers: Optional[Timers] = None
+        self._tensorboard_logger = None
+        self.signal_handler: Optional[DistributedSignalHandler] = None
+        self.start_time = time.time()
+        self.rank = 0
+        self.world_size = 1
+
+    @property
+    def timers(self) -> Timers:
+        if self._timers is None:
+            level = self.cfg.logger.timing_log_level if self.cfg is not None else 0
+            self._timers = Timers(level)
+        return self._timers
+
+    @property
+    def tensorboard_logger(self):
+        """The SummaryWriter on the last rank when ``logger.tensorboard_dir`` is set, else None."""
+        if self._tensorboard_logger is None and self.cfg is not None and self.cfg.logger.tensorboard_dir:
+            if self.rank == self.world_size - 1:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tensorboard_logger = SummaryWriter(log_dir=self.cfg.logger.tensorboard_dir,
+                                                         max_queue=1000)
+        return self._tensorboard_logger
+
+    def close(self) -> None:
+        if self._tensorboard_logger is not None:
+            self._tensorboard_logger.close()
+            self._tensorboard_logger = None
+        if self.signal_handler is not None:
+            self.signal_handler.release()

@@ -1,0 +1,271 @@
+"""Progress log writer/parser and bridge-report: throughput arithmetic, goodput, lost steps, CLI."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bridge_hpc.cli.report import main
+from bridge_hpc.progress import ProgressLog, parse_progress, parse_time
+from bridge_hpc.report import COLUMNS, build_report
+
+DATA = Path(__file__).parent / "data" / "progress"
+MEGATRON = DATA / "megatron_lm.txt"
+BRIDGE = DATA / "bridge_three_runs.txt"
+REPO = Path(__file__).resolve().parents[1]
+FLOPS_PER_STEP = 8e15  # 8 GPUs
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    """The log's stamps are local time; pin the zone so fixtures and the writer agree byte for byte."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+class Clock:
+    def __init__(self, t):
+        self.t = float(t)
+
+    def __call__(self):
+        return self.t
+
+    def at(self, t):
+        self.t = float(t)
+        return self
+
+
+def write_three_runs(path):
+    """Job 100 on 8 GPUs, requeued twice: preempted (signal), time limit, done. 10 s per step, 50 s
+    per save, 20 s per load, 10 s from process start to the Starting job line."""
+    t0 = parse_time("2026-03-02 08:00:00")
+    c = Clock(t0)
+
+    log = ProgressLog(path, "100", 8, clock=c)
+    log.starting_job(restart_count=0, startup_s=10)
+    c.at(t0 + 50); log.first_step(1)
+    c.at(t0 + 1090); r1a = log.saved_checkpoint(100, 100 * FLOPS_PER_STEP, 100 * 4096 * 1024, save_s=50)
+    c.at(t0 + 2140); r1b = log.saved_checkpoint(200, 200 * FLOPS_PER_STEP, 200 * 4096 * 1024, save_s=50)
+    c.at(t0 + 2640); log.ending_job("signal", iteration=250, steps_lost=50)
+
+    t1 = t0 + 4000
+    log = ProgressLog(path, "100", 8, clock=c.at(t1))  # a requeued job: new process, file read again
+    log.starting_job(restart_count=1, startup_s=10)
+    c.at(t1 + 20); log.loaded_checkpoint(200, load_s=20, flops_so_far=200 * FLOPS_PER_STEP)
+    c.at(t1 + 50); log.first_step(201)
+    c.at(t1 + 1090); r2 = log.saved_checkpoint(300, 300 * FLOPS_PER_STEP, 300 * 4096 * 1024, save_s=50)
+    c.at(t1 + 1590); log.ending_job("time_limit", iteration=350, steps_lost=50)
+
+    t2 = t0 + 7000
+    log = ProgressLog(path, "100", 8, clock=c.at(t2))
+    log.starting_job(restart_count=2, startup_s=10)
+    c.at(t2 + 20); log.loaded_checkpoint(300, load_s=20, flops_so_far=300 * FLOPS_PER_STEP)
+    c.at(t2 + 50); log.first_step(301)
+    c.at(t2 + 1090); r3 = log.saved_checkpoint(400, 400 * FLOPS_PER_STEP, 400 * 4096 * 1024, save_s=50)
+    c.at(t2 + 1100); log.ending_job("done", iteration=400, steps_lost=0)
+    return [r1a, r1b, r2, r3]
+
+
+@pytest.fixture
+def bridge_log(tmp_path):
+    path = tmp_path / "checkpoints" / "progress.txt"
+    write_three_runs(str(path))
+    return path
+
+
+def test_writer_throughput_by_hand(tmp_path):
+    returned = write_three_runs(str(tmp_path / "p.txt"))
+    # job: FLOPs since this job's start / (s since process start x 1e12 x 8)
+    # cumulative: FLOPs since the first Starting job (t0, 0 FLOPs) / (s since t0 x 1e12 x 8)
+    expected = [
+        (8e17 / (1100 * 8e12), 8e17 / (1090 * 8e12)),
+        (1.6e18 / (2150 * 8e12), 1.6e18 / (2140 * 8e12)),
+        (8e17 / (1100 * 8e12), 2.4e18 / (5090 * 8e12)),
+        (8e17 / (1100 * 8e12), 3.2e18 / (8090 * 8e12)),
+    ]
+    assert returned == pytest.approx(expected)
+    saves = [r.of("Saved checkpoint")[-1] for r in parse_progress(str(tmp_path / "p.txt"))]
+    assert [s.fields["Cumulative throughput"] for s in saves] == [
+        "93.5 TFLOP/s/GPU", "58.9 TFLOP/s/GPU", "49.4 TFLOP/s/GPU"]
+    assert [s.fields["Job throughput"] for s in saves] == ["93.0 TFLOP/s/GPU", "90.9 TFLOP/s/GPU", "90.9 TFLOP/s/GPU"]
+    assert saves[-1].fields["Floating-point operations"] == "3.20e+18"
+    assert saves[-1].fields["Tokens (in billions)"] == "1.68"  # 400 x 4096 x 1024 / 1e9
+
+
+def test_writer_output_is_the_fixture_and_megatron_readable(bridge_log):
+    text = bridge_log.read_text()
+    assert text == BRIDGE.read_text()  # format drift would break users' parsers: update deliberately
+    # Megatron's own reader indexes tokens by position: FLOPs are token 7 of a Saved checkpoint line.
+    for line in text.splitlines():
+        tokens = line.split("\t")
+        assert int(tokens[2].split(": ")[1]) == 8
+        if tokens[3] == "Saved checkpoint":
+            assert tokens[4].startswith("Iteration: ") and tokens[7].startswith("Floating-point operations: ")
+            assert tokens[-1].startswith("Save seconds: ")
+
+
+def test_writer_appends_to_megatron_log_with_world_size_change(tmp_path):
+    path = tmp_path / "progress.txt"
+    path.write_text(MEGATRON.read_text())  # ends with a truncated line
+    start16 = parse_time("2026-03-01 16:00:00")
+    clock = Clock(start16 + 7200)
+    log = ProgressLog(str(path), "5004", 16, clock=clock)
+    log.starting_job(restart_count=0)
+    # baseline: first 16-GPU Starting job (16:00) and the last Saved checkpoint before it (1.30e19);
+    # the async save line at 16:30 does not count, as in Megatron
+    _, cum = log.saved_checkpoint(6000, 1.30e19 + 7200 * 16e12 * 100, 0)
+    assert cum == pytest.approx(100.0)
+    lines = path.read_text().split("\n")
+    assert lines[-4] == "2026-03-01 17:10:00\tJob ID: 5003\t# GPUs: 1"  # half line kept apart from ours
+    assert lines[-3].endswith("\tStarting job\tRestart count: 0")
+    runs = parse_progress(str(path))
+    assert [(r.job_id, r.world_size) for r in runs][-2:] == [("5003", 16), ("5004", 16)]
+
+
+def test_megatron_log_report():
+    runs = parse_progress(str(MEGATRON))
+    assert [(r.job_id, r.world_size, r.restart_count) for r in runs] == [
+        ("5001", 8, None), ("5002", 8, None), ("5003", 16, None)]
+    assert runs[2].last("Something new").fields == {"Foo": "bar"}
+    report = build_report(runs)
+    rows = report.rows
+    assert [r.steps for r in rows] == [2000, 1000, 2000]
+    assert [r.first_iteration for r in rows] == [0, 2000, 3000]
+    assert [r.job_throughput for r in rows] == [150.0, 150.0, 120.0]
+    assert [r.saves for r in rows] == [2, 1, 2]
+    assert all(r.reason is None and r.lost_steps is None and r.startup_s is None and r.loads is None for r in rows)
+    # steps from saves only: run 1 3600 s/1000, run 3 1800 s/1000; run 2 has one save -> pooled
+    assert [r.step_s for r in rows] == pytest.approx([3.6, (3600 + 1800) / 2000, 1.8])
+    t = report.totals
+    assert t["cumulative_throughput"] == 120.0
+    assert t["allocated_s"] == 7200 + 3600 + 3600
+    assert t["between_allocations_s"] == 7200 + 3600
+    assert t["complete"] is False
+
+
+def test_megatron_table_shows_unknowns(capsys):
+    assert main([str(MEGATRON)]) == 0
+    out = capsys.readouterr().out
+    first = re.split(r"\s{2,}", out.splitlines()[1])
+    assert first[:3] == ["5001", "?", "8"] and first[5] == "?"
+    assert "upper bound" in out
+
+
+def test_bridge_goodput_and_lost_steps(bridge_log):
+    report = build_report(parse_progress(str(bridge_log)))
+    rows = report.rows
+    assert [(r.restart, r.reason) for r in rows] == [(0, "signal"), (1, "time_limit"), (2, "done")]
+    assert [r.steps for r in rows] == [250, 150, 100]
+    assert [r.step_s for r in rows] == pytest.approx([10.0, 10.0, 10.0])
+    assert [r.lost_steps for r in rows] == [50, 50, 0]
+    assert [r.lost_s for r in rows] == pytest.approx([500, 500, 0])
+    assert [r.startup_s for r in rows] == pytest.approx([60, 40, 40])  # load (20 s) counted apart
+    assert [(r.loads, r.load_s) for r in rows] == [(0, None), (1, 20.0), (1, 20.0)]
+    assert [(r.saves, r.save_s) for r in rows] == [(2, 100.0), (1, 50.0), (1, 50.0)]
+    assert [r.duration_s for r in rows] == pytest.approx([2650, 1600, 1110])
+    t = report.totals
+    assert t["allocated_s"] == pytest.approx(5360)
+    assert t["training_s"] == pytest.approx(1990 + 990 + 1000)
+    assert t["goodput"] == pytest.approx(3980 / 5360)
+    assert t["lost_s"] == pytest.approx({"start-up": 140, "checkpoint save": 200, "checkpoint load": 40,
+                                         "lost work": 1000, "in-job restart": 0})
+    assert t["between_allocations_s"] == pytest.approx(1350 + 1400)
+    assert (t["steps"], t["lost_steps"], t["cumulative_throughput"]) == (500, 100, 49.4)
+    assert t["complete"] is True
+
+
+def test_in_job_restart_and_unknown_loss(tmp_path):
+    path = str(tmp_path / "p.txt")
+    t = parse_time("2026-03-03 00:00:00")
+    c = Clock(t)
+    log = ProgressLog(path, "7", 8, clock=c)
+    log.starting_job(0, startup_s=0)
+    c.at(t + 10); log.first_step(1)
+    c.at(t + 1010); log.saved_checkpoint(100, 100 * FLOPS_PER_STEP, 0, save_s=10)
+    c.at(t + 1370); log.restart("fault", lost_s=60)  # fault at t+1310, 30 steps after the save
+    c.at(t + 1400); log.starting_job(1, startup_s=0)
+    c.at(t + 1420); log.loaded_checkpoint(100, 20, 100 * FLOPS_PER_STEP)
+    c.at(t + 1440); log.first_step(101)
+    c.at(t + 2440); log.saved_checkpoint(200, 200 * FLOPS_PER_STEP, 0, save_s=10)
+    c.at(t + 2450); log.ending_job("done", 200, 0)
+    report = build_report(parse_progress(path))
+    a, b = report.rows
+    assert (a.reason, a.end, a.lost_s, a.lost_steps) == ("fault", t + 1310, 300, 30)
+    assert (b.restart, b.in_job_restart) == (1, True)
+    assert report.totals["lost_s"]["in-job restart"] == 90
+    assert report.totals["allocated_s"] == 2450 and report.totals["between_allocations_s"] == 0
+    assert report.totals["goodput"] == pytest.approx((1310 - 10 - 10 - 300 + 1050 - 20 - 20 - 10) / 2450)
+
+
+def test_json_matches_table(bridge_log, capsys):
+    assert main([str(bridge_log.parent.parent)]) == 0  # a run dir: finds checkpoints/progress.txt
+    table = capsys.readouterr().out
+    assert main([str(bridge_log), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    lines = table.splitlines()
+    header = re.split(r"\s{2,}", lines[0].strip())
+    assert header == [h for h, _, _ in COLUMNS]
+    for line, run in zip(lines[1:4], data["runs"]):
+        cells = dict(zip(header, re.split(r"\s{2,}", line.strip())))
+        for title, attr, fmt in COLUMNS:
+            value = run[attr]
+            if value is None:
+                assert cells[title] == "?"
+            elif fmt == "t":
+                assert cells[title] == value  # JSON carries the same local stamp
+            elif fmt == "s":
+                assert cells[title] == str(value)
+            else:
+                assert float(cells[title]) == pytest.approx(value, abs=0.05), title
+    assert lines[4] == ""
+    assert f"goodput {100 * data['totals']['goodput']:.1f}%" in table
+    assert "goodput 74.3%" in table
+    assert re.search(r"^lost work\s+1000\.0\s+18\.7%$", table, re.M)
+    assert "between allocations (queue wait, not allocated) 2750.0 s" in table
+
+
+def test_plot_writes_png(bridge_log, tmp_path, capsys):
+    out = tmp_path / "report.png"
+    assert main([str(bridge_log), "--plot", str(out)]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_finds_log_through_resolved_toml(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "ckpt").mkdir(parents=True)
+    (run_dir / "ckpt" / "progress.txt").write_text(MEGATRON.read_text())
+    (run_dir / "other").mkdir()
+    (run_dir / "other" / "progress.txt").write_text("")  # would be ambiguous without resolved.toml
+    (run_dir / "resolved.toml").write_text('[checkpoint]\nsave = "ckpt"\n')
+    assert main([str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["totals"]["runs"] == 3
+
+
+def test_run_dir_without_log_is_exit_2(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(tmp_path) in err and "progress.txt" in err
+
+
+def test_cli_module_missing_file_exit_2_and_stays_light(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    missing = tmp_path / "nope" / "progress.txt"
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.report", str(missing)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: {missing}: no such file or directory"]
+    probe = ("import sys; from bridge_hpc.cli.report import main; rc = main([sys.argv[1]]); "
+             "heavy = {'torch', 'megatron', 'nvidia_resiliency_ext', 'matplotlib'} & set(sys.modules); "
+             "assert rc == 0 and not heavy, heavy")
+    proc = subprocess.run([sys.executable, "-c", probe, str(MEGATRON)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
