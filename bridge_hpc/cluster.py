@@ -299,6 +299,10 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ small public helpers
 
+    def configured_nodes(self) -> Optional[int]:
+        """The node count the last ``up`` configured (None before the first ``up``)."""
+        return self._info().get("nodes")
+
     @staticmethod
     def node_names(nodes: int, host: str) -> List[str]:
         return [host] if nodes == 1 else [f"n{i}" for i in range(1, nodes + 1)]
@@ -791,7 +795,7 @@ class LocalCluster:
             )
         self._say(f"missing {', '.join(missing)}: installing {' '.join(APT_PACKAGES)} with apt-get (about a minute)")
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES]):
+        for argv in (["apt-get", "update"], ["apt-get", "install", "-y", *APT_PACKAGES]):
             self._say("$ " + " ".join(argv))
             sys.stdout.flush()
             rc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL).returncode  # apt shows progress

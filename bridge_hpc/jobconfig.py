@@ -11,12 +11,9 @@ No torch here: this module runs on the login node.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import difflib
 import os
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -24,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import toml
 
 from bridge_hpc.errors import ConfigError
+from bridge_hpc.schema import build_dataclass, did_you_mean
 
 # Sections the ranks read; names follow Megatron Bridge's ConfigContainer fields.
 TRAINING_SECTIONS = (
@@ -265,55 +263,6 @@ def load_config_dict(path: Union[str, Path], overrides: Sequence[str] = ()) -> D
 # --------------------------------------------------------------------------- typed sections
 
 
-def _did_you_mean(word: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Union:
-        names = [_type_name(a) for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(names)
-    if origin in (list, List):
-        return f"a list of {_type_name(typing.get_args(tp)[0])}s"
-    if origin in (dict, Dict):
-        return "a table"
-    return {str: "a string", int: "an integer", bool: "true or false", float: "a number"}.get(tp, str(tp))
-
-
-def _check_type(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin is Union:
-        return any(_check_type(value, a) for a in typing.get_args(tp) if a is not type(None))
-    if origin in (list, List):
-        (item,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_check_type(v, item) for v in value)
-    if origin in (dict, Dict):
-        _, vt = typing.get_args(tp)
-        return isinstance(value, dict) and all(isinstance(k, str) and _check_type(v, vt) for k, v in value.items())
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, tp)
-
-
-def _build_section(cls: type, section: str, data: Any, where: "_Where") -> Any:
-    if not isinstance(data, dict):
-        raise where.error(section, f"expected a table [{section}], got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise where.error(f"{section}.{key}", f"unknown key{_did_you_mean(key, names)}; known keys: {', '.join(names)}")
-        if not _check_type(value, hints[key]):
-            raise where.error(f"{section}.{key}", f"expected {_type_name(hints[key])}, got {value!r}")
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
 @dataclass
 class _Where:
     """Maps a dotted key to the file it was set in (the job file, a profile or the command line)."""
@@ -393,7 +342,7 @@ def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> None:
             raise where.error(f"slurm.extra.{key}", f"set by bridge_hpc itself{'' if key not in _FIELD_OPTIONS else f'; use slurm.{_FIELD_OPTIONS[key]}'}")
     # Contradictions against the cluster profile.
     if c.partitions and s.partition is not None and s.partition not in c.partitions:
-        raise where.error("slurm.partition", f"{s.partition!r} is not a partition of cluster {c.name or '(profile)'}: {', '.join(c.partitions)}{_did_you_mean(s.partition, c.partitions)}")
+        raise where.error("slurm.partition", f"{s.partition!r} is not a partition of cluster {c.name or '(profile)'}: {', '.join(c.partitions)}{did_you_mean(s.partition, c.partitions)}")
     if c.gpus_per_node is not None and s.gpus_per_node > c.gpus_per_node:
         have = "has no GPUs" if c.gpus_per_node == 0 else f"has {c.gpus_per_node} GPUs per node"
         raise where.error("slurm.gpus_per_node", f"asks for {s.gpus_per_node} GPUs per node but the cluster profile (cluster.gpus_per_node) {have}")
@@ -435,18 +384,18 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     known = LAUNCHER_SECTIONS + TRAINING_SECTIONS
     for key, value in doc.items():
         if key not in known:
-            raise where.error(key, f"unknown section{_did_you_mean(key, known)}; known sections: {', '.join(known)}")
+            raise where.error(key, f"unknown section{did_you_mean(key, known)}; known sections: {', '.join(known)}")
         if not isinstance(value, dict):
             raise where.error(key, f"expected a table [{key}], got {value!r}")
         _no_control_chars(value, key, where)
 
-    job = _build_section(JobSection, "job", doc.get("job", {}), where)
+    job = build_dataclass(JobSection, "job", doc.get("job", {}), where.error)
     if not job.name:
         job.name = path.stem
-    slurm = _build_section(SlurmSection, "slurm", doc.get("slurm", {}), where)
-    cluster = _build_section(ClusterSection, "cluster", doc.get("cluster", {}), where)
-    setup = _build_section(SetupSection, "setup", doc.get("setup", {}), where)
-    container = _build_section(ContainerSection, "container", doc["container"], where) if "container" in doc else None
+    slurm = build_dataclass(SlurmSection, "slurm", doc.get("slurm", {}), where.error)
+    cluster = build_dataclass(ClusterSection, "cluster", doc.get("cluster", {}), where.error)
+    setup = build_dataclass(SetupSection, "setup", doc.get("setup", {}), where.error)
+    container = build_dataclass(ContainerSection, "container", doc["container"], where.error) if "container" in doc else None
     if container is not None and not container.image:
         raise where.error("container.image", "a [container] section needs an image")
     env = _build_env(doc.get("env", {}), where)

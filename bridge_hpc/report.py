@@ -38,6 +38,8 @@ UNKNOWN = "?"
 
 @dataclass
 class RunRow:
+    """One run's figures; None means the log does not record it (shown as "?")."""
+
     job_id: str
     restart: Optional[int]
     world_size: int
@@ -76,6 +78,8 @@ class RunRow:
 
 @dataclass
 class Report:
+    """The rows and the totals (see :func:`build_report` for the keys)."""
+
     rows: List[RunRow]
     totals: Dict[str, object]
 

@@ -112,22 +112,30 @@ def test_writer_output_is_the_fixture_and_megatron_readable(bridge_log):
             assert tokens[-1].startswith("Save seconds: ")
 
 
-def test_writer_appends_to_megatron_log_with_world_size_change(tmp_path):
+@pytest.mark.parametrize("world, base_time, base_flops", [
+    # same world size as the last lines: first 16-GPU Starting job (16:00) and the last Saved
+    # checkpoint before it; 8-GPU lines before that do not count
+    (16, "2026-03-01 16:00:00", 1.30e19),
+    # a new world size: this Starting job line is the baseline, with the last *Saved* checkpoint
+    # (2.16e19 at 17:00) — the later async line (2.38e19) is not known to be durable, as in Megatron
+    (32, "2026-03-01 18:00:00", 2.16e19),
+    # back to 8 GPUs: the 16-GPU lines restarted the search, so the 8-GPU jobs of 10:00 do not count
+    (8, "2026-03-01 18:00:00", 2.16e19),
+])
+def test_writer_appends_to_megatron_log(tmp_path, world, base_time, base_flops):
     path = tmp_path / "progress.txt"
     path.write_text(MEGATRON.read_text())  # ends with a truncated line
-    start16 = parse_time("2026-03-01 16:00:00")
-    clock = Clock(start16 + 7200)
-    log = ProgressLog(str(path), "5004", 16, clock=clock)
+    clock = Clock(parse_time("2026-03-01 18:00:00"))
+    log = ProgressLog(str(path), "5004", world, clock=clock)
     log.starting_job(restart_count=0)
-    # baseline: first 16-GPU Starting job (16:00) and the last Saved checkpoint before it (1.30e19);
-    # the async save line at 16:30 does not count, as in Megatron
-    _, cum = log.saved_checkpoint(6000, 1.30e19 + 7200 * 16e12 * 100, 0)
+    clock.at(parse_time(base_time) + 7200)
+    _, cum = log.saved_checkpoint(6000, base_flops + 7200 * world * 1e12 * 100, 0)
     assert cum == pytest.approx(100.0)
     lines = path.read_text().split("\n")
-    assert lines[-4] == "2026-03-01 17:10:00\tJob ID: 5003\t# GPUs: 1"  # half line kept apart from ours
-    assert lines[-3].endswith("\tStarting job\tRestart count: 0")
+    assert lines[-4] == "2026-03-01 17:10:00\tJob ID: 5003\t# GPUs: 16\tSaved checkpoint\tIteration: 60"
+    assert lines[-3] == f"2026-03-01 18:00:00\tJob ID: 5004\t# GPUs: {world}\tStarting job\tRestart count: 0"
     runs = parse_progress(str(path))
-    assert [(r.job_id, r.world_size) for r in runs][-2:] == [("5003", 16), ("5004", 16)]
+    assert [(r.job_id, r.world_size) for r in runs][-2:] == [("5003", 16), ("5004", world)]
 
 
 def test_megatron_log_report():
@@ -137,16 +145,16 @@ def test_megatron_log_report():
     assert runs[2].last("Something new").fields == {"Foo": "bar"}
     report = build_report(runs)
     rows = report.rows
-    assert [r.steps for r in rows] == [2000, 1000, 2000]
+    assert [r.steps for r in rows] == [2000, 1000, 2500]
     assert [r.first_iteration for r in rows] == [0, 2000, 3000]
-    assert [r.job_throughput for r in rows] == [150.0, 150.0, 120.0]
-    assert [r.saves for r in rows] == [2, 1, 2]
+    assert [r.job_throughput for r in rows] == [150.0, 150.0, 121.0]
+    assert [r.saves for r in rows] == [2, 1, 3]
     assert all(r.reason is None and r.lost_steps is None and r.startup_s is None and r.loads is None for r in rows)
-    # steps from saves only: run 1 3600 s/1000, run 3 1800 s/1000; run 2 has one save -> pooled
-    assert [r.step_s for r in rows] == pytest.approx([3.6, (3600 + 1800) / 2000, 1.8])
+    # steps from saves only: run 1 3600 s/1000, run 3 2100 s/1500; run 2 has one save -> pooled
+    assert [r.step_s for r in rows] == pytest.approx([3.6, (3600 + 2100) / 2500, 1.4])
     t = report.totals
-    assert t["cumulative_throughput"] == 120.0
-    assert t["allocated_s"] == 7200 + 3600 + 3600
+    assert t["cumulative_throughput"] == 121.0
+    assert t["allocated_s"] == 7200 + 3600 + 3900
     assert t["between_allocations_s"] == 7200 + 3600
     assert t["complete"] is False
 

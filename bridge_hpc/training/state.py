@@ -155,7 +155,9 @@ class GlobalState:
         self.train_state = TrainState()
         self._timers: Optional[Timers] = None
         self._tensorboard_logger = None
+        self._metrics = None
         self.signal_handler: Optional[DistributedSignalHandler] = None
+        self.exit_reasons: List[str] = []
         self.start_time = time.time()
         self.rank = 0
         self.world_size = 1
@@ -178,7 +180,21 @@ class GlobalState:
                                                          max_queue=1000)
         return self._tensorboard_logger
 
+    @property
+    def metrics(self):
+        """The run's :class:`~bridge_hpc.training.metrics.MetricsLogger` (JSON lines + TensorBoard)."""
+        if self._metrics is None:
+            from bridge_hpc.training.metrics import MetricsLogger
+
+            log = self.cfg.logger
+            self._metrics = MetricsLogger(log.metrics_file, self.rank, lambda: self.tensorboard_logger,
+                                          log.tensorboard_log_interval)
+        return self._metrics
+
     def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         if self._tensorboard_logger is not None:
             self._tensorboard_logger.close()
             self._tensorboard_logger = None

@@ -1,0 +1,74 @@
+"""Typed TOML tables: build a dataclass from a table, or say exactly which key is wrong and why.
+
+Shared by the launcher's sections (``bridge_hpc.jobconfig``) and the training sections
+(``bridge_hpc.training.config``), so both answer bad input the same way. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any, Callable, Dict, List, Literal, Sequence, Tuple, Union
+
+from bridge_hpc.errors import ConfigError
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def matches(value: Any, tp: Any) -> bool:
+    """Whether a TOML value fits a type hint (bools are not ints; ints are floats)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if origin is Union:
+        return any(matches(value, a) for a in args)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in (list, List, tuple, Tuple):
+        return isinstance(value, (list, tuple)) and (not args or all(matches(v, args[0]) for v in value))
+    if origin in (dict, Dict):
+        vt = args[1] if args else Any
+        return isinstance(value, dict) and all(isinstance(k, str) and matches(v, vt) for k, v in value.items())
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        return " or ".join(type_name(a) for a in args if a is not type(None))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (list, List, tuple, Tuple):
+        return f"a list of {type_name(args[0])}s" if args else "a list"
+    if origin in (dict, Dict):
+        return "a table"
+    return {str: "a string", int: "an integer", bool: "true or false", float: "a number"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def build_dataclass(cls: type, section: str, body: Any, error: Callable[[str, str], ConfigError]) -> Any:
+    """Instantiate ``cls`` from a TOML table. ``error(dotted_key, message)`` makes the exception, so
+    the caller decides which file a key is blamed on (a job file, a profile, a --set)."""
+    if not isinstance(body, dict):
+        raise error(section, f"expected a table [{section}], got {body!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key, value in body.items():
+        if key not in names:
+            raise error(f"{section}.{key}", f"unknown key{did_you_mean(key, names)}; known keys: {', '.join(names)}")
+        if not matches(value, hints[key]):
+            raise error(f"{section}.{key}", f"expected {type_name(hints[key])}, got {value!r}")
+    return cls(**body)

@@ -1,0 +1,152 @@
+"""The GPT model (megatron-core ``GPTModel``), its SDPA core attention and a Bridge-style forward step.
+
+megatron-core's local ``DotProductAttention`` asks ``torch.cuda`` for a buffer and cannot run on
+CPU; :class:`SDPACoreAttention` replaces it in the layer spec with
+``torch.nn.functional.scaled_dot_product_attention``, which runs everywhere and on an H100 is faster
+and leaner than the unfused local kernel (see the project notes). Transformer Engine's spec is used
+only when asked for, importable, and on CUDA.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+from typing import Dict, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from bridge_hpc.training.config import GPTModelConfig
+from bridge_hpc.training.state import GlobalState
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention via ``scaled_dot_product_attention``: [s, b, heads, dim] in, [s, b, heads·dim] out.
+
+    Constructor and forward take megatron-core's core-attention arguments, so it drops into
+    ``self_attention.submodules.core_attention``. Causal masking uses SDPA's ``is_causal``; an
+    explicit megatron mask (True = masked out) is inverted for SDPA. Grouped-query attention uses
+    SDPA's ``enable_gqa``.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention does not support packed sequences")
+        s, b, heads, dim = query.shape
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, dim]
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        mask = None
+        if attention_mask is not None and mask_type != AttnMaskType.causal:
+            mask = ~attention_mask.bool()
+        if attention_bias is not None:
+            bias = attention_bias.to(q.dtype)
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=mask is None and mask_type == AttnMaskType.causal,
+            scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
+
+
+def transformer_config(cfg: GPTModelConfig) -> TransformerConfig:
+    """megatron-core's TransformerConfig for ``cfg``; CPU initialization when there is no GPU."""
+    activation = {"gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}[cfg.activation_func]
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+    return TransformerConfig(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups, ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=cfg.kv_channels,
+        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std, normalization=cfg.normalization,
+        layernorm_epsilon=cfg.layernorm_epsilon, add_bias_linear=cfg.add_bias_linear,
+        activation_func=activation, gated_linear_unit=cfg.activation_func == "swiglu",
+        bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=dtype, pipeline_dtype=dtype,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+        sequence_parallel=False, use_cpu_initialization=not torch.cuda.is_available(),
+    )
+
+
+def _layer_spec(cfg: GPTModelConfig):
+    if cfg.transformer_impl == "transformer_engine" and torch.cuda.is_available():
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+            import transformer_engine  # noqa: F401
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=cfg.normalization))
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def padded_vocab_size(cfg: GPTModelConfig) -> int:
+    """Vocabulary rounded up to ``make_vocab_size_divisible_by`` (megatron's convention)."""
+    multiple = cfg.make_vocab_size_divisible_by * cfg.tensor_model_parallel_size
+    return ((cfg.vocab_size + multiple - 1) // multiple) * multiple
+
+
+def gpt_model_provider(cfg: GPTModelConfig, pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """Build the (unwrapped) GPT on the current device."""
+    model = GPTModel(
+        config=transformer_config(cfg), transformer_layer_spec=_layer_spec(cfg),
+        vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type, rotary_percent=cfg.rotary_percent,
+        rotary_base=cfg.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward step (the Megatron Bridge gpt_step shape)
+# ---------------------------------------------------------------------------------------------
+
+
+def get_batch(data_iterator: Iterable) -> Dict[str, torch.Tensor]:
+    """Next micro-batch, on the current device."""
+    batch = next(data_iterator)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def masked_next_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of per-token losses under the mask, the token count, and the ``[sum, count]`` report.
+
+    The 3-tuple lets the loop average per token across micro-batches and data-parallel ranks.
+    """
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(state: GlobalState, data_iterator: Iterable, model, return_schedule_plan: bool = False):
+    """Bridge's GPT forward step: read a batch, run the model with labels, return the loss function."""
+    timer = state.timers("batch-generator", log_level=2)
+    timer.start()
+    batch = get_batch(data_iterator)
+    timer.stop()
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(masked_next_token_loss, batch["loss_mask"])

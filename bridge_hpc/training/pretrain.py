@@ -1,0 +1,226 @@
+"""``pretrain(config, forward_step_func)``: Megatron Bridge's entry point on megatron-core.
+
+Setup reads in order: distributed init, config validation, model-parallel state, seeds, model,
+optimizer, scheduler, checkpoint load, data, then the loop. Where CPU and GPU differ (DDP wrapper,
+optimizer), a small ``_build_*`` function picks: torch DDP over gloo and a torch optimizer without
+CUDA; megatron-core DDP and ``get_megatron_optimizer`` with it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from typing import Callable, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from bridge_hpc.job_environment import JobEnvironment
+from bridge_hpc.training import checkpointing
+from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig
+from bridge_hpc.training.data import build_data_iterator, build_datasets
+from bridge_hpc.training.gpt import gpt_model_provider
+from bridge_hpc.training.state import DistributedSignalHandler, GlobalState
+from bridge_hpc.training.train import evaluate_and_print_results, train
+
+
+def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
+    """Train the GPT described by ``config`` with ``forward_step_func`` (any Bridge signature).
+
+    Initializes torch.distributed from the environment if the caller has not; leaves it up on
+    return (the caller owns the process group).
+    """
+    state = GlobalState()
+    state.cfg = config
+    _pretrain(state, forward_step_func)
+
+
+def _pretrain(state: GlobalState, forward_step_func: Callable, store: Optional[dist.Store] = None,
+              inprocess_call_wrapper=None) -> None:
+    cfg = state.cfg
+    initialize_distributed(cfg.dist)
+    state.rank, state.world_size = dist.get_rank(), dist.get_world_size()
+    cfg.validate(state.world_size)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
+                                                 cfg.model.pipeline_model_parallel_size)
+    set_random_seed(cfg.rng.seed + (10 * parallel_state.get_data_parallel_rank()
+                                    if cfg.rng.data_parallel_random_init else 0))
+
+    model = setup_model(cfg)
+    optimizer = setup_optimizer(cfg, model)
+    scheduler = setup_scheduler(cfg, optimizer)
+    checkpointing_context = {}
+    data_state = checkpointing.load_checkpoint(state, model, optimizer, scheduler)
+    ts = state.train_state
+    if data_state is not None:
+        checkpointing_context["last_saved_step"] = ts.step
+        if data_state.get("consumed_samples") != ts.consumed_train_samples:
+            raise RuntimeError(f"checkpoint data position {data_state} disagrees with train_state "
+                               f"consumed_train_samples={ts.consumed_train_samples}")
+
+    train_ds, valid_ds, _ = build_datasets(cfg.dataset, cfg)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    mbs = cfg.train.micro_batch_size
+    train_it = build_data_iterator(train_ds, ts.consumed_train_samples, mbs, dp_rank, dp_size, cfg.dataset, cfg.rng.seed)
+    valid_it = build_data_iterator(valid_ds, ts.consumed_valid_samples, mbs, dp_rank, dp_size, cfg.dataset, cfg.rng.seed)
+    ts.do_train, ts.do_valid = train_it is not None, valid_it is not None
+
+    state.metrics.open(resume_step=ts.step)
+    if cfg.train.exit_signal_handler:
+        state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()
+    try:
+        if ts.do_train and not cfg.train.skip_train and ts.step < cfg.train.train_iters:
+            train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, checkpointing_context)
+        elif cfg.train.skip_train and ts.do_valid:
+            evaluate_and_print_results(state, f"iteration {ts.step}", forward_step_func, valid_it, model)
+    finally:
+        state.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def initialize_distributed(dist_cfg: Optional[DistributedInitConfig] = None) -> JobEnvironment:
+    """Bring up torch.distributed from Slurm or torchrun variables (idempotent).
+
+    nccl with a GPU per local rank when CUDA is there, gloo otherwise.
+    """
+    env = JobEnvironment.from_env()
+    dist_cfg = dist_cfg or DistributedInitConfig()
+    if torch.cuda.is_available():
+        device = 0 if dist_cfg.external_gpu_device_mapping else env.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        env.export_torch_env()
+        backend = dist_cfg.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(minutes=dist_cfg.distributed_timeout_minutes))
+    return env
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed python, numpy and torch; on GPU also megatron's model-parallel CUDA RNG tracker
+    (``model_parallel_cuda_manual_seed`` needs CUDA, so it is skipped on CPU)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def setup_model(cfg: ConfigContainer) -> List[torch.nn.Module]:
+    """The GPT, wrapped for data parallelism; a list of chunks as Bridge passes it around."""
+    model = gpt_model_provider(cfg.model)
+    return [_wrap_ddp(cfg, model)]
+
+
+def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module) -> torch.nn.Module:
+    if not torch.cuda.is_available():
+        # broadcast_buffers=False: forward then issues no collectives, so a forward on one rank
+        # alone (non-loss-data evaluation on the last rank) cannot hang.
+        return torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if cfg.model.bf16 or cfg.model.fp16:
+        model = Float16Module(model.config, model)
+    d = cfg.ddp
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
+        overlap_param_gather=d.overlap_param_gather, use_distributed_optimizer=d.use_distributed_optimizer,
+        average_in_collective=d.average_in_collective, bucket_size=d.bucket_size,
+    )
+    return DistributedDataParallel(config=model.config if hasattr(model, "config") else model.module.config,
+                                   ddp_config=ddp_config, module=model)
+
+
+class TorchOptimizer:
+    """A torch optimizer behind the part of megatron's optimizer interface the loop uses.
+
+    ``step()`` clips and returns ``(update_successful, grad_norm, num_zeros_in_grad)``; a
+    non-finite gradient norm skips the update, as megatron's optimizer does.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter], clip_grad: float):
+        self.optimizer = optimizer
+        self.params = params
+        self.clip_grad = clip_grad
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def step(self):
+        max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if not np.isfinite(grad_norm):
+            return False, grad_norm, None
+        self.optimizer.step()
+        return True, grad_norm, None
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+def setup_optimizer(cfg: ConfigContainer, model: List[torch.nn.Module]):
+    """AdamW/SGD (torch) on CPU, megatron-core's optimizer on GPU.
+
+    As in megatron, biases and other 1-D parameters (norms) get no weight decay: their group has
+    ``wd_mult = 0``, which the scheduler honours when it sets weight decay each step.
+    """
+    o = cfg.optimizer
+    if torch.cuda.is_available():
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        dtype = torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32
+        mcore_cfg = OptimizerConfig(
+            optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
+            clip_grad=o.clip_grad, bf16=o.bf16, fp16=o.fp16, params_dtype=dtype,
+            use_distributed_optimizer=o.use_distributed_optimizer,
+        )
+        return get_megatron_optimizer(mcore_cfg, model)
+    params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim > 1], "wd_mult": 1.0, "lr_mult": 1.0},
+        {"params": [p for p in params if p.ndim <= 1], "wd_mult": 0.0, "lr_mult": 1.0},
+    ]
+    if o.optimizer == "adam":
+        inner = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                  weight_decay=o.weight_decay)
+    else:
+        inner = torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay)
+    return TorchOptimizer(inner, params, o.clip_grad)
+
+
+def setup_scheduler(cfg: ConfigContainer, optimizer) -> OptimizerParamScheduler:
+    """megatron-core's scheduler, counted in samples (iterations × global batch size) as in Bridge."""
+    s, gbs = cfg.scheduler, cfg.train.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer, init_lr=s.lr_warmup_init, max_lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
+        lr_warmup_steps=s.lr_warmup_iters * gbs, lr_decay_steps=max(s.lr_decay_iters, 1) * gbs,
+        lr_decay_style=s.lr_decay_style, start_wd=s.start_weight_decay, end_wd=s.end_weight_decay,
+        wd_incr_steps=max(cfg.train.train_iters, 1) * gbs, wd_incr_style=s.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
+        wsd_decay_steps=s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None,
+        lr_wsd_decay_style=s.lr_wsd_decay_style,
+    )

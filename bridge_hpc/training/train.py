@@ -1,0 +1,354 @@
+"""The training loop: :func:`train` calls :func:`train_step` until an exit reason comes up.
+
+Read top to bottom: one step (zero grads, forward/backward over the micro-batches, optimizer and
+scheduler step, loss reduction), then bookkeeping (counters, evaluation, the step log), then
+:func:`checkpoint_and_decide_exit`, the single place that decides about saving and stopping.
+The same code runs on CPU (torch DDP + torch optimizer) and GPU (megatron-core DDP + optimizer);
+the few differences sit in :func:`zero_grads` and :func:`finalize_grads`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from bridge_hpc.training.checkpointing import save_checkpoint
+from bridge_hpc.training.state import GlobalState
+from bridge_hpc.training.utils.train_utils import (
+    num_floating_point_operations,
+    prepare_forward_step_func,
+    reduce_loss_dicts,
+    training_log,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward/backward over the micro-batches of one global batch
+# ---------------------------------------------------------------------------------------------
+
+
+def zero_grads(model: List[torch.nn.Module], optimizer) -> None:
+    """Clear gradients; megatron-core DDP keeps them in a contiguous buffer of its own."""
+    for chunk in model:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def finalize_grads(model: List[torch.nn.Module]) -> None:
+    """Finish the data-parallel gradient reduction.
+
+    torch DDP has already all-reduced during the last backward; megatron-core DDP reduces here.
+    """
+    if not isinstance(model[0], torch.nn.parallel.DistributedDataParallel) and hasattr(model[0], "zero_grad_buffer"):
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(model)
+
+
+def forward_backward(forward_step_func: Callable, data_iterator, model: List[torch.nn.Module], num_microbatches: int,
+                     optimizer=None, forward_only: bool = False, collect_non_loss_data: bool = False) -> List[Any]:
+    """Run ``num_microbatches`` forward (and backward) steps; return what each loss function reported.
+
+    Semantics of megatron-core's ``forward_backward_no_pipelining`` (whose token counter lives on
+    ``cuda`` and so cannot run on CPU): a loss function returning ``(loss, num_tokens, report)``
+    has its loss divided by the token count and the number of micro-batches; ``(loss, report)`` by
+    the number of micro-batches; with ``collect_non_loss_data`` it is called as
+    ``loss_func(output, non_loss_data=True)`` and whatever it returns is collected. Gradients are
+    synchronized only on the last micro-batch (``no_sync`` before).
+    """
+    chunk = model[0]
+    store: List[Any] = []
+
+    def one_microbatch() -> None:
+        output, loss_func = forward_step_func(data_iterator, chunk)
+        if loss_func is None:
+            store.append(output)
+            return
+        if collect_non_loss_data:
+            store.append(loss_func(output, non_loss_data=True))
+            return
+        outputs = loss_func(output)
+        if len(outputs) == 3:
+            loss, num_tokens, report = outputs
+            loss = loss / torch.clamp(num_tokens, min=1) / num_microbatches
+        elif len(outputs) == 2:
+            loss, report = outputs
+            loss = loss / num_microbatches
+        else:
+            raise ValueError("a loss function must return (loss, report) or (loss, num_tokens, report), "
+                             f"got {len(outputs)} values")
+        store.append(report)
+        if not forward_only:
+            optimizer.scale_loss(loss).backward()
+
+    grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
+    no_sync = chunk.no_sync if (hasattr(chunk, "no_sync") and not forward_only) else contextlib.nullcontext
+    with grad_context:
+        with no_sync():
+            for _ in range(num_microbatches - 1):
+                one_microbatch()
+        one_microbatch()
+    if not forward_only:
+        finalize_grads(model)
+    return store
+
+
+def get_num_microbatches(global_state: GlobalState) -> int:
+    cfg = global_state.cfg
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.data_parallel_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# One step
+# ---------------------------------------------------------------------------------------------
+
+
+def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.Module], optimizer, scheduler,
+               global_state: GlobalState) -> Tuple[Dict[str, torch.Tensor], int, bool, bool, int,
+                                                   Optional[float], Optional[int]]:
+    """One optimizer step over one global batch.
+
+    Returns Bridge's 7-tuple ``(loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code,
+    grad_norm, num_zeros_in_grad)``. ``forward_step_func`` must already be prepared
+    (:func:`prepare_forward_step_func`). An optimizer step that reports failure (fp16 overflow,
+    non-finite gradients) is a skipped iteration: the scheduler does not advance.
+    """
+    cfg = global_state.cfg
+    timers = global_state.timers
+    zero_grads(model, optimizer)
+
+    timers("forward-backward", log_level=1).start()
+    reports = forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(global_state),
+                               optimizer=optimizer)
+    timers("forward-backward", log_level=1).stop()
+
+    timers("optimizer", log_level=1).start()
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    timers("optimizer", log_level=1).stop()
+    if update_successful:
+        scheduler.step(increment=cfg.train.global_batch_size)
+    skipped_iter = 0 if update_successful else 1
+
+    loss_dict = reduce_loss_dicts(reports, parallel_state.get_data_parallel_group())
+    return loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
+             process_non_loss_data_func: Optional[Callable] = None,
+             non_loss_data_func: Optional[Callable] = None) -> Tuple[Dict[str, torch.Tensor], Any]:
+    """``train.eval_iters`` forward-only global batches; returns (reduced loss dict, non-loss data).
+
+    Losses are reduced over all micro-batches of all eval iterations and all data-parallel ranks at
+    once, so a per-token loss is the mean over every evaluated token.
+    """
+    cfg = state.cfg
+    for chunk in model:
+        chunk.eval()
+    reports: List[Dict[str, torch.Tensor]] = []
+    for _ in range(cfg.train.eval_iters):
+        reports += forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(state),
+                                    forward_only=True)
+        state.train_state.consumed_valid_samples += cfg.train.global_batch_size
+    collected = None
+    if process_non_loss_data_func is not None and state.rank == state.world_size - 1:
+        if non_loss_data_func is not None:
+            collected = non_loss_data_func(model)
+        else:
+            collected = forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(state),
+                                         forward_only=True, collect_non_loss_data=True)
+    for chunk in model:
+        chunk.train()
+    return reduce_loss_dicts(reports, parallel_state.get_data_parallel_group()), collected
+
+
+def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_func: Callable, data_iterator,
+                               model: List[torch.nn.Module], process_non_loss_data_func: Optional[Callable] = None,
+                               non_loss_data_func: Optional[Callable] = None) -> Dict[str, float]:
+    """Evaluate, print one line on rank 0, send scalars to TensorBoard; returns ``{key: value}``."""
+    loss_dict, collected = evaluate(state, forward_step_func, data_iterator, model, process_non_loss_data_func,
+                                    non_loss_data_func)
+    values = {key: float(value) for key, value in loss_dict.items()}
+    step = state.train_state.step
+    if state.rank == 0:
+        parts = [f"validation loss at {prefix}"]
+        for key, value in values.items():
+            parts.append(f"{key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E}")
+        print(" | ".join(parts), flush=True)
+    state.metrics.log_scalars({f"{key} validation": value for key, value in values.items()}, step)
+    if collected is not None:
+        process_non_loss_data_func(collected, step, state.tensorboard_logger)
+    return values
+
+
+# ---------------------------------------------------------------------------------------------
+# After each step
+# ---------------------------------------------------------------------------------------------
+
+
+def post_training_step_callbacks(model: List[torch.nn.Module], num_floating_point_operations_since_last_log_event: float,
+                                 straggler_timer: Any, iteration: int, prof: Optional[torch.profiler.profile], config,
+                                 should_toggle_forward_pre_hook: bool = False, nsys_nvtx_context=None) -> None:
+    """Per-step housekeeping outside the step itself: manual GC and the profiler window."""
+    if config.train.manual_gc and config.train.manual_gc_interval and iteration % config.train.manual_gc_interval == 0:
+        gc.collect()
+    if prof is not None:
+        if iteration >= config.profiling.profile_step_end:
+            prof.stop()
+        else:
+            prof.step()
+
+
+def _start_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
+    """A torch profiler covering steps [profile_step_start, profile_step_end) on the chosen ranks."""
+    p = state.cfg.profiling
+    step = state.train_state.step
+    if not p.use_pytorch_profiler or state.rank not in p.profile_ranks or step >= p.profile_step_start:
+        return None
+    trace_dir = state.cfg.logger.tensorboard_dir or os.path.join(state.cfg.checkpoint.save or ".", "profile")
+    prof = torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=max(p.profile_step_start - step - 1, 0),
+                                         warmup=1 if p.profile_step_start - step > 0 else 0,
+                                         active=p.profile_step_end - p.profile_step_start, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir),
+        record_shapes=p.record_shapes,
+    )
+    prof.start()
+    return prof
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and stopping
+# ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
+                             num_floating_point_operations_so_far: float, checkpointing_context: Dict[str, Any],
+                             non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
+    """Save a checkpoint of the current step, timed, and remember that this step is saved."""
+    timer = state.timers("save-checkpoint", log_level=0)
+    timer.start(barrier=True)
+    save_checkpoint(state, model, optimizer, opt_param_scheduler, train_data_iterator)
+    timer.stop(barrier=True)
+    checkpointing_context["last_saved_step"] = state.train_state.step
+    checkpointing_context["last_save_time_s"] = timer.elapsed(reset=True)
+
+
+def _any_rank(flags: Dict[str, bool]) -> Dict[str, bool]:
+    """Logical OR of each flag over all ranks, in one all-reduce (MAX)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flags
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    values = torch.tensor([1 if flags[k] else 0 for k in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {k: bool(v) for k, v in zip(flags, values.tolist())}
+
+
+def exit_reasons(state: GlobalState) -> List[str]:
+    """Why the loop should stop after the current step (empty: keep going). Collective.
+
+    Reasons from counters every rank shares need no communication. Reasons one rank can see before
+    another (a signal, a clock) are OR-ed across ranks so all stop at the same iteration. A new
+    reason goes in one of the two groups below.
+    """
+    ts, t = state.train_state, state.cfg.train
+    reasons = []
+    # -- shared counters: identical on every rank -------------------------------------------------
+    if ts.step >= t.train_iters:
+        reasons.append("train_iters reached")
+    if t.exit_interval and ts.step % t.exit_interval == 0:
+        reasons.append("exit_interval")
+    # -- per-rank observations: agreed on with one all-reduce -------------------------------------
+    local = {
+        "signal received": state.signal_handler is not None and state.signal_handler.received is not None,
+        "exit_duration_in_mins": bool(t.exit_duration_in_mins)
+        and (time.time() - state.start_time) / 60.0 >= t.exit_duration_in_mins,
+    }
+    reasons += [name for name, flag in _any_rank(local).items() if flag]
+    return reasons
+
+
+def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_scheduler,
+                               num_floating_point_operations_so_far: float, checkpointing_context: Dict[str, Any],
+                               train_data_iterator) -> bool:
+    """Save on ``checkpoint.save_interval``; on any exit reason save (unless this step is already
+    saved) and return True."""
+    cfg, step = state.cfg, state.train_state.step
+    reasons = exit_reasons(state)
+    can_save = bool(cfg.checkpoint.save)
+    args = (state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context)
+    if can_save and cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+        save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
+    if not reasons:
+        return False
+    if can_save and checkpointing_context.get("last_saved_step") != step:
+        save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
+    state.exit_reasons = reasons
+    if state.rank == 0:
+        print(f"exiting at iteration {step}: {', '.join(reasons)}", flush=True)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, scheduler, train_data_iterator,
+          valid_data_iterator, global_state: GlobalState, checkpointing_context: Dict[str, Any],
+          process_non_loss_data_func: Optional[Callable] = None, non_loss_data_func: Optional[Callable] = None) -> None:
+    """Train from ``global_state.train_state.step`` until an exit reason (see :func:`exit_reasons`)."""
+    cfg = global_state.cfg
+    ts = global_state.train_state
+    timers = global_state.timers
+    forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
+    for chunk in model:
+        chunk.train()
+    prof = _start_profiler(global_state)
+
+    while True:
+        # 1. one optimizer step
+        timers("interval-time", log_level=0).start()
+        loss_dict, skipped_iter, _, _, _, grad_norm, num_zeros_in_grad = train_step(
+            forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+        timers("interval-time", log_level=0).stop()
+        step_time_s = timers("interval-time", log_level=0).elapsed(reset=True)
+
+        # 2. counters
+        ts.step += 1
+        ts.consumed_train_samples += cfg.train.global_batch_size
+        if skipped_iter:
+            ts.skipped_train_samples += cfg.train.global_batch_size
+        step_flops = num_floating_point_operations(cfg, cfg.train.global_batch_size)
+        ts.floating_point_operations_so_far += step_flops
+
+        # 3. log, evaluate, housekeeping
+        learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
+        training_log(loss_dict, learning_rate, skipped_iter, grad_norm, num_zeros_in_grad, step_time_s,
+                     global_state, global_state.metrics)
+        if cfg.train.eval_interval and ts.step % cfg.train.eval_interval == 0 and valid_data_iterator is not None:
+            evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
+                                       model, process_non_loss_data_func, non_loss_data_func)
+        post_training_step_callbacks(model, step_flops, None, ts.step, prof, cfg)
+        if prof is not None and ts.step >= cfg.profiling.profile_step_end:
+            prof = None
+
+        # 4. save and/or stop
+        if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                      checkpointing_context, train_data_iterator):
+            break
+    if prof is not None:
+        prof.stop()

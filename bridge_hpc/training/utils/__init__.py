@@ -1,0 +1,1 @@
+"""Helpers for the training loop (forward-step adaptation, loss reduction, logging)."""

@@ -1,0 +1,126 @@
+"""Shared pytest fixtures: a REAL local Slurm cluster (see ``bridge_hpc/cluster.py``).
+
+Fixtures
+--------
+``slurm_cluster`` (session)
+    A 1-node cluster (node named after ``hostname -s``), brought up if needed. Returns the
+    :class:`bridge_hpc.cluster.LocalCluster`. ``sbatch``/``squeue``/``sacct``/``scontrol`` then just work.
+``slurm_cluster_2nodes`` (module)
+    The cluster reconfigured to nodes ``n1`` and ``n2`` (both this machine, 127.0.0.1) for the tests of
+    one module; afterwards the node count it had before is restored.
+``slurm_cluster_nodes`` (function)
+    A factory: ``cluster = slurm_cluster_nodes(3)``; the previous node count is restored after the test.
+
+Mark tests that use them ``@pytest.mark.slurm``. Set ``BRIDGE_SKIP_SLURM=1`` to skip those tests on a
+machine that cannot run Slurm (the fixtures otherwise install the Debian packages, as root).
+
+Ownership: the cluster is stopped at the end of the session ONLY if this session started it and no
+other live pytest session that uses it is registered (``<state_dir>/users/<pid>``). A cluster that was
+already up is left up. Reconfiguring the node count restarts slurmctld/slurmd and cancels running jobs,
+so avoid running 2-node tests while another session runs jobs on the 1-node cluster.
+
+``release_requeued(job_id)`` (from ``bridge_hpc.cluster``) releases a requeued job at once instead of
+Slurm's ~120 s BeginTime hold.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+from bridge_hpc.cluster import LocalCluster
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("BRIDGE_SKIP_SLURM") not in (None, "", "0"):
+        skip = pytest.mark.skip(reason="BRIDGE_SKIP_SLURM is set")
+        for item in items:
+            if "slurm" in item.keywords:
+                item.add_marker(skip)
+
+
+class _SessionCluster:
+    """Brings the shared cluster up on first use and remembers whether this session started it."""
+
+    def __init__(self) -> None:
+        self.cluster = LocalCluster()
+        self.started_here = False
+        self._registered: Optional[Path] = None
+
+    def nodes_now(self) -> Optional[int]:
+        """The node count of the running cluster, or None when it is down."""
+        return self.cluster.configured_nodes() if self.cluster.is_up() else None
+
+    def ensure(self, nodes: int) -> LocalCluster:
+        self._register()
+        if not self.cluster.is_up(nodes):
+            was_down = self.nodes_now() is None
+            self.cluster.up(nodes)
+            self.started_here = self.started_here or was_down
+        return self.cluster
+
+    def _register(self) -> None:
+        if self._registered is None:
+            users = self.cluster.state_dir / "users"
+            users.mkdir(parents=True, exist_ok=True)
+            self._registered = users / str(os.getpid())
+            self._registered.touch()
+
+    def finish(self) -> None:
+        if self._registered is None:
+            return
+        self._registered.unlink(missing_ok=True)
+        others = [p for p in self._registered.parent.iterdir() if p.name.isdigit() and _pid_runs(int(p.name))]
+        if self.started_here and not others:
+            self.cluster.down()
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@pytest.fixture(scope="session")
+def _slurm_session():
+    session = _SessionCluster()
+    yield session
+    session.finish()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(_slurm_session) -> LocalCluster:
+    """The local 1-node Slurm cluster (started if needed)."""
+    return _slurm_session.ensure(1)
+
+
+def _restore(session: _SessionCluster, before: Optional[int]) -> None:
+    if before is not None and session.nodes_now() != before:
+        session.cluster.up(before)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster_2nodes(_slurm_session):
+    """The local cluster with 2 nodes (n1, n2) for this module; the previous node count comes back after."""
+    before = _slurm_session.nodes_now()
+    yield _slurm_session.ensure(2)
+    _restore(_slurm_session, before)
+
+
+@pytest.fixture
+def slurm_cluster_nodes(_slurm_session) -> Callable[[int], LocalCluster]:
+    """Factory: ``slurm_cluster_nodes(n)`` (re)configures the local cluster for n nodes."""
+    before = _slurm_session.nodes_now()
+
+    def make(nodes: int) -> LocalCluster:
+        return _slurm_session.ensure(nodes)
+
+    yield make
+    _restore(_slurm_session, before)

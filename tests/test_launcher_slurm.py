@@ -1,0 +1,158 @@
+"""bridge-submit against the real local Slurm cluster.
+
+The rendered scripts run for real under sbatch/srun. Most tests here swap only the rank program
+(``job.python`` points at a small recorder script instead of the Python that would run
+``bridge_hpc.run``), so they check the launcher — script, quoting, environment, srun placement — in a
+second each; tests/test_run_slurm.py runs the training entry itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import toml
+
+pytestmark = pytest.mark.slurm
+
+RECORDER = """\
+#!{python}
+# Stands in for the interpreter: records what one rank saw, then exits 0.
+import json, os, sys
+run_dir = os.environ["BRIDGE_RUN_DIR"]
+os.makedirs(os.path.join(run_dir, "ranks"), exist_ok=True)
+keys = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURMD_NODENAME", "SLURM_NODEID", "SLURM_JOB_NAME",
+        "EVIL", "API_KEY", "BRIDGE_CONFIG"]
+record = {{"argv": sys.argv[1:], **{{k: os.environ.get(k) for k in keys}}}}
+with open(os.path.join(run_dir, "ranks", os.environ["SLURM_PROCID"] + ".json"), "w") as f:
+    json.dump(record, f)
+"""
+
+
+def submit_cli(*args: str, cwd: Path, env=None, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", *args], cwd=cwd, capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def make_job(tmp_path: Path, **sections) -> Path:
+    recorder = tmp_path / "recorder"
+    recorder.write_text(RECORDER.format(python=sys.executable))
+    recorder.chmod(0o755)
+    doc = {"job": {"name": "launch-test", "python": str(recorder)}, "slurm": {"time": "00:05:00", "ntasks_per_node": 2}}
+    for name, values in sections.items():
+        doc.setdefault(name, {}).update(values)
+    path = tmp_path / "job.toml"
+    path.write_text(toml.dumps(doc))
+    return path
+
+
+def ranks(run_dir: Path) -> list:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("*.json"))]
+
+
+def sacct_state(job_id: str) -> str:
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+
+
+def job_id_of(stdout: str) -> str:
+    first = stdout.splitlines()[0]
+    assert first.startswith("Submitted job "), stdout
+    return first.split()[2]
+
+
+def test_two_ranks_on_one_node_run_and_the_run_folder_is_complete(slurm_cluster, tmp_path: Path):
+    make_job(tmp_path)
+    result = submit_cli("job.toml", "--wait", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = job_id_of(result.stdout)
+    run_dir = tmp_path / "runs" / "launch-test"
+    seen = ranks(run_dir)
+    assert sorted(r["SLURM_PROCID"] for r in seen) == ["0", "1"]
+    assert all(r["SLURM_NTASKS"] == "2" for r in seen)
+    assert all(r["argv"] == ["-u", "-m", "bridge_hpc.run", str(run_dir / "resolved.toml")] for r in seen)
+    # the run folder: the script exactly as submitted, the resolved config, the log, the submission record
+    script = (run_dir / "job.sbatch").read_text()
+    assert (run_dir / "logs" / f"{job_id}_submission.sh").resolve().read_text() == script
+    resolved = toml.loads((run_dir / "resolved.toml").read_text())
+    assert resolved["job"]["run_dir"] == str(run_dir) and resolved["slurm"]["ntasks_per_node"] == 2
+    log = (run_dir / "logs" / f"{job_id}_0_log.out").read_text()
+    assert f"bridge_hpc: job {job_id} restart 0" in log
+    assert [json.loads(l)["job_id"] for l in (run_dir / "jobs.jsonl").read_text().splitlines()] == [job_id]
+    # submitit tracks the job through sacct
+    import submitit
+
+    assert submitit.SlurmJob(folder=run_dir / "logs", job_id=job_id).state == "COMPLETED"
+    assert sacct_state(job_id) == "COMPLETED"
+    # bridge-status reads the same
+    status = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.status", str(run_dir), "--json"],
+                            capture_output=True, text=True)
+    info = json.loads(status.stdout)
+    assert info["jobs"][0]["job_id"] == job_id and info["jobs"][0]["state"] == "COMPLETED"
+    assert info["jobs"][0]["restarts"] == 0 and info["jobs"][0]["logs"][0].endswith(f"{job_id}_0_log.out")
+
+
+def test_injection_strings_stay_inert_when_the_script_runs(slurm_cluster, tmp_path: Path):
+    marker = Path("/tmp") / f"bridge-pwned-{uuid.uuid4().hex}"
+    evil = f"x$(touch {marker})`touch {marker}`'\"; touch {marker}"
+    make_job(tmp_path, job={"name": evil, "run_dir": "runs/evil"}, env={"EVIL": evil})
+    result = submit_cli("job.toml", "--wait", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = ranks(tmp_path / "runs" / "evil")
+    assert len(seen) == 2
+    assert all(r["EVIL"] == evil and r["SLURM_JOB_NAME"] == evil for r in seen)
+    assert not marker.exists()
+
+
+def test_secret_reaches_the_ranks_but_no_file(slurm_cluster, tmp_path: Path):
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    make_job(tmp_path, env={"API_KEY": {"from_shell": "BRIDGE_TEST_SECRET"}})
+    result = submit_cli("job.toml", "--wait", cwd=tmp_path, env=dict(os.environ, BRIDGE_TEST_SECRET=secret))
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "launch-test"
+    assert all(r["API_KEY"] == secret for r in ranks(run_dir))
+    for path in run_dir.rglob("*"):
+        if path.is_file() and path.parent.name != "ranks":
+            assert secret not in path.read_text(errors="replace"), path
+
+
+def test_a_different_job_is_refused_in_an_existing_run_folder(slurm_cluster, tmp_path: Path):
+    make_job(tmp_path)
+    first = submit_cli("job.toml", "--wait", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    run_dir = tmp_path / "runs" / "launch-test"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    second = submit_cli("job.toml", "--set", "slurm.time=00:06:00", cwd=tmp_path)
+    assert second.returncode == 2 and "key 'job.run_dir'" in second.stderr and "Traceback" not in second.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    # the same job again is welcome (it resumes), and the folder keeps one script
+    again = submit_cli("job.toml", "--wait", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert len((run_dir / "jobs.jsonl").read_text().splitlines()) == 2
+    assert not list(run_dir.glob("job.sbatch.*"))
+
+
+def test_dry_run_submits_nothing(slurm_cluster, tmp_path: Path):
+    make_job(tmp_path, job={"name": f"dry-{uuid.uuid4().hex[:8]}"})
+    name = toml.loads((tmp_path / "job.toml").read_text())["job"]["name"]
+    result = submit_cli("job.toml", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0
+    queued = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobName", "--name", name, "-S", "now-1hour"],
+                            capture_output=True, text=True)
+    assert queued.returncode == 0 and queued.stdout.strip() == ""
+    assert not (tmp_path / "runs").exists()
+
+
+def test_two_nodes_one_rank_each(slurm_cluster_2nodes, tmp_path: Path):
+    make_job(tmp_path, slurm={"nodes": 2, "ntasks_per_node": 1})
+    result = submit_cli("job.toml", "--wait", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = ranks(tmp_path / "runs" / "launch-test")
+    assert sorted((r["SLURM_PROCID"], r["SLURM_NODEID"]) for r in seen) == [("0", "0"), ("1", "1")]
+    assert len({r["SLURMD_NODENAME"] for r in seen}) == 2
