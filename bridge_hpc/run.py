@@ -12,40 +12,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
-import toml
-
-from bridge_hpc.errors import ConfigError, exits_on_config_error
+from bridge_hpc.errors import exits_on_config_error
+from bridge_hpc.jobconfig import load_config_dict
 from bridge_hpc.training.config import ConfigContainer
 
 
-def load_job_file(path: str) -> Dict[str, Any]:
-    """The job file as a dict (the one place to swap in a loader that resolves ``extends``)."""
-    try:
-        return toml.load(path)
-    except (OSError, toml.TomlDecodeError) as err:
-        raise ConfigError(str(err), path=path) from None
-
-
-def apply_overrides(sections: Dict[str, Any], overrides: List[str], source: str) -> None:
-    """Apply ``section.key=value`` overrides; the value is parsed as TOML (bare words are strings)."""
-    for item in overrides:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"--set expects section.key=value, got {item!r}", path=source)
-        dotted, raw = item.split("=", 1)
-        section, key = dotted.strip().split(".", 1)
-        try:
-            value = toml.loads(f"v = {raw}")["v"]
-        except toml.TomlDecodeError:
-            value = raw
-        sections.setdefault(section, {})[key] = value
-
-
 def build_config(path: str, overrides: Optional[List[str]] = None) -> ConfigContainer:
-    """Job file (+ overrides) -> validated-per-section ConfigContainer with run-folder defaults."""
-    sections = load_job_file(path)
-    apply_overrides(sections, overrides or [], path)
+    """Job file (``extends`` profiles resolved, ``--set`` overrides applied) -> ConfigContainer
+    (each section checked) with the run-folder defaults filled in."""
+    sections = load_config_dict(path, overrides or ())
     base = os.path.dirname(os.path.abspath(path))
     run_dir = sections.get("job", {}).get("run_dir")
     if run_dir is not None:

@@ -60,3 +60,26 @@ def live_state(job_id: str) -> Optional[tuple]:
         return None
     state, _, reason = out.strip().splitlines()[0].partition("|")
     return state, reason
+
+
+def job_end_time(job_id: str, environ: Optional[dict] = None) -> Optional[float]:
+    """The job's real end time (epoch seconds), or None when Slurm cannot tell (no limit, no Slurm).
+
+    Newer Slurm exports SLURM_JOB_END_TIME; 22.05 does not, so ask squeue (``%e``, local time),
+    then scontrol. Read again after a requeue or an ``scontrol update TimeLimit``: it can move.
+    """
+    import os
+    import re
+    import time as _time
+
+    environ = os.environ if environ is None else environ
+    if environ.get("SLURM_JOB_END_TIME", "").isdigit():
+        return float(environ["SLURM_JOB_END_TIME"])
+    text = (_run(["squeue", "-h", "-j", job_id, "-o", "%e"]) or "").strip()
+    if not re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d$", text):
+        show = _run(["scontrol", "show", "job", job_id]) or ""
+        m = re.search(r"\bEndTime=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", show)
+        text = m.group(1) if m else ""
+    if not text:
+        return None
+    return _time.mktime(_time.strptime(text, "%Y-%m-%dT%H:%M:%S"))

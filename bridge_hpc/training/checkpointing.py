@@ -5,15 +5,16 @@ Layout under ``checkpoint.save``::
     latest_checkpointed_iteration.txt   # the newest complete iteration, replaced atomically
     iter_0000020/
         .metadata, __0_0.distcp, ...    # model + optimizer (torch.distributed.checkpoint format)
-        common.pt                       # train_state, scheduler, iteration (rank 0)
+        train_state.pt                  # train_state, scheduler, iteration (rank 0), written last
         rank_00000.pt, rank_00001.pt    # per rank: python/numpy/torch RNG states, data position
         run_config.json                 # the resolved configuration
 
 Write protocol (what makes a SIGKILL at any instant harmless): every rank writes into
-``iter_XXXXXXX.tmp``; each rank fsyncs the files it wrote; after a barrier rank 0 fsyncs the
-folder, renames it to ``iter_XXXXXXX``, fsyncs the parent, and only then replaces the tracker
-(write temp, fsync, rename, fsync parent). Loading trusts the tracker when it names a complete
-folder, else falls back to the newest complete ``iter_*`` folder. Old checkpoints beyond
+``iter_XXXXXXX.tmp``; each rank fsyncs the files it wrote; after a barrier rank 0 writes
+``train_state.pt`` (fsynced), fsyncs the folder, renames it to ``iter_XXXXXXX``, fsyncs the parent,
+and only then replaces the tracker (write temp, fsync, rename, fsync parent). Loading takes the
+newest complete ``iter_*`` folder, which is the tracker's unless the tracker is missing, broken, or
+one rename behind. Old checkpoints beyond
 ``most_recent_k`` are renamed to ``*.del`` before deletion, so a half-deleted folder never looks
 complete.
 
@@ -43,6 +44,9 @@ from bridge_hpc.training.state import GlobalState
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+#: Written last into a checkpoint folder; its presence marks the folder complete. (Not ``common.pt``:
+#: megatron-core's dist_checkpointing writes a file of that name itself.)
+COMMON_FILE = "train_state.pt"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 FORMAT_VERSION = 1
 
@@ -83,7 +87,7 @@ def _write_tracker(root: str, iteration: int) -> None:
 
 
 def _is_complete(path: str) -> bool:
-    return _ITER_RE.match(os.path.basename(path)) is not None and os.path.isfile(os.path.join(path, "common.pt"))
+    return _ITER_RE.match(os.path.basename(path)) is not None and os.path.isfile(os.path.join(path, COMMON_FILE))
 
 
 def complete_iterations(root: str) -> List[int]:
@@ -98,20 +102,31 @@ def complete_iterations(root: str) -> List[int]:
     return sorted(found)
 
 
-def find_latest_checkpoint(root: str) -> Optional[str]:
-    """The newest complete checkpoint folder under ``root`` (tracker first, then a scan), or None."""
-    if not root or not os.path.isdir(root):
-        return None
+def _read_tracker(root: str) -> Optional[int]:
     try:
         with open(os.path.join(root, TRACKER)) as f:
-            tracked = iteration_dir(root, int(f.read().strip()))
-        if _is_complete(tracked):
-            return tracked
-        logger.warning("checkpoint tracker names %s, which is not a complete checkpoint; scanning", tracked)
+            return int(f.read().strip())
     except (OSError, ValueError):
-        pass
+        return None
+
+
+def find_latest_checkpoint(root: str) -> Optional[str]:
+    """The newest complete checkpoint folder under ``root``, or None.
+
+    Normally the one the tracker names. A folder is complete once renamed from ``.tmp`` (its
+    ``train_state.pt`` is written after every rank's files are durable), so a complete folder
+    newer than the tracker (a kill between rename and tracker update) is used too, as is the scan
+    when the tracker is missing, unreadable or names a folder that is gone.
+    """
     iterations = complete_iterations(root)
-    return iteration_dir(root, iterations[-1]) if iterations else None
+    if not iterations:
+        return None
+    newest = iterations[-1]
+    tracked = _read_tracker(root)
+    if tracked != newest:
+        logger.warning("checkpoint tracker in %s says %s; newest complete checkpoint is iteration %d",
+                       root, tracked, newest)
+    return iteration_dir(root, newest)
 
 
 def _resolve_checkpoint_dir(path: str) -> Optional[str]:
@@ -146,6 +161,12 @@ def _uses_megatron_dist(model) -> bool:
         model[0], torch.nn.parallel.DistributedDataParallel)
 
 
+def _without_empty_extra_state(model_sd: Dict[str, Any]) -> Dict[str, Any]:
+    """megatron-core's linear layers report ``_extra_state = None`` (a Transformer Engine slot);
+    DCP cannot store None, and there is nothing to store."""
+    return {key: value for key, value in model_sd.items() if value is not None}
+
+
 def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool) -> None:
     if _uses_megatron_dist(model):
         from megatron.core import dist_checkpointing
@@ -159,7 +180,7 @@ def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool) -> 
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model[0], optimizer.optimizer)
-    state = {"model": model_sd}
+    state = {"model": _without_empty_extra_state(model_sd)}
     if save_optim:
         state["optimizer"] = optim_sd
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
@@ -182,12 +203,14 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool) -> 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(model[0], optimizer.optimizer)
-    state = {"model": model_sd}
+    state = {"model": _without_empty_extra_state(model_sd)}
     if load_optim:
         state["optimizer"] = optim_sd
     dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    set_state_dict(model[0], optimizer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"] if load_optim else {})
+    state["model"].update({key: None for key, value in model_sd.items() if value is None})
+    _unwrap(model[0]).load_state_dict(state["model"], strict=True)
+    if load_optim:
+        set_state_dict(model[0], optimizer.optimizer, model_state_dict={}, optim_state_dict=state["optimizer"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,9 +291,9 @@ def save_checkpoint(state: GlobalState, model, optimizer, scheduler, train_data_
         _fsync_path(path)
     _barrier()
     if rank == 0:
-        # common.pt is written last, once every rank's files are durable: its presence is what
+        # train_state.pt is written last, once every rank's files are durable: its presence is what
         # marks a folder as complete (for the scan that backs up the tracker).
-        _torch_save_durable(common, os.path.join(tmp, "common.pt"))
+        _torch_save_durable(common, os.path.join(tmp, COMMON_FILE))
 
     if rank == 0:
         _fsync_path(tmp)
@@ -329,7 +352,7 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
     start = time.perf_counter()
     finetune = cfg.finetune
     _load_model_and_optimizer(model, optimizer, path, load_optim=cfg.load_optim and not finetune)
-    common = torch.load(os.path.join(path, "common.pt"), weights_only=False)
+    common = torch.load(os.path.join(path, COMMON_FILE), weights_only=False)
     if not finetune:
         state.train_state.load_state_dict(common["train_state"])
         if scheduler is not None and common.get("scheduler") is not None:

@@ -220,7 +220,8 @@ class LoggerConfig:
     """Console, metrics-file and TensorBoard logging.
 
     ``metrics_file`` is ours (not Bridge's): the JSON-lines file that records every step's loss at
-    full precision; ``bridge_hpc.run`` points it at ``<run_dir>/metrics.jsonl``.
+    full precision; ``bridge_hpc.run`` points it at ``<run_dir>/metrics.jsonl``. ``log_progress``
+    appends Megatron's ``progress.txt`` (plus bridge_hpc's goodput events) in ``checkpoint.save``.
     """
 
     log_interval: int = 100
@@ -488,7 +489,7 @@ SECTIONS: Dict[str, type] = {
 }
 
 #: Top-level sections of a job file that belong to the launcher, not to training.
-LAUNCHER_SECTIONS = frozenset({"job", "slurm", "env", "container", "setup"})
+LAUNCHER_SECTIONS = frozenset({"job", "slurm", "env", "container", "setup", "cluster"})
 
 
 @dataclass

@@ -4,12 +4,14 @@ megatron-core's local ``DotProductAttention`` asks ``torch.cuda`` for a buffer a
 CPU; :class:`SDPACoreAttention` replaces it in the layer spec with
 ``torch.nn.functional.scaled_dot_product_attention``, which runs everywhere and on an H100 is faster
 and leaner than the unfused local kernel (see the project notes). Transformer Engine's spec is used
-only when asked for, importable, and on CUDA.
+only when asked for (``model.transformer_impl``), importable, and on CUDA; otherwise the local spec
+with SDPA.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 from functools import partial
 from typing import Dict, Iterable, Optional
 
@@ -83,14 +85,11 @@ def transformer_config(cfg: GPTModelConfig) -> TransformerConfig:
 
 
 def _layer_spec(cfg: GPTModelConfig):
-    if cfg.transformer_impl == "transformer_engine" and torch.cuda.is_available():
-        try:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-            import transformer_engine  # noqa: F401
+    if (cfg.transformer_impl == "transformer_engine" and torch.cuda.is_available()
+            and importlib.util.find_spec("transformer_engine") is not None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
+        return get_gpt_layer_with_transformer_engine_spec()
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=cfg.normalization))
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec

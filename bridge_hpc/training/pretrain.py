@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import time
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -20,12 +21,16 @@ from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from bridge_hpc.job_environment import JobEnvironment
+from bridge_hpc.progress import ProgressLog
 from bridge_hpc.training import checkpointing
 from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig
 from bridge_hpc.training.data import build_data_iterator, build_datasets
 from bridge_hpc.training.gpt import gpt_model_provider
 from bridge_hpc.training.state import DistributedSignalHandler, GlobalState
 from bridge_hpc.training.train import evaluate_and_print_results, train
+
+#: Megatron's progress log, in the checkpoint folder as Megatron keeps it (``logger.log_progress``).
+PROGRESS_FILE = "progress.txt"
 
 
 def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
@@ -39,12 +44,32 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
     _pretrain(state, forward_step_func)
 
 
-def _pretrain(state: GlobalState, forward_step_func: Callable, store: Optional[dist.Store] = None,
-              inprocess_call_wrapper=None) -> None:
+def _pretrain(state: GlobalState, forward_step_func: Callable) -> None:
     cfg = state.cfg
-    initialize_distributed(cfg.dist)
+    # First of all: a preemption notice during setup must be recorded, not kill the process.
+    if cfg.train.exit_signal_handler:
+        state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()
+    checkpointing_context: dict = {}
+    try:
+        _setup_and_train(state, forward_step_func, checkpointing_context)
+    except BaseException:
+        if state.progress is not None:
+            last_saved = checkpointing_context.get("last_saved_step", 0)
+            state.progress.ending_job("error", state.train_state.step, state.train_state.step - last_saved)
+        raise
+    finally:
+        state.close()
+
+
+def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpointing_context: dict) -> None:
+    cfg = state.cfg
+    env = initialize_distributed(cfg.dist)
     state.rank, state.world_size = dist.get_rank(), dist.get_world_size()
     cfg.validate(state.world_size)
+    if cfg.logger.log_progress and cfg.checkpoint.save and state.rank == 0:
+        state.progress = ProgressLog(os.path.join(cfg.checkpoint.save, PROGRESS_FILE), env.job_id or "none",
+                                     state.world_size)
+        state.progress.starting_job(restart_count=env.restart_count, startup_s=_process_age_s())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
                                                  cfg.model.pipeline_model_parallel_size)
@@ -54,11 +79,14 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store: Optional[d
     model = setup_model(cfg)
     optimizer = setup_optimizer(cfg, model)
     scheduler = setup_scheduler(cfg, optimizer)
-    checkpointing_context = {}
+    load_start = time.perf_counter()
     data_state = checkpointing.load_checkpoint(state, model, optimizer, scheduler)
     ts = state.train_state
     if data_state is not None:
         checkpointing_context["last_saved_step"] = ts.step
+        if state.progress is not None:
+            state.progress.loaded_checkpoint(ts.step, time.perf_counter() - load_start,
+                                             ts.floating_point_operations_so_far)
         if data_state.get("consumed_samples") != ts.consumed_train_samples:
             raise RuntimeError(f"checkpoint data position {data_state} disagrees with train_state "
                                f"consumed_train_samples={ts.consumed_train_samples}")
@@ -71,20 +99,28 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store: Optional[d
     ts.do_train, ts.do_valid = train_it is not None, valid_it is not None
 
     state.metrics.open(resume_step=ts.step)
-    if cfg.train.exit_signal_handler:
-        state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()
-    try:
-        if ts.do_train and not cfg.train.skip_train and ts.step < cfg.train.train_iters:
-            train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, checkpointing_context)
-        elif cfg.train.skip_train and ts.do_valid:
-            evaluate_and_print_results(state, f"iteration {ts.step}", forward_step_func, valid_it, model)
-    finally:
-        state.close()
+    if ts.do_train and not cfg.train.skip_train and ts.step < cfg.train.train_iters:
+        train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, checkpointing_context)
+    elif cfg.train.skip_train and ts.do_valid:
+        evaluate_and_print_results(state, f"iteration {ts.step}", forward_step_func, valid_it, model)
 
 
 # ---------------------------------------------------------------------------------------------
 # Setup pieces
 # ---------------------------------------------------------------------------------------------
+
+
+def _process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux ``/proc``), so start-up cost includes imports and
+    rendezvous; None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def initialize_distributed(dist_cfg: Optional[DistributedInitConfig] = None) -> JobEnvironment:

@@ -8,6 +8,7 @@ loop and to forward-step functions that ask for it, as in Megatron Bridge. Only
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
@@ -127,8 +128,10 @@ class DistributedSignalHandler:
         self._previous: Dict[int, Any] = {}
 
     def __enter__(self) -> "DistributedSignalHandler":
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._record)
+        # Python delivers signals to the main thread only; elsewhere the default action stays.
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._record)
         return self
 
     def _record(self, signum, frame) -> None:
@@ -158,6 +161,8 @@ class GlobalState:
         self._metrics = None
         self.signal_handler: Optional[DistributedSignalHandler] = None
         self.exit_reasons: List[str] = []
+        #: ``bridge_hpc.progress.ProgressLog`` on rank 0 when ``logger.log_progress`` is on, else None.
+        self.progress = None
         self.start_time = time.time()
         self.rank = 0
         self.world_size = 1

@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from bridge_hpc.training.checkpointing import save_checkpoint
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.utils.train_utils import (
+    comm_device,
     num_floating_point_operations,
     prepare_forward_step_func,
     reduce_loss_dicts,
@@ -245,16 +246,26 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     timer.stop(barrier=True)
     checkpointing_context["last_saved_step"] = state.train_state.step
     checkpointing_context["last_save_time_s"] = timer.elapsed(reset=True)
+    if state.progress is not None:
+        ts = state.train_state
+        state.progress.saved_checkpoint(ts.step, num_floating_point_operations_so_far,
+                                        ts.consumed_train_samples * state.cfg.model.seq_length,
+                                        checkpointing_context["last_save_time_s"])
 
 
 def _any_rank(flags: Dict[str, bool]) -> Dict[str, bool]:
     """Logical OR of each flag over all ranks, in one all-reduce (MAX)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return flags
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    values = torch.tensor([1 if flags[k] else 0 for k in flags], dtype=torch.int32, device=device)
+    values = torch.tensor([1 if flags[k] else 0 for k in flags], dtype=torch.int32, device=comm_device())
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return {k: bool(v) for k, v in zip(flags, values.tolist())}
+
+
+#: exit reason -> the progress log's ``Ending job`` reason, and which one to report when several hold.
+PROGRESS_REASONS = {"signal received": "signal", "exit_duration_in_mins": "duration", "exit_interval": "interval",
+                    "train_iters reached": "done"}
+PROGRESS_REASON_ORDER = ("signal received", "exit_duration_in_mins", "exit_interval", "train_iters reached")
 
 
 def exit_reasons(state: GlobalState) -> List[str]:
@@ -278,6 +289,7 @@ def exit_reasons(state: GlobalState) -> List[str]:
         and (time.time() - state.start_time) / 60.0 >= t.exit_duration_in_mins,
     }
     reasons += [name for name, flag in _any_rank(local).items() if flag]
+    # A new reason also needs its entry in PROGRESS_REASONS / PROGRESS_REASON_ORDER above.
     return reasons
 
 
@@ -299,6 +311,9 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
     state.exit_reasons = reasons
     if state.rank == 0:
         print(f"exiting at iteration {step}: {', '.join(reasons)}", flush=True)
+    if state.progress is not None:
+        reason = next(PROGRESS_REASONS[r] for r in PROGRESS_REASON_ORDER if r in reasons)
+        state.progress.ending_job(reason, step, step - checkpointing_context.get("last_saved_step", 0))
     return True
 
 
@@ -318,6 +333,7 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
     for chunk in model:
         chunk.train()
     prof = _start_profiler(global_state)
+    first_step = True
 
     while True:
         # 1. one optimizer step
@@ -334,6 +350,10 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
             ts.skipped_train_samples += cfg.train.global_batch_size
         step_flops = num_floating_point_operations(cfg, cfg.train.global_batch_size)
         ts.floating_point_operations_so_far += step_flops
+
+        if first_step and global_state.progress is not None:
+            global_state.progress.first_step(ts.step)
+        first_step = False
 
         # 3. log, evaluate, housekeeping
         learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None

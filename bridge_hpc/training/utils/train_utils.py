@@ -74,6 +74,13 @@ def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState) -
 # ---------------------------------------------------------------------------------------------
 
 
+def comm_device() -> torch.device:
+    """Where tensors for collectives must live: the current GPU under nccl, else the CPU."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def reduce_loss_dicts(loss_dicts: List[Dict[str, torch.Tensor]], group=None) -> Dict[str, torch.Tensor]:
     """Reduce the per-microbatch report dicts of one global batch to one value per key.
 
@@ -86,8 +93,9 @@ def reduce_loss_dicts(loss_dicts: List[Dict[str, torch.Tensor]], group=None) -> 
     if not loss_dicts:
         return reduced
     dp_size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+    device = comm_device()
     for key in sorted(loss_dicts[0].keys()):
-        values = [torch.as_tensor(d[key]).detach().float().view(-1) for d in loss_dicts]
+        values = [torch.as_tensor(d[key]).detach().float().view(-1).to(device) for d in loss_dicts]
         if values[0].numel() == 2:
             total = torch.vstack(values).sum(dim=0)
             if dp_size > 1:

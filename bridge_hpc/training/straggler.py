@@ -1,0 +1,336 @@
+"""Straggler detection (``[nvrx_straggler]``, Bridge's ``nvrx_straggler`` section).
+
+Two backends behind one interface and one report shape:
+
+* ``"nvrx"``: nvidia-resiliency-ext's ``straggler.Detector`` (CUPTI kernel timings), used when CUDA is
+  available AND the installed package has the ``straggler`` module (0.4.1 has it; 0.7.0 does not).
+* ``"steptime"``: ours, for CPU and for packages without the module: every rank times its steps;
+  every ``interval`` steps the ranks all_gather their recent mean step time (one small collective)
+  and every rank computes the same report: relative score = fastest rank's mean / this rank's mean,
+  individual score = this rank's best earlier mean / its current mean (1.0 = no slower than ever).
+  ``interval`` comes from ``report_time_interval`` (seconds) divided by the measured step time,
+  agreed by all ranks after ``warmup_steps`` steps (or is given directly).
+
+Where the loop calls it::
+
+    det = StragglerDetector(cfg.nvrx_straggler)     # None or enabled = false: every call is a no-op
+    det.setup()                                     # after init_process_group (collective)
+    while ...:
+        det.step_start()                            # around the whole training step
+        ...step...
+        det.step_end()
+        if det.check(iteration):                    # every rank, every iteration (collective on
+            reason = "straggler"                    #   report iterations); True only with
+            save checkpoint and leave the loop      #   stop_if_detected and a flagged rank,
+                                                    #   the same answer on every rank
+    det.shutdown()
+
+``det.last_report`` (a :class:`StragglerReport`) holds the latest report on every rank
+(with ``nvrx``: complete on rank 0 only, as nvrx gathers there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
+
+logger = logging.getLogger("bridge_hpc.straggler")
+
+
+@dataclass
+class StragglerReport:
+    """Scores are in (0, 1]: 0.5 = half as fast as the reference. Keys of ``stragglers`` follow
+    nvidia-resiliency-ext's ``Report.identify_stragglers`` (sets of ranks here)."""
+
+    iteration: int
+    backend: str
+    gpu_relative_perf_scores: Dict[int, float]
+    gpu_individual_perf_scores: Dict[int, float]
+    rank_to_node: Dict[int, str]
+    mean_step_time_s: Dict[int, float] = field(default_factory=dict)  # steptime backend only
+    stragglers: Dict[str, Set[int]] = field(default_factory=dict)
+
+    @property
+    def flagged_ranks(self) -> List[int]:
+        """Ranks below either threshold."""
+        out: Set[int] = set()
+        for ranks in self.stragglers.values():
+            out |= set(ranks)
+        return sorted(out)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "iteration": self.iteration, "backend": self.backend,
+            "gpu_relative_perf_scores": self.gpu_relative_perf_scores,
+            "gpu_individual_perf_scores": self.gpu_individual_perf_scores,
+            "rank_to_node": self.rank_to_node, "mean_step_time_s": self.mean_step_time_s,
+            "stragglers": {k: sorted(v) for k, v in self.stragglers.items()},
+            "flagged_ranks": self.flagged_ranks,
+        }
+
+
+def nvrx_straggler_available() -> bool:
+    """CUDA present and the installed nvidia-resiliency-ext has ``straggler.Detector``."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        return importlib.util.find_spec("nvidia_resiliency_ext.straggler") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class StragglerDetector:
+    """See the module docstring. ``backend``: ``"auto"`` (nvrx where available, else steptime),
+    ``"nvrx"`` or ``"steptime"``. ``interval_steps`` fixes the steptime report interval (tests).
+
+    What the steptime backend times is what :meth:`step_start`/:meth:`step_end` bracket. A rank that
+    waits in a collective for a straggler is as slow, by the wall clock, as the straggler; so bracket
+    the rank's own compute (forward/backward before the gradient all-reduce), or, with torch DDP
+    (whose all-reduce runs inside backward), bracket the whole step with ``clock="process"``: process
+    CPU time leaves out the time blocked in gloo/NCCL waits (it then finds ranks whose compute costs
+    more CPU time, e.g. a slower or throttled CPU, but not ranks slowed by other processes).
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        backend: str = "auto",
+        interval_steps: Optional[int] = None,
+        warmup_steps: int = 5,
+        group: Any = None,
+        clock: str = "wall",
+    ) -> None:
+        if clock not in ("wall", "process"):
+            raise ValueError("clock must be 'wall' or 'process'")
+        self.cfg = cfg
+        self._clock = time.perf_counter if clock == "wall" else time.process_time
+        self.enabled = bool(cfg is not None and getattr(cfg, "enabled", False))
+        self.requested_backend = backend
+        self.backend: Optional[str] = None
+        self.interval_steps = interval_steps
+        self.warmup_steps = max(1, int(warmup_steps))
+        self.group = group
+        self.last_report: Optional[StragglerReport] = None
+        self.stop_requested = False
+        self._rank = 0
+        self._world = 1
+        self._t0: Optional[float] = None
+        self._sum = 0.0
+        self._count = 0
+        self._steps = 0
+        self._next_check: Optional[int] = None
+        self._best_mean: Optional[float] = None
+        self._rank_to_node: Dict[int, str] = {}
+        self._section = None  # nvrx: the open detection_section context
+        self._device = "cpu"
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        if not self.enabled:
+            return
+        import torch.distributed as dist
+
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._world = dist.get_world_size() if dist.is_initialized() else 1
+        backend = self.requested_backend
+        if backend == "auto":
+            backend = "nvrx" if nvrx_straggler_available() else "steptime"
+        self.backend = backend
+        if backend == "nvrx":
+            from nvidia_resiliency_ext import straggler
+
+            scores = []
+            if getattr(self.cfg, "calc_relative_gpu_perf", True):
+                scores.append("relative_perf_scores")
+            if getattr(self.cfg, "calc_individual_gpu_perf", True):
+                scores.append("individual_perf_scores")
+            straggler.Detector.initialize(
+                scores_to_compute=scores, gather_on_rank0=True,
+                profiling_interval=int(getattr(self.cfg, "profiling_interval", 1)),
+                report_time_interval=float(getattr(self.cfg, "report_time_interval", 300.0)),
+            )
+        else:
+            if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
+                import torch
+
+                self._device = f"cuda:{torch.cuda.current_device()}"
+            if dist.is_initialized() and self._world > 1:
+                names: List[Optional[str]] = [None] * self._world
+                dist.all_gather_object(names, socket.gethostname(), group=self.group)
+                self._rank_to_node = {r: str(n) for r, n in enumerate(names)}
+            else:
+                self._rank_to_node = {0: socket.gethostname()}
+            if self.interval_steps:
+                self._next_check = int(self.interval_steps)
+        logger.info("straggler detection: %s backend on rank %d", backend, self._rank)
+
+    # -- per step ----------------------------------------------------------------------------------
+
+    def step_start(self) -> None:
+        if self.backend == "steptime":
+            self._t0 = self._clock()
+        elif self.backend == "nvrx":
+            from nvidia_resiliency_ext import straggler
+
+            self._section = straggler.Detector.detection_section("step", profile_cuda=True)
+            self._section.__enter__()
+
+    def step_end(self) -> None:
+        if self.backend == "steptime":
+            if self._t0 is not None:
+                self._sum += self._clock() - self._t0
+                self._count += 1
+                self._t0 = None
+        elif self.backend == "nvrx" and self._section is not None:
+            section, self._section = self._section, None
+            section.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def step(self):
+        self.step_start()
+        try:
+            yield
+        finally:
+            self.step_end()
+
+    def check(self, iteration: int) -> bool:
+        """Every rank, every iteration, after :meth:`step_end`. Returns True (on every rank) when the
+        loop should checkpoint and stop: ``stop_if_detected`` and a report that flagged a rank."""
+        if self.backend is None:
+            return False
+        self._steps += 1
+        report = self._check_nvrx(iteration) if self.backend == "nvrx" else self._check_steptime(iteration)
+        if report is None:
+            return False
+        self.last_report = report
+        if getattr(self.cfg, "enable_logging", True) and self._rank == 0:
+            self._log(report)
+        stop = bool(getattr(self.cfg, "stop_if_detected", False) and report.flagged_ranks)
+        if self.backend == "nvrx":  # the report is complete on rank 0 only: agree on the answer
+            stop = self._broadcast_flag(stop)
+        self.stop_requested = stop
+        return stop
+
+    def shutdown(self) -> None:
+        if self.backend == "nvrx":
+            from nvidia_resiliency_ext import straggler
+
+            straggler.Detector.shutdown()
+        self.backend = None
+
+    # -- steptime backend --------------------------------------------------------------------------
+
+    def _check_steptime(self, iteration: int) -> Optional[StragglerReport]:
+        if self._next_check is None:
+            if self._steps < self.warmup_steps:
+                return None
+            # agree on the interval: report_time_interval / slowest mean step time
+            mean = self._sum / max(1, self._count)
+            slowest = self._all_reduce_max(mean)
+            interval = float(getattr(self.cfg, "report_time_interval", 300.0))
+            self.interval_steps = max(1, int(round(interval / max(slowest, 1e-6))))
+            self._next_check = self._steps + self.interval_steps
+            self._sum, self._count = 0.0, 0  # warm-up steps (compilation, caches) do not count
+            return None
+        if self._steps < self._next_check:
+            return None
+        self._next_check = self._steps + int(self.interval_steps)
+        mean = self._sum / max(1, self._count)
+        self._sum, self._count = 0.0, 0
+        means = self._all_gather(mean)
+        fastest = min(means)
+        rel = {r: (fastest / m if m > 0 else 1.0) for r, m in enumerate(means)}
+        mine_best = mean if self._best_mean is None else min(self._best_mean, mean)
+        indiv_mine = mine_best / mean if mean > 0 else 1.0
+        self._best_mean = mine_best
+        indiv = dict(enumerate(self._all_gather(indiv_mine)))
+        rel_thr = float(getattr(self.cfg, "gpu_relative_perf_threshold", 0.7))
+        ind_thr = float(getattr(self.cfg, "gpu_individual_perf_threshold", 0.7))
+        stragglers: Dict[str, Set[int]] = {}
+        if getattr(self.cfg, "calc_relative_gpu_perf", True):
+            stragglers["straggler_gpus_relative"] = {r for r, s in rel.items() if s < rel_thr}
+        if getattr(self.cfg, "calc_individual_gpu_perf", True):
+            stragglers["straggler_gpus_individual"] = {r for r, s in indiv.items() if s < ind_thr}
+        return StragglerReport(
+            iteration=iteration, backend="steptime",
+            gpu_relative_perf_scores=rel if getattr(self.cfg, "calc_relative_gpu_perf", True) else {},
+            gpu_individual_perf_scores=indiv if getattr(self.cfg, "calc_individual_gpu_perf", True) else {},
+            rank_to_node=dict(self._rank_to_node), mean_step_time_s=dict(enumerate(means)),
+            stragglers=stragglers,
+        )
+
+    def _all_gather(self, value: float) -> List[float]:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or self._world == 1:
+            return [float(value)]
+        mine = torch.tensor([float(value)], dtype=torch.float64, device=self._device)
+        out = [torch.zeros_like(mine) for _ in range(self._world)]
+        dist.all_gather(out, mine, group=self.group)
+        return [float(t.item()) for t in out]
+
+    def _all_reduce_max(self, value: float) -> float:
+        return max(self._all_gather(value))
+
+    # -- nvrx backend ------------------------------------------------------------------------------
+
+    def _check_nvrx(self, iteration: int) -> Optional[StragglerReport]:
+        from nvidia_resiliency_ext import straggler
+
+        report = straggler.Detector.generate_report_if_interval_elapsed()
+        if report is None:
+            return None
+        if self._rank != 0:  # gather_on_rank0: other ranks get an empty report
+            return StragglerReport(iteration, "nvrx", {}, {}, {})
+        found = report.identify_stragglers(
+            gpu_rel_threshold=float(getattr(self.cfg, "gpu_relative_perf_threshold", 0.7)),
+            gpu_indiv_threshold=float(getattr(self.cfg, "gpu_individual_perf_threshold", 0.7)),
+        )
+        return StragglerReport(
+            iteration=iteration, backend="nvrx",
+            gpu_relative_perf_scores=dict(report.gpu_relative_perf_scores),
+            gpu_individual_perf_scores=dict(report.gpu_individual_perf_scores),
+            rank_to_node=dict(report.rank_to_node),
+            stragglers={
+                "straggler_gpus_relative": {s.rank for s in found.get("straggler_gpus_relative", ())},
+                "straggler_gpus_individual": {s.rank for s in found.get("straggler_gpus_individual", ())},
+            },
+        )
+
+    def _broadcast_flag(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or self._world == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=f"cuda:{torch.cuda.current_device()}")
+        dist.broadcast(t, 0, group=self.group)
+        return bool(t.item())
+
+    # -- logging -----------------------------------------------------------------------------------
+
+    def _log(self, report: StragglerReport) -> None:
+        n = int(getattr(self.cfg, "num_gpu_perf_scores_to_print", 5))
+        for name, scores in (("relative", report.gpu_relative_perf_scores),
+                             ("individual", report.gpu_individual_perf_scores)):
+            if not scores or n <= 0:
+                continue
+            ordered = sorted(scores.items(), key=lambda kv: kv[1])
+            worst = ", ".join(f"rank {r}: {s:.2f}" for r, s in ordered[:n])
+            best = ", ".join(f"rank {r}: {s:.2f}" for r, s in ordered[-n:][::-1])
+            logger.info("straggler report @%d (%s) %s perf scores: worst [%s] best [%s]",
+                        report.iteration, report.backend, name, worst, best)
+        if report.flagged_ranks:
+            nodes = {r: report.rank_to_node.get(r, "?") for r in report.flagged_ranks}
+            logger.warning("straggler report @%d: flagged ranks %s (nodes %s)",
+                           report.iteration, report.flagged_ranks, nodes)

@@ -1,0 +1,108 @@
+"""Config: TOML sections -> ConfigContainer, and bad values fail with ConfigError naming the key."""
+
+import os
+import shutil
+
+import pytest
+import toml
+
+from bridge_hpc.errors import ConfigError
+from bridge_hpc.run import build_config
+from bridge_hpc.training.config import ConfigContainer, MockGPTDatasetConfig
+
+TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
+
+
+def sections(**changes):
+    data = toml.load(TINY)
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        data.setdefault(section, {})[key] = value
+    return data
+
+
+def test_tiny_builds_and_validates():
+    cfg = ConfigContainer.from_sections(sections(checkpoint__save="/tmp/ckpt"), source="tiny.toml")
+    cfg.validate(world_size=2)
+    assert cfg.checkpoint.load == "/tmp/ckpt"
+    assert cfg.train.train_iters == 40 and cfg.model.hidden_size == 64
+    assert cfg.model.ffn_hidden_size == 256  # finalize() derived it
+    assert cfg.data_parallel_size == 2
+    assert isinstance(cfg.dataset, MockGPTDatasetConfig) and cfg.dataset.vocab_size == 128
+    assert cfg.scheduler.lr_decay_iters == 40  # defaults to train_iters
+    assert cfg.train.exit_signal == ["SIGTERM", "SIGUSR1"]
+
+
+def test_launcher_sections_are_ignored():
+    data = sections()
+    data.update(slurm={"time": "1:00:00"}, env={"FOO": "1"}, container={"image": "x"}, setup={"run": "true"})
+    ConfigContainer.from_sections(data, source="job.toml")
+
+
+@pytest.mark.parametrize("section,key,value,expect", [
+    ("train", "train_itres", 10, "did you mean 'train_iters'"),
+    ("checkpoint", "save_intervall", 10, "did you mean 'save_interval'"),
+    ("optimizer", "lr", "fast", "expected float"),
+    ("train", "micro_batch_size", 2.5, "expected int"),
+    ("logger", "log_progress", 1, "expected bool"),
+    ("optimizer", "optimizer", "lamb", "one of 'adam', 'sgd'"),
+])
+def test_bad_key_or_type_names_the_key(section, key, value, expect):
+    with pytest.raises(ConfigError) as err:
+        ConfigContainer.from_sections(sections(**{f"{section}__{key}": value}), source="job.toml")
+    assert err.value.key == f"{section}.{key}"
+    assert err.value.path == "job.toml"
+    assert expect in str(err.value)
+
+
+def test_unknown_section_suggests():
+    data = sections()
+    data["trian"] = {"train_iters": 3}
+    with pytest.raises(ConfigError, match="did you mean 'train'") as err:
+        ConfigContainer.from_sections(data, source="job.toml")
+    assert err.value.key == "trian"
+
+
+@pytest.mark.parametrize("changes,key", [
+    ({"train__global_batch_size": 6}, "train.global_batch_size"),  # 6 % (2 x 2) != 0
+    ({"dataset__seq_length": 16}, "dataset.seq_length"),
+    ({"optimizer__min_lr": 1.0}, "optimizer.min_lr"),
+    ({"model__num_attention_heads": 5}, "model.num_attention_heads"),
+    ({"model__tensor_model_parallel_size": 2}, "model.tensor_model_parallel_size"),
+    ({"train__exit_signal": "SIGFOO"}, "train.exit_signal"),
+    ({"checkpoint__async_save": True}, "checkpoint.async_save"),
+])
+def test_inconsistent_settings_fail_in_validate(changes, key):
+    with pytest.raises(ConfigError) as err:
+        cfg = ConfigContainer.from_sections(sections(**changes), source="job.toml")
+        cfg.validate(world_size=2)
+    assert err.value.key == key
+
+
+def test_save_interval_without_folder():
+    with pytest.raises(ConfigError) as err:
+        ConfigContainer.from_sections(sections(), source="job.toml").validate(world_size=1)
+    assert err.value.key == "checkpoint.save_interval"
+
+
+def test_missing_lr_is_named():
+    data = sections()
+    del data["optimizer"]["lr"]
+    with pytest.raises(ConfigError) as err:
+        ConfigContainer.from_sections(data, source="job.toml")
+    assert err.value.key == "optimizer.lr"
+
+
+def test_run_dir_defaults_and_overrides(tmp_path):
+    job = tmp_path / "job.toml"
+    shutil.copy(TINY, job)
+    cfg = build_config(str(job), ["train.train_iters=7", "logger.log_interval=1", "train.exit_signal=SIGUSR1"])
+    run_dir = tmp_path / "runs" / "tiny"
+    assert cfg.checkpoint.save == str(run_dir / "checkpoints")
+    assert cfg.checkpoint.load == cfg.checkpoint.save  # a requeued job resumes by itself
+    assert cfg.logger.metrics_file == str(run_dir / "metrics.jsonl")
+    assert cfg.train.train_iters == 7 and cfg.logger.log_interval == 1
+    assert cfg.train.exit_signal == ["SIGUSR1"]
+    with pytest.raises(ConfigError) as err:
+        build_config(str(job), ["train.train_iters=many"])
+    assert err.value.key == "train.train_iters"

@@ -1,0 +1,230 @@
+"""Exact resume, crash safety of checkpoint saves, and a signal stopping all ranks together.
+
+Every run here is 2 CPU ranks over gloo on the tiny GPT of tests/data/tiny.toml (dropout on, so
+RNG restore is exercised). One straight 40-step run is shared by the tests that compare to it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint
+from bridge_hpc.progress import parse_events
+from bridge_hpc.training.metrics import read_metrics
+
+TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(directory) -> str:
+    os.makedirs(directory, exist_ok=True)
+    job = os.path.join(directory, "job.toml")
+    shutil.copy(TINY, job)
+    return job
+
+
+def _torchrun(job: str, *overrides: str) -> list:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "bridge_hpc.run", job]
+    for item in overrides:
+        cmd += ["--set", item]
+    return cmd
+
+
+def _run(job: str, *overrides: str) -> str:
+    proc = subprocess.run(_torchrun(job, *overrides), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+def _run_dir(job: str) -> str:
+    return os.path.join(os.path.dirname(job), "runs", "tiny")
+
+
+def _model_params(checkpoint_dir: str, scratch: str) -> dict:
+    """The model tensors of a DCP checkpoint folder, read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(scratch, f"{os.path.basename(checkpoint_dir)}_{random.random()}.pt")
+    dcp_to_torch_save(checkpoint_dir, out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state["model"].items()}
+
+
+def _assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """40 steps in one go, with TensorBoard on."""
+    job = _job(tmp_path_factory.mktemp("straight"))
+    _run(job, 'logger.tensorboard_dir="tb"', "logger.log_progress=true")
+    return job
+
+
+def test_straight_run_outputs(straight):
+    run_dir = _run_dir(straight)
+    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    assert sorted(metrics) == list(range(1, 41))
+    first = metrics[1]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(first)
+    assert metrics[40]["loss"] < metrics[1]["loss"]  # it learns
+    ckpts = os.path.join(run_dir, "checkpoints")
+    assert sorted(os.listdir(ckpts)) == ["iter_0000030", "iter_0000040", TRACKER, "progress.txt"]  # most_recent_k=2
+    events = [(e.name, e.fields.get("Iteration"), e.fields.get("Reason")) for e in parse_events(
+        os.path.join(ckpts, "progress.txt"))]
+    assert events == [("Starting job", None, None), ("First step", "1", None)] + [
+        ("Saved checkpoint", str(i), None) for i in (10, 20, 30, 40)] + [("Ending job", "40", "done")]
+    assert open(os.path.join(ckpts, TRACKER)).read().strip() == "40"
+    assert sorted(os.listdir(os.path.join(ckpts, "iter_0000040"))) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "rank_00000.pt", "rank_00001.pt", "run_config.json",
+        "train_state.pt"]
+    tb = os.path.join(os.path.dirname(straight), "tb")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
+
+
+def test_exact_resume(straight, tmp_path):
+    job = _job(tmp_path / "resumed")
+    out = _run(job, "train.exit_interval=20", "logger.log_progress=true")
+    assert "exiting at iteration 20: exit_interval" in out
+    run_dir = _run_dir(job)
+    assert sorted(read_metrics(os.path.join(run_dir, "metrics.jsonl"))) == list(range(1, 21))
+    out = _run(job, "logger.log_progress=true")
+    assert "loaded checkpoint" in out and "iter_0000020" in out
+    events = [(e.name, e.fields.get("Iteration"), e.fields.get("Reason"))
+              for e in parse_events(os.path.join(run_dir, "checkpoints", "progress.txt"))]
+    assert ("Ending job", "20", "interval") in events and ("Loaded checkpoint", "20", None) in events
+    assert events[-1] == ("Ending job", "40", "done") and ("First step", "21", None) in events
+
+    a = read_metrics(os.path.join(_run_dir(straight), "metrics.jsonl"))
+    b = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    assert sorted(b) == list(range(1, 41))
+    for step in range(21, 41):
+        assert b[step]["loss"] == a[step]["loss"], step  # exact, not approximate
+        assert b[step]["grad_norm"] == a[step]["grad_norm"], step
+        assert b[step]["lr"] == a[step]["lr"], step
+    _assert_bitwise_equal(
+        _model_params(os.path.join(_run_dir(straight), "checkpoints", "iter_0000040"), str(tmp_path)),
+        _model_params(os.path.join(run_dir, "checkpoints", "iter_0000040"), str(tmp_path)))
+
+
+def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
+    """Saving every step, SIGKILL the whole job at random moments; the newest complete checkpoint
+    must always load, and finishing from it must reproduce the straight run exactly."""
+    job = _job(tmp_path / "killed")
+    ckpts = os.path.join(_run_dir(job), "checkpoints")
+    rng = random.Random(7)
+    last = 0
+    for attempt in range(4):
+        proc = subprocess.Popen(_torchrun(job, "checkpoint.save_interval=1"), cwd=REPO, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline:  # wait for this attempt's first own checkpoint
+            try:
+                if int(open(os.path.join(ckpts, TRACKER)).read()) > last:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.02)
+        else:
+            pytest.fail("no checkpoint appeared")
+        time.sleep(rng.uniform(0.0, 0.5))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+        latest = find_latest_checkpoint(ckpts)
+        assert latest is not None
+        iteration = int(latest[-7:])
+        assert iteration >= last
+        last = iteration
+        common = torch.load(os.path.join(latest, "train_state.pt"), weights_only=False)
+        assert common["iteration"] == iteration == common["train_state"]["step"]
+        for rank in (0, 1):
+            per_rank = torch.load(os.path.join(latest, f"rank_{rank:05d}.pt"), weights_only=False)
+            assert per_rank["data"]["consumed_samples"] == 8 * iteration
+        assert _model_params(latest, str(tmp_path))
+        if iteration == 40:
+            break
+
+    _run(job, "checkpoint.save_interval=1")
+    a = read_metrics(os.path.join(_run_dir(straight), "metrics.jsonl"))
+    b = read_metrics(os.path.join(_run_dir(job), "metrics.jsonl"))
+    assert sorted(b) == list(range(1, 41))
+    assert [b[s]["loss"] for s in range(1, 41)] == [a[s]["loss"] for s in range(1, 41)]
+    _assert_bitwise_equal(
+        _model_params(os.path.join(_run_dir(straight), "checkpoints", "iter_0000040"), str(tmp_path)),
+        _model_params(os.path.join(ckpts, "iter_0000040"), str(tmp_path)))
+    assert not [n for n in os.listdir(ckpts) if n.endswith((".tmp", ".del"))]
+
+
+def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
+    """Launched the way srun does (SLURM_* variables, no torchrun): SIGTERM reaches rank 1 only;
+    both ranks stop after the same step, a checkpoint of that step is saved, exit status 0."""
+    job = _job(tmp_path / "signal")
+    port = str(_free_port())
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                   SLURM_NNODES="1", SLURM_TASKS_PER_NODE="2", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "bridge_hpc.run", job, "--set", "train.train_iters=100000",
+             "--set", "checkpoint.save_interval=100000", "--set", "logger.log_progress=true"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    metrics_file = os.path.join(_run_dir(job), "metrics.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if os.path.exists(metrics_file) and len(open(metrics_file).readlines()) >= 5:
+            break
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    stopped = int(open(os.path.join(_run_dir(job), "checkpoints", TRACKER)).read())
+    assert f"exiting at iteration {stopped}: signal received" in outputs[0][0]
+    assert max(read_metrics(metrics_file)) == stopped
+    assert os.path.isfile(os.path.join(_run_dir(job), "checkpoints", f"iter_{stopped:07d}", "rank_00001.pt"))
+    end = parse_events(os.path.join(_run_dir(job), "checkpoints", "progress.txt"))[-1]
+    assert (end.name, end.fields["Reason"], end.fields["Steps lost"], end.job_id) == ("Ending job", "signal", "0", "4242")
+
+
+def test_latest_checkpoint_ignores_incomplete_folders(tmp_path):
+    """The newest complete ``iter_*`` folder wins, whatever the tracker says; half-written
+    (``.tmp``), half-deleted (``.del``) or unmarked folders never do."""
+    root = tmp_path / "ckpt"
+    for name, complete in (("iter_0000005", True), ("iter_0000006", True), ("iter_0000007", False),
+                           ("iter_0000008.tmp", True), ("iter_0000009.del", True)):
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / "train_state.pt").write_bytes(b"x")
+    assert find_latest_checkpoint(str(root)) == str(root / "iter_0000006")  # no tracker: scan
+    (root / TRACKER).write_text("6\n")
+    assert find_latest_checkpoint(str(root)) == str(root / "iter_0000006")
+    (root / TRACKER).write_text("5\n")  # killed between the rename of iter_6 and the tracker update
+    assert find_latest_checkpoint(str(root)) == str(root / "iter_0000006")
+    (root / TRACKER).write_text("7\n")
+    assert find_latest_checkpoint(str(root)) == str(root / "iter_0000006")  # tracker names an incomplete one
+    (root / TRACKER).write_text("garbage")
+    assert find_latest_checkpoint(str(root)) == str(root / "iter_0000006")
+    assert find_latest_checkpoint(str(tmp_path / "missing")) is None
