@@ -69,7 +69,8 @@ def submit_latencies(n: int) -> dict:
     rank.write_text(RANK.format(python=sys.executable))
     rank.chmod(0o755)
     doc = {"job": {"name": "bench", "python": str(rank), "run_dir": str(work / "run")},
-           "slurm": {"time": "00:05:00", "ntasks_per_node": 1}}
+           "slurm": {"time": "00:05:00", "ntasks_per_node": 1},
+           "train": {"train_iters": 1, "micro_batch_size": 1, "global_batch_size": 1}, "optimizer": {"lr": 1e-3}}
     (work / "job.toml").write_text(toml.dumps(doc))
     run_dir = work / "run"
     out = {"bridge-submit": [], "sbatch": []}

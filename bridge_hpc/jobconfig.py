@@ -23,11 +23,8 @@ import toml
 from bridge_hpc.errors import ConfigError
 from bridge_hpc.schema import build_dataclass, did_you_mean
 
-# Sections the ranks read; names follow Megatron Bridge's ConfigContainer fields.
-TRAINING_SECTIONS = (
-    "train", "model", "optimizer", "scheduler", "dataset", "logger", "checkpoint", "rng", "dist",
-    "ddp", "ft", "straggler", "nvrx_straggler", "inprocess_restart", "profiling",
-)
+# The launcher's sections; every other known section (bridge_hpc.training.config.SECTIONS, named
+# after Megatron Bridge's ConfigContainer fields) is carried to the ranks.
 LAUNCHER_SECTIONS = ("job", "slurm", "env", "container", "setup", "cluster")
 TOP_LEVEL_KEYS = ("extends",)
 
@@ -74,7 +71,8 @@ class SlurmSection:
     time: str = "01:00:00"
     signal: str = "USR1@120"
     requeue: bool = True
-    max_restarts: int = 20
+    max_restarts: int = 20  # requeues after signals and time limits
+    retries_without_progress: int = 2  # requeues after failures that saved no checkpoint (crash loops)
     constraint: Optional[str] = None
     exclusive: bool = False
     dependency: Optional[str] = None
@@ -154,8 +152,22 @@ class JobConfig:
     def time_limit_s(self) -> int:
         return parse_time_limit(self.slurm.time)
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``[checkpoint] save``, relative to the run folder, or ``<run_dir>/checkpoints``."""
+        return resolve_in_run_dir(self.run_dir, self.training.get("checkpoint", {}).get("save"), "checkpoints")
+
     def secrets(self) -> List[EnvVar]:
         return [v for v in self.env if v.from_shell]
+
+
+def resolve_in_run_dir(run_dir: Path, value: Optional[str], default: Optional[str] = None) -> Optional[Path]:
+    """A path from a training section: relative ones live in the run folder (so a job file and its
+    resolved.toml, which sit in different folders, place files identically)."""
+    if not isinstance(value, str):
+        return run_dir / default if default else None
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else run_dir / path
 
 
 # --------------------------------------------------------------------------- loading and merging
@@ -245,21 +257,6 @@ def parse_override(text: str) -> Tuple[List[str], Any]:
     return parts, value
 
 
-def load_config_dict(path: Union[str, Path], overrides: Sequence[str] = ()) -> Dict[str, Any]:
-    """The merged TOML document of a job config (profiles resolved, overrides applied), unvalidated.
-
-    This is what the ranks read too, so a resolved.toml and the original job file give the same run.
-    """
-    doc, _ = _load_with_profiles(Path(path))
-    for item in overrides:
-        parts, value = parse_override(item)
-        patch: Dict[str, Any] = value
-        for part in reversed(parts):
-            patch = {part: patch}
-        doc = deep_merge(doc, patch)
-    return doc
-
-
 # --------------------------------------------------------------------------- typed sections
 
 
@@ -331,7 +328,7 @@ def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> None:
     for key in ("nodes", "ntasks_per_node"):
         if getattr(s, key) < 1:
             raise where.error(f"slurm.{key}", "must be at least 1")
-    for key in ("cpus_per_task", "gpus_per_node", "max_restarts"):
+    for key in ("cpus_per_task", "gpus_per_node", "max_restarts", "retries_without_progress"):
         value = getattr(s, key)
         if value is not None and value < 0:
             raise where.error(f"slurm.{key}", "must not be negative")
@@ -381,7 +378,9 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         overridden.append(tuple(parts))
     where = _Where(path=path, origin=origin, overridden=tuple(overridden))
 
-    known = LAUNCHER_SECTIONS + TRAINING_SECTIONS
+    from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
+
+    known = LAUNCHER_SECTIONS + tuple(TRAINING_SECTIONS)
     for key, value in doc.items():
         if key not in known:
             raise where.error(key, f"unknown section{did_you_mean(key, known)}; known sections: {', '.join(known)}")
@@ -407,10 +406,22 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     resolved = dict(doc)
     resolved["job"] = dict(doc.get("job", {}), name=job.name, run_dir=job.run_dir)
     training = {k: v for k, v in doc.items() if k in TRAINING_SECTIONS}
+    _check_training_sections(training, where)
     return JobConfig(
         path=path, job=job, slurm=slurm, env=env, container=container, setup=setup,
         cluster=cluster, training=training, raw=resolved,
     )
+
+
+def _check_training_sections(training: Dict[str, Any], where: "_Where") -> None:
+    """Type-check the ranks' sections now, so a typo fails at submission and not after the queue wait.
+    Cross-section checks that need the world size still happen on the ranks."""
+    from bridge_hpc.training.config import ConfigContainer
+
+    try:
+        ConfigContainer.from_sections(training, source=str(where.path))
+    except ConfigError as err:
+        raise where.error(err.key, err.message) if err.key else err from None
 
 
 def check_secrets_present(cfg: JobConfig, environ: Optional[Dict[str, str]] = None) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 import jinja2
 
 from bridge_hpc import __version__
-from bridge_hpc.exitcodes import EXIT_REQUEUE
 from bridge_hpc.jobconfig import JobConfig
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
@@ -79,5 +78,5 @@ def render_script(cfg: JobConfig) -> str:
         version=__version__,
         resolved_path=str(run_files(cfg)["resolved"]),
         log_pattern=log_pattern(cfg),
-        exit_requeue=EXIT_REQUEUE,
+        checkpoint_dir=str(cfg.checkpoint_dir),
     )

@@ -1,7 +1,7 @@
 """``python -m bridge_hpc.run JOB.toml [--set section.key=value ...]``: train the job's GPT.
 
 The job file's training sections become a :class:`ConfigContainer`; launcher sections are
-ignored except ``[job] run_dir`` (relative to the job file's folder), which places the run:
+ignored except ``[job] run_dir`` (relative to the current directory), which places the run:
 metrics in ``<run_dir>/metrics.jsonl`` and checkpoints in ``<run_dir>/checkpoints`` unless
 ``[checkpoint] save`` says otherwise. ``load`` defaults to ``save``, so a requeued job resumes
 where it stopped. Works the same under ``srun`` (SLURM_* variables) and ``torchrun``.
@@ -10,30 +10,30 @@ where it stopped. Works the same under ``srun`` (SLURM_* variables) and ``torchr
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
 from bridge_hpc.errors import exits_on_config_error
-from bridge_hpc.jobconfig import load_config_dict
+from bridge_hpc.jobconfig import load_job_config, resolve_in_run_dir
 from bridge_hpc.training.config import ConfigContainer
 
 
 def build_config(path: str, overrides: Optional[List[str]] = None) -> ConfigContainer:
-    """Job file (``extends`` profiles resolved, ``--set`` overrides applied) -> ConfigContainer
-    (each section checked) with the run-folder defaults filled in."""
-    sections = load_config_dict(path, overrides or ())
-    base = os.path.dirname(os.path.abspath(path))
-    run_dir = sections.get("job", {}).get("run_dir")
-    if run_dir is not None:
-        run_dir = os.path.normpath(os.path.join(base, run_dir))
-        sections.setdefault("checkpoint", {}).setdefault("save", os.path.join(run_dir, "checkpoints"))
-        sections.setdefault("logger", {}).setdefault("metrics_file", os.path.join(run_dir, "metrics.jsonl"))
-    for section, key in (("checkpoint", "save"), ("checkpoint", "load"), ("checkpoint", "pretrained_checkpoint"),
-                         ("logger", "tensorboard_dir"), ("logger", "metrics_file")):
-        value = sections.get(section, {}).get(key)
-        if isinstance(value, str):
-            sections[section][key] = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+    """Job file (``extends`` profiles resolved, ``--set`` overrides applied, launcher sections checked)
+    -> ConfigContainer with the run-folder defaults filled in.
+
+    Paths follow ``bridge-submit``: ``[job] run_dir`` relative to the current directory (a
+    resolved.toml holds it absolute), and relative training paths inside the run folder, so the job
+    file and its resolved.toml place every file identically.
+    """
+    job = load_job_config(path, overrides or ())
+    sections = dict(job.training)
+    for section, key, default in (("checkpoint", "save", "checkpoints"), ("checkpoint", "load", None),
+                                  ("checkpoint", "pretrained_checkpoint", None), ("logger", "tensorboard_dir", None),
+                                  ("logger", "metrics_file", "metrics.jsonl")):
+        value = resolve_in_run_dir(job.run_dir, sections.get(section, {}).get(key), default)
+        if value is not None:
+            sections[section] = dict(sections.get(section, {}), **{key: str(value)})
     return ConfigContainer.from_sections(sections, source=path)
 
 

@@ -18,6 +18,7 @@ import toml
 
 from bridge_hpc.jobconfig import load_job_config
 from bridge_hpc.render import render_script
+from jobs import MINIMAL_TRAINING, MINIMAL_TRAINING_TOML
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,6 +65,11 @@ def job_dir(tmp_path: Path) -> Path:
 
         [train]
         train_iters = 10
+        micro_batch_size = 1
+        global_batch_size = 2
+
+        [optimizer]
+        lr = 1e-3
     """)
     return tmp_path
 
@@ -84,6 +90,8 @@ BAD_INPUTS = [
     ("bad env name", '[env]\n"1X" = "y"\n', "env.1X", "not a valid environment variable name"),
     ("extra sets an owned option", '[slurm]\nextra = { output = "/tmp/x" }\n', "slurm.extra.output", "set by bridge_hpc"),
     ("container without image", '[container]\nmounts = ["/a:/b"]\n', "container.image", "needs an image"),
+    ("unknown training key", '[train]\ntrain_itres = 5\n', "train.train_itres", "did you mean 'train_iters'"),
+    ("wrong training type", '[model]\nnum_layers = "two"\n', "model.num_layers", "expected an integer"),
 ]
 
 
@@ -166,7 +174,7 @@ INJECTIONS = ["x$(touch /tmp/pwned)", "a`touch /tmp/pwned`b", "it's \"quoted\"; 
 @pytest.mark.parametrize("evil", INJECTIONS)
 def test_values_reach_the_shell_quoted(tmp_path: Path, evil: str):
     """Parse the rendered script with shlex as bash would: each value must come out as one literal word."""
-    doc = {"job": {"name": evil}, "env": {"EVIL": evil}, "setup": {"modules": [evil]}}
+    doc = {"job": {"name": evil}, "env": {"EVIL": evil}, "setup": {"modules": [evil]}, **MINIMAL_TRAINING}
     (tmp_path / "job.toml").write_text(toml.dumps(doc))
     script = render_script(load_job_config(tmp_path / "job.toml", cwd=tmp_path))
     lines = script.splitlines()
@@ -183,7 +191,7 @@ def test_secrets_are_named_never_written(tmp_path: Path):
     write(tmp_path / "job.toml", """
         [env]
         API_KEY = { from_shell = "MY_SECRET_TOKEN" }
-    """)
+    """ + MINIMAL_TRAINING_TOML)
     env = dict(os.environ, MY_SECRET_TOKEN="s3cr3t-value")
     result = submit_cli("job.toml", "--dry-run", cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
@@ -195,7 +203,7 @@ def test_secrets_are_named_never_written(tmp_path: Path):
 
 
 def test_missing_secret_stops_submission(tmp_path: Path):
-    write(tmp_path / "job.toml", '[env]\nAPI_KEY = { from_shell = "BRIDGE_TEST_UNSET_SECRET" }\n')
+    write(tmp_path / "job.toml", '[env]\nAPI_KEY = { from_shell = "BRIDGE_TEST_UNSET_SECRET" }\n' + MINIMAL_TRAINING_TOML)
     env = {k: v for k, v in os.environ.items() if k != "BRIDGE_TEST_UNSET_SECRET"}
     result = submit_cli("job.toml", cwd=tmp_path, env=env)
     assert result.returncode == 2 and "key 'env.API_KEY'" in result.stderr

@@ -8,6 +8,7 @@ second each; tests/test_run_slurm.py runs the training entry itself.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import toml
+from jobs import MINIMAL_TRAINING
 
 pytestmark = pytest.mark.slurm
 
@@ -44,7 +46,8 @@ def make_job(tmp_path: Path, **sections) -> Path:
     recorder = tmp_path / "recorder"
     recorder.write_text(RECORDER.format(python=sys.executable))
     recorder.chmod(0o755)
-    doc = {"job": {"name": "launch-test", "python": str(recorder)}, "slurm": {"time": "00:05:00", "ntasks_per_node": 2}}
+    doc = {"job": {"name": "launch-test", "python": str(recorder)}, "slurm": {"time": "00:05:00", "ntasks_per_node": 2},
+           **copy.deepcopy(MINIMAL_TRAINING)}
     for name, values in sections.items():
         doc.setdefault(name, {}).update(values)
     path = tmp_path / "job.toml"

@@ -42,9 +42,9 @@ def test_launcher_sections_are_ignored():
 @pytest.mark.parametrize("section,key,value,expect", [
     ("train", "train_itres", 10, "did you mean 'train_iters'"),
     ("checkpoint", "save_intervall", 10, "did you mean 'save_interval'"),
-    ("optimizer", "lr", "fast", "expected float"),
-    ("train", "micro_batch_size", 2.5, "expected int"),
-    ("logger", "log_progress", 1, "expected bool"),
+    ("optimizer", "lr", "fast", "expected a number"),
+    ("train", "micro_batch_size", 2.5, "expected an integer"),
+    ("logger", "log_progress", 1, "expected true or false"),
     ("optimizer", "optimizer", "lamb", "one of 'adam', 'sgd'"),
 ])
 def test_bad_key_or_type_names_the_key(section, key, value, expect):
@@ -93,9 +93,11 @@ def test_missing_lr_is_named():
     assert err.value.key == "optimizer.lr"
 
 
-def test_run_dir_defaults_and_overrides(tmp_path):
-    job = tmp_path / "job.toml"
+def test_run_dir_defaults_and_overrides(tmp_path, monkeypatch):
+    (tmp_path / "configs").mkdir()
+    job = tmp_path / "configs" / "job.toml"
     shutil.copy(TINY, job)
+    monkeypatch.chdir(tmp_path)  # run_dir is relative to where the job is launched, as in bridge-submit
     cfg = build_config(str(job), ["train.train_iters=7", "logger.log_interval=1", "train.exit_signal=SIGUSR1"])
     run_dir = tmp_path / "runs" / "tiny"
     assert cfg.checkpoint.save == str(run_dir / "checkpoints")
@@ -106,3 +108,6 @@ def test_run_dir_defaults_and_overrides(tmp_path):
     with pytest.raises(ConfigError) as err:
         build_config(str(job), ["train.train_iters=many"])
     assert err.value.key == "train.train_iters"
+    # relative training paths live in the run folder, whichever file (job or resolved.toml) is read
+    cfg = build_config(str(job), ["checkpoint.save=ckpt"])
+    assert cfg.checkpoint.save == str(run_dir / "ckpt")

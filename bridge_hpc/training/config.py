@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import difflib
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from bridge_hpc.errors import ConfigError
+from bridge_hpc.jobconfig import LAUNCHER_SECTIONS
+from bridge_hpc.schema import build_dataclass, did_you_mean
 
 # ---------------------------------------------------------------------------------------------
 # Sections
@@ -489,7 +489,7 @@ SECTIONS: Dict[str, type] = {
 }
 
 #: Top-level sections of a job file that belong to the launcher, not to training.
-LAUNCHER_SECTIONS = frozenset({"job", "slurm", "env", "container", "setup", "cluster"})
+# The launcher's sections ([job], [slurm], ...) are bridge_hpc.jobconfig's; the trainer skips them.
 
 
 @dataclass
@@ -521,18 +521,21 @@ class ConfigContainer:
         Each section is type-checked and finalized here, so a typo fails on the login node;
         cross-section checks wait for :meth:`validate`.
         """
+        def error(key: str, message: str) -> ConfigError:
+            return ConfigError(message, path=source, key=key)
+
         kwargs: Dict[str, Any] = {}
         for name, body in sections.items():
             if name in LAUNCHER_SECTIONS or name == "extends":
                 continue
             if name not in SECTIONS:
-                raise ConfigError(f"unknown section [{name}]{_did_you_mean(name, list(SECTIONS) + list(LAUNCHER_SECTIONS))}",
+                raise ConfigError(f"unknown section [{name}]{did_you_mean(name, list(SECTIONS) + list(LAUNCHER_SECTIONS))}",
                                   path=source, key=name)
             if not isinstance(body, dict):
                 raise ConfigError(f"expected a table [{name}], got {type(body).__name__}", path=source, key=name)
-            kwargs[name] = _build_section(SECTIONS[name], name, body, source)
+            kwargs[name] = build_dataclass(SECTIONS[name], name, body, error)
         for name in ("train", "model", "optimizer", "scheduler", "dataset", "logger", "checkpoint"):
-            kwargs.setdefault(name, _build_section(SECTIONS[name], name, {}, source))
+            kwargs.setdefault(name, build_dataclass(SECTIONS[name], name, {}, error))
         cfg = cls(**kwargs)
         try:
             cfg.finalize_sections()
@@ -623,59 +626,3 @@ def _world_size() -> int:
     except ImportError:
         pass
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _build_section(cls: type, name: str, body: Dict[str, Any], source: str):
-    """Instantiate ``cls`` from a TOML table, naming ``section.key`` on an unknown key or a bad type."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for key, value in body.items():
-        if key not in fields:
-            raise ConfigError(f"unknown key{_did_you_mean(key, fields)}", path=source, key=f"{name}.{key}")
-        if not _matches(value, hints[key]):
-            raise ConfigError(f"expected {_type_name(hints[key])}, got {value!r} ({type(value).__name__})",
-                              path=source, key=f"{name}.{key}")
-    return cls(**body)
-
-
-def _matches(value: Any, tp: Any) -> bool:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return True
-    if origin is Union:
-        return any(_matches(value, a) for a in args)
-    if origin is Literal:
-        return any(value == a and type(value) is type(a) for a in args)
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if origin in (list, List, tuple, Tuple):
-        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value) if args else isinstance(value, list)
-    if origin in (dict, Dict):
-        return isinstance(value, dict)
-    if isinstance(tp, type):
-        return isinstance(value, tp)
-    return True
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Union:
-        return " or ".join(_type_name(a) for a in args)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if tp is type(None):
-        return "nothing (omit the key)"
-    if origin in (list, List):
-        return f"a list of {_type_name(args[0])}" if args else "a list"
-    return getattr(tp, "__name__", str(tp))
