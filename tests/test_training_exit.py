@@ -22,6 +22,7 @@ TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 def state(tmp_path, monkeypatch):
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)
+    monkeypatch.chdir(tmp_path)
     st = GlobalState()
     st.cfg = build_config(str(job), ["checkpoint.save_interval=10", "train.exit_interval=0"])
     st.cfg.validate(world_size=1)

@@ -151,7 +151,7 @@ def _tiny_config(tmp_path, *overrides):
 
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)
-    return build_config(str(job), ["train.train_iters=2", "train.global_batch_size=4", "train.eval_interval=1",
+    return build_config(str(job), [f"job.run_dir={tmp_path / 'runs' / 'tiny'}", "train.train_iters=2", "train.global_batch_size=4", "train.eval_interval=1",
                                    "train.eval_iters=1", "checkpoint.save_interval=2",
                                    "scheduler.lr_warmup_iters=1", *overrides])
 
@@ -306,7 +306,7 @@ def test_two_ranks(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
          os.path.abspath(__file__), str(job)],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        cwd=os.path.dirname(str(job)), capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in (0, 1):

@@ -23,7 +23,6 @@ from bridge_hpc.progress import parse_events
 from bridge_hpc.training.metrics import read_metrics
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _free_port() -> int:
@@ -48,7 +47,7 @@ def _torchrun(job: str, *overrides: str) -> list:
 
 
 def _run(job: str, *overrides: str) -> str:
-    proc = subprocess.run(_torchrun(job, *overrides), cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(_torchrun(job, *overrides), cwd=os.path.dirname(str(job)), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout
 
@@ -98,7 +97,7 @@ def test_straight_run_outputs(straight):
     assert sorted(os.listdir(os.path.join(ckpts, "iter_0000040"))) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "rank_00000.pt", "rank_00001.pt", "run_config.json",
         "train_state.pt"]
-    tb = os.path.join(os.path.dirname(straight), "tb")
+    tb = os.path.join(run_dir, "tb")  # relative training paths live in the run folder
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
 
 
@@ -135,7 +134,7 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
     rng = random.Random(7)
     last = 0
     for attempt in range(4):
-        proc = subprocess.Popen(_torchrun(job, "checkpoint.save_interval=1"), cwd=REPO, start_new_session=True,
+        proc = subprocess.Popen(_torchrun(job, "checkpoint.save_interval=1"), cwd=os.path.dirname(str(job)), start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while time.time() < deadline:  # wait for this attempt's first own checkpoint
@@ -191,7 +190,7 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "bridge_hpc.run", job, "--set", "train.train_iters=100000",
              "--set", "checkpoint.save_interval=100000", "--set", "logger.log_progress=true"],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            cwd=os.path.dirname(str(job)), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     metrics_file = os.path.join(_run_dir(job), "metrics.jsonl")
     deadline = time.time() + 120
     while time.time() < deadline:

@@ -161,6 +161,11 @@ def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, mod
         chunk.eval()
     reports: List[Dict[str, torch.Tensor]] = []
     for _ in range(cfg.train.eval_iters):
+        # A long evaluation must not sit on a preemption notice: stop early, all ranks together.
+        if _any_rank({"signal": _signal_seen(state)})["signal"]:
+            if state.rank == 0:
+                print(f"evaluation cut short after {len(reports)} micro-batches: stop signal received", flush=True)
+            break
         reports += forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(state),
                                     forward_only=True)
         state.train_state.consumed_valid_samples += cfg.train.global_batch_size
@@ -245,7 +250,7 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     save_checkpoint(state, model, optimizer, opt_param_scheduler, train_data_iterator)
     timer.stop(barrier=True)
     checkpointing_context["last_saved_step"] = state.train_state.step
-    checkpointing_context["last_save_time_s"] = timer.elapsed(reset=True)
+    checkpointing_context["last_save_time_s"] = state.last_save_s = timer.elapsed(reset=True)
     if state.progress is not None:
         ts = state.train_state
         state.progress.saved_checkpoint(ts.step, num_floating_point_operations_so_far,
@@ -262,58 +267,115 @@ def _any_rank(flags: Dict[str, bool]) -> Dict[str, bool]:
     return {k: bool(v) for k, v in zip(flags, values.tolist())}
 
 
-#: exit reason -> the progress log's ``Ending job`` reason, and which one to report when several hold.
-PROGRESS_REASONS = {"signal received": "signal", "exit_duration_in_mins": "duration", "exit_interval": "interval",
-                    "train_iters reached": "done"}
-PROGRESS_REASON_ORDER = ("signal received", "exit_duration_in_mins", "exit_interval", "train_iters reached")
+#: Exit reason -> the progress log's ``Ending job`` reason; the first that holds is reported.
+PROGRESS_REASONS = {"signal received": "signal", "time limit": "time_limit", "exit_duration_in_mins": "duration",
+                    "exit_interval": "interval", "train_iters reached": "done"}
+
+#: Kept free before Slurm's end time on top of one (slowest) step and one save: the exit itself and
+#: slack for a save slower than the last one.
+TIME_LIMIT_MARGIN_S = 20.0
+#: A run's first save has no measured duration yet: assume this much.
+FIRST_SAVE_GUESS_S = 30.0
+#: How often rank 0 asks Slurm again for the end time (an admin may extend the job).
+END_TIME_REFRESH_S = 300.0
+#: A stop signal this close to the job's end is Slurm's time-limit warning (``--signal``, which can
+#: come up to a minute early), not a preemption. Both requeue; only the recorded reason differs.
+TIME_LIMIT_WARNING_WINDOW_S = 300.0
+
+
+def _signal_seen(state: GlobalState) -> bool:
+    return state.signal_handler is not None and state.signal_handler.received is not None
+
+
+def refresh_job_end_time(state: GlobalState, force: bool = False) -> Optional[float]:
+    """Rank 0 asks Slurm when the job ends (Slurm 22.05 has no SLURM_JOB_END_TIME), at most every
+    END_TIME_REFRESH_S; the answer, not the arrival of Slurm's warning, drives the time-limit exit."""
+    now = time.time()
+    if state.rank == 0 and (force or now - state.job_end_time_checked >= END_TIME_REFRESH_S):
+        from bridge_hpc.job_environment import JobEnvironment
+        from bridge_hpc.slurm_query import job_end_time
+
+        job_id = JobEnvironment.from_env().job_id
+        state.job_end_time = job_end_time(job_id) if job_id else None
+        state.job_end_time_checked = now
+    return state.job_end_time
+
+
+def time_limit_reached(state: GlobalState) -> bool:
+    """Whether another step plus a save might no longer fit before Slurm ends the job (rank 0)."""
+    end = refresh_job_end_time(state)
+    if end is None or state.slowest_step_s == 0.0:
+        return False
+    save_s = state.last_save_s if state.last_save_s is not None else FIRST_SAVE_GUESS_S
+    return time.time() + state.slowest_step_s + save_s + TIME_LIMIT_MARGIN_S >= end
 
 
 def exit_reasons(state: GlobalState) -> List[str]:
     """Why the loop should stop after the current step (empty: keep going). Collective.
 
     Reasons from counters every rank shares need no communication. Reasons one rank can see before
-    another (a signal, a clock) are OR-ed across ranks so all stop at the same iteration. A new
-    reason goes in one of the two groups below.
+    another (a signal, a clock, Slurm's end time, which only rank 0 reads) are OR-ed across ranks in
+    one all-reduce, so all stop at the same iteration. A new reason goes in one of the two groups
+    below and in PROGRESS_REASONS.
     """
     ts, t = state.train_state, state.cfg.train
     reasons = []
     # -- shared counters: identical on every rank -------------------------------------------------
     if ts.step >= t.train_iters:
         reasons.append("train_iters reached")
-    if t.exit_interval and ts.step % t.exit_interval == 0:
+    if t.exit_interval and ts.step % t.exit_interval == 0 and ts.step > state.run_start_step:
         reasons.append("exit_interval")
     # -- per-rank observations: agreed on with one all-reduce -------------------------------------
     local = {
-        "signal received": state.signal_handler is not None and state.signal_handler.received is not None,
+        "signal received": _signal_seen(state),
         "exit_duration_in_mins": bool(t.exit_duration_in_mins)
         and (time.time() - state.start_time) / 60.0 >= t.exit_duration_in_mins,
+        "time limit": state.rank == 0 and time_limit_reached(state),
     }
     reasons += [name for name, flag in _any_rank(local).items() if flag]
-    # A new reason also needs its entry in PROGRESS_REASONS / PROGRESS_REASON_ORDER above.
     return reasons
+
+
+def _progress_reason(state: GlobalState, reasons: List[str]) -> str:
+    """The one reason recorded for this exit. A signal near the job's end is its time limit: the end
+    time tells preemption from time-out, since Slurm versions differ in which signals they send."""
+    reason = next(PROGRESS_REASONS[r] for r in PROGRESS_REASONS if r in reasons)
+    if reason == "signal":
+        end = refresh_job_end_time(state, force=True)
+        if end is not None and end - time.time() <= TIME_LIMIT_WARNING_WINDOW_S:
+            reason = "time_limit"
+    return reason
 
 
 def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_scheduler,
                                num_floating_point_operations_so_far: float, checkpointing_context: Dict[str, Any],
                                train_data_iterator) -> bool:
     """Save on ``checkpoint.save_interval``; on any exit reason save (unless this step is already
-    saved) and return True."""
+    saved, or nothing was trained yet) and return True. With work left, rank 0 then asks the batch
+    script to requeue the job (:func:`bridge_hpc.exitcodes.request_requeue`): the checkpoint it
+    resumes from is durable by then."""
     cfg, step = state.cfg, state.train_state.step
     reasons = exit_reasons(state)
     can_save = bool(cfg.checkpoint.save)
+    saved_now = checkpointing_context.get("last_saved_step") == step
     args = (state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context)
-    if can_save and cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+    if can_save and step > 0 and not saved_now and cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
         save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
     if not reasons:
         return False
-    if can_save and checkpointing_context.get("last_saved_step") != step:
+    if can_save and step > 0 and checkpointing_context.get("last_saved_step") != step:
         save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
     state.exit_reasons = reasons
     if state.rank == 0:
-        print(f"exiting at iteration {step}: {', '.join(reasons)}", flush=True)
-    if state.progress is not None:
-        reason = next(PROGRESS_REASONS[r] for r in PROGRESS_REASON_ORDER if r in reasons)
-        state.progress.ending_job(reason, step, step - checkpointing_context.get("last_saved_step", 0))
+        reason = _progress_reason(state, reasons)
+        print(f"exiting at iteration {step}: {', '.join(reasons)} (recorded as {reason})", flush=True)
+        if state.progress is not None:
+            state.progress.ending_job(reason, step, step - checkpointing_context.get("last_saved_step", 0))
+        if "train_iters reached" not in reasons:
+            from bridge_hpc.exitcodes import request_requeue
+
+            if request_requeue(reason, step):
+                print(f"work left at iteration {step}: asked the batch script to requeue the job", flush=True)
     return True
 
 
@@ -334,6 +396,11 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
         chunk.train()
     prof = _start_profiler(global_state)
     first_step = True
+    # A stop signal during start-up (model build, checkpoint load) is honoured before any step.
+    global_state.run_start_step = ts.step
+    if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                  checkpointing_context, train_data_iterator):
+        return
 
     while True:
         # 1. one optimizer step
@@ -342,6 +409,7 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
             forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
         timers("interval-time", log_level=0).stop()
         step_time_s = timers("interval-time", log_level=0).elapsed(reset=True)
+        global_state.slowest_step_s = max(global_state.slowest_step_s, step_time_s)
 
         # 2. counters
         ts.step += 1
