@@ -79,3 +79,57 @@ def test_signal_is_only_recorded_then_acted_on(state):
     finally:
         state.signal_handler.release()
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_exit_interval_counts_steps_trained_not_loaded(state):
+    state.cfg.train.exit_interval = 10
+    state.train_state.step = state.run_start_step = 20  # resumed at a multiple: keep training
+    assert decide(state, {"last_saved_step": 20})[0] is False
+    state.train_state.step = 30
+    assert decide(state)[0] and state.exit_reasons == ["exit_interval"]
+
+
+@pytest.fixture
+def slurm_end(state, monkeypatch):
+    """The job's end time as Slurm would report it (squeue is asked through slurm_query)."""
+    import bridge_hpc.slurm_query as slurm_query
+
+    end = {"t": None}
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setattr(slurm_query, "job_end_time", lambda job_id: end["t"])
+    return end
+
+
+def test_time_limit_exit_when_a_step_and_a_save_no_longer_fit(state, slurm_end, tmp_path, monkeypatch):
+    monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
+    state.slowest_step_s, state.last_save_s = 2.0, 3.0
+    state.train_state.step = 5
+    slurm_end["t"] = time.time() + train_module.TIME_LIMIT_MARGIN_S + 2.0 + 3.0 + 30  # fits
+    assert decide(state)[0] is False
+    state.job_end_time_checked = 0.0  # force the periodic re-read
+    slurm_end["t"] = time.time() + train_module.TIME_LIMIT_MARGIN_S + 2.0 + 3.0 - 1  # does not fit
+    stop, _ = decide(state)
+    assert stop and state.saves == [5] and state.exit_reasons == ["time limit"]
+    assert (tmp_path / "requeue").read_text() == "reason=time_limit\niteration=5\n"
+
+
+def test_signal_is_told_preemption_or_time_limit_by_the_end_time(state, slurm_end, tmp_path, monkeypatch):
+    monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
+    state.signal_handler = DistributedSignalHandler(["SIGTERM"]).__enter__()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        state.train_state.step = 5
+        slurm_end["t"] = time.time() + 3600  # far from the end: a preemption
+        assert decide(state)[0]
+        assert (tmp_path / "requeue").read_text().startswith("reason=signal\n")
+        slurm_end["t"] = time.time() + 90  # Slurm's warning before the time limit
+        assert decide(state, {"last_saved_step": 5})[0]
+        assert (tmp_path / "requeue").read_text().startswith("reason=time_limit\n")
+    finally:
+        state.signal_handler.release()
+
+
+def test_no_requeue_request_when_the_work_is_done(state, tmp_path, monkeypatch):
+    monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
+    state.train_state.step = 40
+    assert decide(state)[0] and not (tmp_path / "requeue").exists()

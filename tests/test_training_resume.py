@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from jobs import assert_bitwise_equal, model_params
 import torch
 
 from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint
@@ -54,22 +55,6 @@ def _run(job: str, *overrides: str) -> str:
 
 def _run_dir(job: str) -> str:
     return os.path.join(os.path.dirname(job), "runs", "tiny")
-
-
-def _model_params(checkpoint_dir: str, scratch: str) -> dict:
-    """The model tensors of a DCP checkpoint folder, read without a process group."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = os.path.join(scratch, f"{os.path.basename(checkpoint_dir)}_{random.random()}.pt")
-    dcp_to_torch_save(checkpoint_dir, out)
-    state = torch.load(out, weights_only=False)
-    return {k: v for k, v in state["model"].items()}
-
-
-def _assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and a
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +106,9 @@ def test_exact_resume(straight, tmp_path):
         assert b[step]["loss"] == a[step]["loss"], step  # exact, not approximate
         assert b[step]["grad_norm"] == a[step]["grad_norm"], step
         assert b[step]["lr"] == a[step]["lr"], step
-    _assert_bitwise_equal(
-        _model_params(os.path.join(_run_dir(straight), "checkpoints", "iter_0000040"), str(tmp_path)),
-        _model_params(os.path.join(run_dir, "checkpoints", "iter_0000040"), str(tmp_path)))
+    assert_bitwise_equal(
+        model_params(os.path.join(_run_dir(straight), "checkpoints", "iter_0000040"), str(tmp_path)),
+        model_params(os.path.join(run_dir, "checkpoints", "iter_0000040"), str(tmp_path)))
 
 
 def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
@@ -160,7 +145,7 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
         for rank in (0, 1):
             per_rank = torch.load(os.path.join(latest, f"rank_{rank:05d}.pt"), weights_only=False)
             assert per_rank["data"]["consumed_samples"] == 8 * iteration
-        assert _model_params(latest, str(tmp_path))
+        assert model_params(latest, str(tmp_path))
         if iteration == 40:
             break
 
@@ -169,9 +154,9 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
     b = read_metrics(os.path.join(_run_dir(job), "metrics.jsonl"))
     assert sorted(b) == list(range(1, 41))
     assert [b[s]["loss"] for s in range(1, 41)] == [a[s]["loss"] for s in range(1, 41)]
-    _assert_bitwise_equal(
-        _model_params(os.path.join(_run_dir(straight), "checkpoints", "iter_0000040"), str(tmp_path)),
-        _model_params(os.path.join(ckpts, "iter_0000040"), str(tmp_path)))
+    assert_bitwise_equal(
+        model_params(os.path.join(_run_dir(straight), "checkpoints", "iter_0000040"), str(tmp_path)),
+        model_params(os.path.join(ckpts, "iter_0000040"), str(tmp_path)))
     assert not [n for n in os.listdir(ckpts) if n.endswith((".tmp", ".del"))]
 
 
