@@ -8,6 +8,8 @@ checkpoint therefore restores the exact next batch on every rank.
 
 from __future__ import annotations
 
+import signal
+
 from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
@@ -75,6 +77,15 @@ class _PretrainingBatchSampler:
             position += self.mbs * self.dp_size
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Loader workers leave stop signals to the rank. Slurm signals every process of a step on
+    preemption or time-out; a worker dying of SIGTERM would make torch raise in the rank in the middle
+    of its step, before it could checkpoint. Workers still exit with their rank (torch watches the
+    parent) and die with the step's final SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class SampleIterator:
     """The loop's data iterator: batches in order, with its position as ``state_dict()``.
 
@@ -94,7 +105,7 @@ class SampleIterator:
             dataset, batch_sampler=sampler, num_workers=dataloader.num_workers,
             pin_memory=dataloader.pin_memory and torch.cuda.is_available(),
             persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0,
-            generator=generator,
+            generator=generator, worker_init_fn=_ignore_stop_signals,
         )
         self._iter: Optional[Iterator] = None
 
