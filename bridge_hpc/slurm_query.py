@@ -62,24 +62,57 @@ def live_state(job_id: str) -> Optional[tuple]:
     return state, reason
 
 
-def job_end_time(job_id: str, environ: Optional[dict] = None) -> Optional[float]:
-    """The job's real end time (epoch seconds), or None when Slurm cannot tell (no limit, no Slurm).
+@dataclass
+class JobTimes:
+    """When the current run of a job started, when Slurm will end it, and its time limit (epoch s).
 
-    Newer Slurm exports SLURM_JOB_END_TIME; 22.05 does not, so ask squeue (``%e``, local time),
-    then scontrol. Read again after a requeue or an ``scontrol update TimeLimit``: it can move.
+    Preemption with a grace time moves ``end`` forward to now + GraceTime; a time-out does not: so a
+    run whose end came before ``start + limit`` was preempted, whatever signal announced it.
     """
-    import os
-    import re
+
+    start: float
+    end: float
+    limit_s: Optional[float]
+
+    @property
+    def shortened(self) -> bool:
+        return self.limit_s is not None and self.end < self.start + self.limit_s - 5.0
+
+
+def parse_slurm_duration(text: str) -> Optional[float]:
+    """Slurm's ``[D-]HH:MM:SS`` / ``MM:SS`` / ``MM`` durations in seconds; None for UNLIMITED."""
+    text = text.strip()
+    if not text or text.upper() in ("UNLIMITED", "INFINITE", "NOT_SET", "INVALID"):
+        return None
+    days, _, rest = text.rpartition("-")
+    fields = [int(f) for f in rest.split(":")]
+    if len(fields) == 1:  # a bare number is minutes
+        hours, minutes, seconds = 0, fields[0], 0
+    elif len(fields) == 2:
+        hours, minutes, seconds = 0, fields[0], fields[1]
+    else:
+        hours, minutes, seconds = fields
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def _parse_stamp(text: str) -> Optional[float]:
     import time as _time
 
-    environ = os.environ if environ is None else environ
-    if environ.get("SLURM_JOB_END_TIME", "").isdigit():
-        return float(environ["SLURM_JOB_END_TIME"])
-    text = (_run(["squeue", "-h", "-j", job_id, "-o", "%e"]) or "").strip()
-    if not re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d$", text):
-        show = _run(["scontrol", "show", "job", job_id]) or ""
-        m = re.search(r"\bEndTime=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", show)
-        text = m.group(1) if m else ""
-    if not text:
+    try:
+        return _time.mktime(_time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
         return None
-    return _time.mktime(_time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+
+
+def job_times(job_id: str) -> Optional[JobTimes]:
+    """The job's times from squeue (Slurm 22.05 exports no SLURM_JOB_END_TIME), or None when Slurm
+    cannot tell (no Slurm, job unknown, no time limit). Read again when it matters: an admin's
+    ``scontrol update TimeLimit`` or a preemption moves the end."""
+    out = (_run(["squeue", "-h", "-j", job_id, "-o", "%S|%e|%l"]) or "").strip()
+    fields = out.splitlines()[0].split("|") if out else []
+    if len(fields) != 3:
+        return None
+    start, end = _parse_stamp(fields[0]), _parse_stamp(fields[1])
+    if start is None or end is None:
+        return None
+    return JobTimes(start=start, end=end, limit_s=parse_slurm_duration(fields[2]))

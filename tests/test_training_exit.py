@@ -94,9 +94,10 @@ def slurm_end(state, monkeypatch):
     """The job's end time as Slurm would report it (squeue is asked through slurm_query)."""
     import bridge_hpc.slurm_query as slurm_query
 
-    end = {"t": None}
+    end = {"t": None, "start": time.time() - 60, "limit": 3600.0}
     monkeypatch.setenv("SLURM_JOB_ID", "123")
-    monkeypatch.setattr(slurm_query, "job_end_time", lambda job_id: end["t"])
+    monkeypatch.setattr(slurm_query, "job_times",
+                        lambda job_id: slurm_query.JobTimes(start=end["start"], end=end["t"], limit_s=end["limit"]))
     return end
 
 
@@ -106,7 +107,7 @@ def test_time_limit_exit_when_a_step_and_a_save_no_longer_fit(state, slurm_end, 
     state.train_state.step = 5
     slurm_end["t"] = time.time() + train_module.TIME_LIMIT_MARGIN_S + 2.0 + 3.0 + 30  # fits
     assert decide(state)[0] is False
-    state.job_end_time_checked = 0.0  # force the periodic re-read
+    state.job_times_checked = 0.0  # force the periodic re-read
     slurm_end["t"] = time.time() + train_module.TIME_LIMIT_MARGIN_S + 2.0 + 3.0 - 1  # does not fit
     stop, _ = decide(state)
     assert stop and state.saves == [5] and state.exit_reasons == ["time limit"]
@@ -116,15 +117,20 @@ def test_time_limit_exit_when_a_step_and_a_save_no_longer_fit(state, slurm_end, 
 def test_signal_is_told_preemption_or_time_limit_by_the_end_time(state, slurm_end, tmp_path, monkeypatch):
     monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
     state.signal_handler = DistributedSignalHandler(["SIGTERM"]).__enter__()
+    request = tmp_path / "requeue"
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         state.train_state.step = 5
-        slurm_end["t"] = time.time() + 3600  # far from the end: a preemption
-        assert decide(state)[0]
-        assert (tmp_path / "requeue").read_text().startswith("reason=signal\n")
-        slurm_end["t"] = time.time() + 90  # Slurm's warning before the time limit
-        assert decide(state, {"last_saved_step": 5})[0]
-        assert (tmp_path / "requeue").read_text().startswith("reason=time_limit\n")
+        # Slurm's warning before the time limit: the end is still start + limit, and near
+        slurm_end["start"] = time.time() + 90 - slurm_end["limit"]
+        slurm_end["t"] = time.time() + 90
+        assert decide(state)[0] and request.read_text().startswith("reason=time_limit\n")
+        # preemption: Slurm pulled the end forward to now + GraceTime, long before start + limit
+        slurm_end["start"], slurm_end["t"] = time.time() - 60, time.time() + 30
+        assert decide(state, {"last_saved_step": 5})[0] and request.read_text().startswith("reason=signal\n")
+        # a signal far from any end (scancel --signal): a preemption-like stop, not a time-out
+        slurm_end["t"] = slurm_end["start"] + slurm_end["limit"]
+        assert decide(state, {"last_saved_step": 5})[0] and request.read_text().startswith("reason=signal\n")
     finally:
         state.signal_handler.release()
 

@@ -166,10 +166,10 @@ class GlobalState:
         self.start_time = time.time()
         self.rank = 0
         self.world_size = 1
-        #: When Slurm will end this job (epoch seconds; rank 0 only, None when unknown). See
-        #: ``bridge_hpc.training.train.time_limit_reached``.
-        self.job_end_time: Optional[float] = None
-        self.job_end_time_checked: float = 0.0
+        #: This run's start, end and time limit as Slurm reports them (``slurm_query.JobTimes``; rank 0
+        #: only, None when unknown). See ``bridge_hpc.training.train.time_limit_reached``.
+        self.job_times = None
+        self.job_times_checked: float = 0.0
         #: The slowest step and the last checkpoint save of this run, to know what still fits.
         self.slowest_step_s: float = 0.0
         #: The step this run resumed at: exit_interval counts steps trained, not steps loaded.

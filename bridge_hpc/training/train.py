@@ -287,27 +287,28 @@ def _signal_seen(state: GlobalState) -> bool:
     return state.signal_handler is not None and state.signal_handler.received is not None
 
 
-def refresh_job_end_time(state: GlobalState, force: bool = False) -> Optional[float]:
-    """Rank 0 asks Slurm when the job ends (Slurm 22.05 has no SLURM_JOB_END_TIME), at most every
-    END_TIME_REFRESH_S; the answer, not the arrival of Slurm's warning, drives the time-limit exit."""
+def refresh_job_times(state: GlobalState, force: bool = False):
+    """Rank 0 asks Slurm for the run's start, end and time limit (Slurm 22.05 has no
+    SLURM_JOB_END_TIME), at most every END_TIME_REFRESH_S; the end time, not the arrival of Slurm's
+    warning, drives the time-limit exit."""
     now = time.time()
-    if state.rank == 0 and (force or now - state.job_end_time_checked >= END_TIME_REFRESH_S):
+    if state.rank == 0 and (force or now - state.job_times_checked >= END_TIME_REFRESH_S):
         from bridge_hpc.job_environment import JobEnvironment
-        from bridge_hpc.slurm_query import job_end_time
+        from bridge_hpc.slurm_query import job_times
 
         job_id = JobEnvironment.from_env().job_id
-        state.job_end_time = job_end_time(job_id) if job_id else None
-        state.job_end_time_checked = now
-    return state.job_end_time
+        state.job_times = job_times(job_id) if job_id else None
+        state.job_times_checked = now
+    return state.job_times
 
 
 def time_limit_reached(state: GlobalState) -> bool:
     """Whether another step plus a save might no longer fit before Slurm ends the job (rank 0)."""
-    end = refresh_job_end_time(state)
-    if end is None or state.slowest_step_s == 0.0:
+    times = refresh_job_times(state)
+    if times is None or state.slowest_step_s == 0.0:
         return False
     save_s = state.last_save_s if state.last_save_s is not None else FIRST_SAVE_GUESS_S
-    return time.time() + state.slowest_step_s + save_s + TIME_LIMIT_MARGIN_S >= end
+    return time.time() + state.slowest_step_s + save_s + TIME_LIMIT_MARGIN_S >= times.end
 
 
 def exit_reasons(state: GlobalState) -> List[str]:
@@ -337,12 +338,13 @@ def exit_reasons(state: GlobalState) -> List[str]:
 
 
 def _progress_reason(state: GlobalState, reasons: List[str]) -> str:
-    """The one reason recorded for this exit. A signal near the job's end is its time limit: the end
-    time tells preemption from time-out, since Slurm versions differ in which signals they send."""
+    """The one reason recorded for this exit (rank 0). Slurm versions differ in the signals they send
+    for preemption and time-out, so the job's times decide: a preemption moves the end time forward
+    (now + GraceTime), a time-out keeps it at start + limit; a signal near that end is its warning."""
     reason = next(PROGRESS_REASONS[r] for r in PROGRESS_REASONS if r in reasons)
     if reason == "signal":
-        end = refresh_job_end_time(state, force=True)
-        if end is not None and end - time.time() <= TIME_LIMIT_WARNING_WINDOW_S:
+        times = refresh_job_times(state, force=True)
+        if times is not None and not times.shortened and times.end - time.time() <= TIME_LIMIT_WARNING_WINDOW_S:
             reason = "time_limit"
     return reason
 
