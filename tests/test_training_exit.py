@@ -139,3 +139,12 @@ def test_no_requeue_request_when_the_work_is_done(state, tmp_path, monkeypatch):
     monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
     state.train_state.step = 40
     assert decide(state)[0] and not (tmp_path / "requeue").exists()
+
+
+def test_done_outranks_other_reasons_at_the_last_step(state, tmp_path, monkeypatch):
+    monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
+    state.cfg.train.exit_interval = 10
+    state.train_state.step = 40
+    assert decide(state)[0] and set(state.exit_reasons) == {"train_iters reached", "exit_interval"}
+    assert train_module._progress_reason(state, state.exit_reasons) == "done"
+    assert not (tmp_path / "requeue").exists()

@@ -267,9 +267,10 @@ def _any_rank(flags: Dict[str, bool]) -> Dict[str, bool]:
     return {k: bool(v) for k, v in zip(flags, values.tolist())}
 
 
-#: Exit reason -> the progress log's ``Ending job`` reason; the first that holds is reported.
-PROGRESS_REASONS = {"signal received": "signal", "time limit": "time_limit", "exit_duration_in_mins": "duration",
-                    "exit_interval": "interval", "train_iters reached": "done"}
+#: Exit reason -> the progress log's ``Ending job`` reason; the first that holds is reported (work
+#: done outranks the rest: nothing is left to requeue for).
+PROGRESS_REASONS = {"train_iters reached": "done", "signal received": "signal", "time limit": "time_limit",
+                    "exit_duration_in_mins": "duration", "exit_interval": "interval"}
 
 #: Kept free before Slurm's end time on top of one (slowest) step and one save: the exit itself and
 #: slack for a save slower than the last one.
