@@ -10,9 +10,10 @@ Control characters never get this far: the config loader refuses them.
 
 from __future__ import annotations
 
+import importlib.resources
 import re
 import shlex
-from pathlib import Path
+from typing import Optional
 
 import jinja2
 
@@ -30,8 +31,11 @@ def sbatch_arg(value: object) -> str:
 
 
 def _environment() -> jinja2.Environment:
+    # templates/ is installed as the package bridge_hpc.templates (setup.cfg maps it), in wheels and
+    # in editable installs alike; ask the import system where it is rather than guessing a path.
+    folder = str(importlib.resources.files("bridge_hpc.templates"))
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("bridge_hpc", "templates") if _packaged() else jinja2.FileSystemLoader(_source_templates()),
+        loader=jinja2.FileSystemLoader(folder),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
@@ -39,19 +43,6 @@ def _environment() -> jinja2.Environment:
     env.filters["q"] = lambda v: shlex.quote(str(v))
     env.filters["sbatch_arg"] = sbatch_arg
     return env
-
-
-def _packaged() -> bool:
-    """Installed (or editable) packages expose templates/ as ``bridge_hpc.templates``."""
-    try:
-        import bridge_hpc.templates  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _source_templates() -> str:
-    return str(Path(__file__).resolve().parent.parent / "templates")
 
 
 def run_files(cfg: JobConfig) -> dict:
@@ -71,6 +62,46 @@ def log_pattern(cfg: JobConfig) -> str:
     return str(run_files(cfg)["logs"] / f"{job_part}_0_log")
 
 
+#: Shell variables of the batch script that the ft_launcher line refers to (expanded when it runs).
+RDZV_ENDPOINT = "${BRIDGE_RDZV_HOST}:${BRIDGE_RDZV_PORT}"
+_SCRIPT_WORDS = ("$BRIDGE_CONFIG", f"--rdzv-endpoint={RDZV_ENDPOINT}", "--rdzv-id=$SLURM_JOB_ID")
+
+
+def ft_launch_command(cfg: JobConfig) -> Optional[str]:
+    """With ``[ft] enable_ft_package = true``: the ``srun`` line that starts one ft_launcher per node
+    (``python -m bridge_hpc.ft_launch``), each running ``ntasks_per_node`` ranks of
+    ``bridge_hpc.run`` with the ``[ft]`` timeouts and ``max_restarts``; None otherwise.
+
+    Every word from the config goes through ``shlex.quote``; only the script's own variables
+    (``$BRIDGE_CONFIG``, the rendezvous endpoint, the job id) stay expandable."""
+    section = cfg.training.get("ft") or {}
+    if not section.get("enable_ft_package"):
+        return None
+    from bridge_hpc.ft_launch import FTLaunchTimeouts, ft_launcher_argv, shell_quote, srun_prefix
+    from bridge_hpc.training.config import FaultToleranceConfig  # torch-free
+
+    ft = FaultToleranceConfig(**section)  # already checked by load_job_config
+    s = cfg.slurm
+    container = []
+    if cfg.container:
+        container.append(f"--container-image={cfg.container.image}")
+        if cfg.container.mounts:
+            container.append(f"--container-mounts={','.join(cfg.container.mounts)}")
+        if cfg.container.workdir:
+            container.append(f"--container-workdir={cfg.container.workdir}")
+    timeouts = FTLaunchTimeouts(
+        setup=ft.setup_timeout, step=ft.step_timeout, checkpointing=ft.checkpointing_timeout,
+        out_of_section=ft.rank_out_of_section_timeout, initial_heartbeat=ft.initial_rank_heartbeat_timeout,
+        heartbeat=ft.rank_heartbeat_timeout, workload_check_interval=ft.workload_check_interval,
+        safety_factor=ft.safety_factor)
+    argv = srun_prefix(s.nodes, cpus_per_node=s.ntasks_per_node * (s.cpus_per_task or 1), extra=container)
+    argv += ft_launcher_argv(["-m", "bridge_hpc.run", "$BRIDGE_CONFIG"], python=cfg.job.python, nnodes=s.nodes,
+                             nproc_per_node=s.ntasks_per_node, rdzv_endpoint=RDZV_ENDPOINT,
+                             rdzv_id="$SLURM_JOB_ID", max_restarts=ft.max_restarts, timeouts=timeouts)
+    words = [shell_quote(w) if w in _SCRIPT_WORDS else shlex.quote(w) for w in argv]
+    return " \\\n    ".join(" ".join(words[i:i + 4]) for i in range(0, len(words), 4))
+
+
 def render_script(cfg: JobConfig) -> str:
     template = _environment().get_template("job.sbatch.j2")
     return template.render(
@@ -79,4 +110,5 @@ def render_script(cfg: JobConfig) -> str:
         resolved_path=str(run_files(cfg)["resolved"]),
         log_pattern=log_pattern(cfg),
         checkpoint_dir=str(cfg.checkpoint_dir),
+        ft_launch=ft_launch_command(cfg),
     )

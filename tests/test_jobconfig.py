@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -247,3 +248,14 @@ def test_templates_ship_in_a_non_editable_install(tmp_path: Path):
     # every module of the source tree is in the wheel (setup.cfg lists packages by hand)
     for module in (ROOT / "bridge_hpc").rglob("*.py"):
         assert module.relative_to(ROOT).as_posix() in names, module
+    # and the installed wheel renders, away from the source tree
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    code = ("import bridge_hpc, sys; assert bridge_hpc.__file__.startswith(sys.argv[1]), bridge_hpc.__file__; "
+            "from bridge_hpc.cli.submit import main; sys.exit(main(['configs/local-tiny.toml', '--dry-run']))")
+    out = subprocess.run([sys.executable, "-c", code, str(target)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=local-tiny")

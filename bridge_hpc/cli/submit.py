@@ -32,7 +32,7 @@ def wait_for(job, poll_s: float = 2.0) -> str:
     last = None
     while True:
         state = job.state
-        if state != last:
+        if state != last and state != "UNKNOWN":  # UNKNOWN: accounting has not seen the job yet
             print(f"{time.strftime('%H:%M:%S')}  job {job.job_id}: {state}", flush=True)
             last = state
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE") \

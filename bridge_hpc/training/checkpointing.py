@@ -278,6 +278,9 @@ def save_checkpoint(state: GlobalState, model, optimizer, scheduler, train_data_
             "train_state": state.train_state.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
         }
+        ft = getattr(state, "fault_tolerance", None)
+        if ft is not None:  # computed FT timeouts travel with the checkpoint (see fault_tolerance.py)
+            common["fault_tolerance"] = ft.state_dict()
         config_path = os.path.join(tmp, "run_config.json")
         with open(config_path, "w") as f:
             json.dump(state.cfg.to_dict(), f, indent=2, default=str)
@@ -353,6 +356,7 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
     finetune = cfg.finetune
     _load_model_and_optimizer(model, optimizer, path, load_optim=cfg.load_optim and not finetune)
     common = torch.load(os.path.join(path, COMMON_FILE), weights_only=False)
+    state.checkpoint_extra = {key: common[key] for key in ("fault_tolerance",) if key in common}
     if not finetune:
         state.train_state.load_state_dict(common["train_state"])
         if scheduler is not None and common.get("scheduler") is not None:

@@ -255,7 +255,19 @@ class ProfilingConfig:
 
 @dataclass
 class FaultToleranceConfig:
-    """nvidia-resiliency-ext fault tolerance (heartbeats to ft_launcher). Bridge's field names."""
+    """nvidia-resiliency-ext fault tolerance: ranks report sections (or heartbeats) to ft_launcher.
+
+    The first six fields are Bridge's (rank side). The rest are launcher side (Bridge leaves them to
+    the ft_launcher command line; the batch script renders them, see ``bridge_hpc.ft_launch``), named
+    after nvidia-resiliency-ext's own ``FaultToleranceConfig`` fields where it has one:
+    ``max_restarts`` (in-job restarts of all workers before the job gives up and the batch script's
+    requeue path takes over), the per-section timeouts (``setup``: start-up incl. checkpoint load,
+    ``step``, ``checkpointing``: one save), ``rank_out_of_section_timeout`` (between sections:
+    logging, evaluation), the heartbeat timeouts (used only when the package has no section API),
+    ``workload_check_interval`` (how often a monitor looks: detection comes at most that long after
+    the timeout), ``safety_factor`` (computed timeout = longest observed interval x this) and
+    ``min_computed_timeout_s`` (floor for every computed timeout). Seconds throughout.
+    """
 
     enable_ft_package: bool = False
     calc_ft_timeouts: bool = False
@@ -263,9 +275,27 @@ class FaultToleranceConfig:
     simulated_fault_type: Literal["rank_hung", "rank_killed", "random"] = "random"
     simulated_fault_rank: Optional[int] = None
     simulated_fault_base_delay: int = 0
+    max_restarts: int = 3
+    setup_timeout: float = 600.0
+    step_timeout: float = 180.0
+    checkpointing_timeout: float = 420.0
+    rank_out_of_section_timeout: float = 300.0
+    initial_rank_heartbeat_timeout: float = 3600.0
+    rank_heartbeat_timeout: float = 2700.0
+    workload_check_interval: float = 5.0
+    safety_factor: float = 5.0
+    min_computed_timeout_s: float = 60.0
 
     def finalize(self) -> None:
-        pass
+        _check(self.max_restarts >= 0, "ft.max_restarts", "must be >= 0")
+        _check(self.simulated_fault_rank is None or self.simulated_fault_rank >= 0,
+               "ft.simulated_fault_rank", "must be >= 0")
+        _check(self.simulated_fault_base_delay >= 0, "ft.simulated_fault_base_delay", "must be >= 0")
+        for key in ("setup_timeout", "step_timeout", "checkpointing_timeout", "rank_out_of_section_timeout",
+                    "initial_rank_heartbeat_timeout", "rank_heartbeat_timeout", "workload_check_interval"):
+            _check(getattr(self, key) > 0, f"ft.{key}", "must be > 0 (seconds)")
+        _check(self.safety_factor >= 1, "ft.safety_factor", "must be >= 1")
+        _check(self.min_computed_timeout_s >= 0, "ft.min_computed_timeout_s", "must be >= 0")
 
 
 @dataclass

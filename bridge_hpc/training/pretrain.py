@@ -25,8 +25,10 @@ from bridge_hpc.progress import ProgressLog
 from bridge_hpc.training import checkpointing
 from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig
 from bridge_hpc.training.data import build_data_iterator, build_datasets
+from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.gpt import gpt_model_provider
 from bridge_hpc.training.state import DistributedSignalHandler, GlobalState
+from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.train import evaluate_and_print_results, train
 
 #: Megatron's progress log, in the checkpoint folder as Megatron keeps it (``logger.log_progress``).
@@ -41,11 +43,24 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
     """
     state = GlobalState()
     state.cfg = config
+    if config.inprocess_restart is not None and config.inprocess_restart.enabled:
+        # Raises a ConfigError naming inprocess_restart.enabled where the installed
+        # nvidia-resiliency-ext cannot do it (e.g. 0.4.1 on CPU: see inprocess_restart.py).
+        from bridge_hpc.training.inprocess_restart import maybe_wrap_for_inprocess_restart
+
+        wrapped, store = maybe_wrap_for_inprocess_restart(_pretrain, config.inprocess_restart)
+        wrapped(state, forward_step_func, store=store)
+        return
     _pretrain(state, forward_step_func)
 
 
-def _pretrain(state: GlobalState, forward_step_func: Callable) -> None:
+def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inprocess_call_wrapper=None) -> None:
+    """Megatron Bridge's signature: ``store`` and ``inprocess_call_wrapper`` come from the in-process
+    restart wrapper (each attempt gets its own prefix of the coordination store)."""
     cfg = state.cfg
+    if inprocess_call_wrapper is not None and store is not None:
+        store = dist.PrefixStore(str(inprocess_call_wrapper.iteration), store)
+    state.restart_store = store
     # First of all: a preemption notice during setup must be recorded, not kill the process.
     if cfg.train.exit_signal_handler:
         state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()
@@ -55,7 +70,11 @@ def _pretrain(state: GlobalState, forward_step_func: Callable) -> None:
     except BaseException:
         if state.progress is not None:
             last_saved = checkpointing_context.get("last_saved_step", 0)
-            state.progress.ending_job("error", state.train_state.step, state.train_state.step - last_saved)
+            # Under ft_launcher a failure (a peer hung or died, or this rank failed) is followed by an
+            # in-job restart, whose Restart line gives the cause and the lost time: record "fault".
+            ft = state.fault_tolerance
+            reason = "fault" if ft is not None and ft.active else "error"
+            state.progress.ending_job(reason, state.train_state.step, state.train_state.step - last_saved)
         raise
     finally:
         state.close()
@@ -63,13 +82,26 @@ def _pretrain(state: GlobalState, forward_step_func: Callable) -> None:
 
 def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpointing_context: dict) -> None:
     cfg = state.cfg
-    env = initialize_distributed(cfg.dist)
+    env = initialize_distributed(cfg.dist, store=getattr(state, "restart_store", None))
     state.rank, state.world_size = dist.get_rank(), dist.get_world_size()
     cfg.validate(state.world_size)
+    # Fault tolerance reports "setup" from here (before the model build and checkpoint load, which
+    # its setup timeout must cover); straggler detection agrees on its node map (collective).
+    ft = state.fault_tolerance = FaultTolerance(
+        cfg.ft, checkpoint_dir=cfg.checkpoint.save,
+        min_computed_timeout_s=cfg.ft.min_computed_timeout_s if cfg.ft is not None else 60.0)
+    ft.setup()
+    state.straggler_detector = StragglerDetector(cfg.nvrx_straggler)
+    state.straggler_detector.setup()
     if cfg.logger.log_progress and cfg.checkpoint.save and state.rank == 0:
-        state.progress = ProgressLog(os.path.join(cfg.checkpoint.save, PROGRESS_FILE), env.job_id or "none",
-                                     state.world_size)
-        state.progress.starting_job(restart_count=env.restart_count, startup_s=_process_age_s())
+        path = os.path.join(cfg.checkpoint.save, PROGRESS_FILE)
+        state.progress = ProgressLog(path, env.job_id or "none", state.world_size)
+        if ft.restart_count > 0:  # an in-job restart by ft_launcher: charge the lost time to the failed run
+            lost_s = ft.seconds_lost_before_restart()
+            state.progress.restart("fault", lost_s if lost_s is not None else 0.0)
+        state.progress.starting_job(restart_count=run_restart_count(path, env.job_id, env.restart_count,
+                                                                    ft.restart_count),
+                                    startup_s=_process_age_s())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
                                                  cfg.model.pipeline_model_parallel_size)
@@ -82,6 +114,9 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     load_start = time.perf_counter()
     data_state = checkpointing.load_checkpoint(state, model, optimizer, scheduler)
     ts = state.train_state
+    if ts.step > 0:  # a checkpoint was loaded: reuse the timeouts computed before
+        ft.load_state_dict(state.checkpoint_extra.get("fault_tolerance", {}))
+        ft.on_checkpoint_loaded()
     if data_state is not None:
         checkpointing_context["last_saved_step"] = ts.step
         if state.progress is not None:
@@ -103,6 +138,9 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
         train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, checkpointing_context)
     elif cfg.train.skip_train and ts.do_valid:
         evaluate_and_print_results(state, f"iteration {ts.step}", forward_step_func, valid_it, model)
+    # Normal end only (an exception skips this: the monitor sees the rank end).
+    state.straggler_detector.shutdown()
+    ft.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,10 +161,28 @@ def _process_age_s() -> Optional[float]:
         return None
 
 
-def initialize_distributed(dist_cfg: Optional[DistributedInitConfig] = None) -> JobEnvironment:
+def run_restart_count(progress_path: str, job_id: Optional[str], slurm_restarts: int, in_job_restarts: int) -> int:
+    """The progress log's ``Restart count`` of this run: how many runs of this job came before it.
+
+    A run is one start of the ranks: a Slurm (re)start (``SLURM_RESTART_COUNT``) or an in-job restart
+    by ft_launcher (``TORCHELASTIC_RESTART_COUNT``, which starts from 0 in every allocation). Their sum
+    is right until a requeued allocation follows one with in-job restarts; so the log itself decides
+    where it knows more: the number of earlier ``Starting job`` lines of this job id. Thus the count
+    goes 0, 1, 2, ... over every run of a job however it was restarted."""
+    count = int(slurm_restarts) + int(in_job_restarts)
+    if job_id and os.path.exists(progress_path):
+        from bridge_hpc.progress import STARTING_JOB, parse_events
+
+        earlier = sum(1 for e in parse_events(progress_path) if e.name == STARTING_JOB and e.job_id == str(job_id))
+        count = max(count, earlier)
+    return count
+
+
+def initialize_distributed(dist_cfg: Optional[DistributedInitConfig] = None, store=None) -> JobEnvironment:
     """Bring up torch.distributed from Slurm or torchrun variables (idempotent).
 
-    nccl with a GPU per local rank when CUDA is there, gloo otherwise.
+    nccl with a GPU per local rank when CUDA is there, gloo otherwise. ``store``: the in-process
+    restart wrapper's coordination store (rendezvous through it instead of MASTER_ADDR/PORT).
     """
     env = JobEnvironment.from_env()
     dist_cfg = dist_cfg or DistributedInitConfig()
@@ -136,7 +192,7 @@ def initialize_distributed(dist_cfg: Optional[DistributedInitConfig] = None) -> 
     if not dist.is_initialized():
         env.export_torch_env()
         backend = dist_cfg.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, store=store,
                                 timeout=datetime.timedelta(minutes=dist_cfg.distributed_timeout_minutes))
     return env
 

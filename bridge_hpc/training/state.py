@@ -175,6 +175,13 @@ class GlobalState:
         #: The step this run resumed at: exit_interval counts steps trained, not steps loaded.
         self.run_start_step: int = 0
         self.last_save_s: Optional[float] = None
+        #: ``fault_tolerance.FaultTolerance`` / ``straggler.StragglerDetector`` of this run (set by
+        #: ``_pretrain``; None in loops built without it). ``straggler_stop``: the detector asked to stop.
+        self.fault_tolerance = None
+        self.straggler_detector = None
+        self.straggler_stop: bool = False
+        #: Extra state read from the loaded checkpoint (e.g. ``{"fault_tolerance": {...}}``).
+        self.checkpoint_extra: Dict[str, Any] = {}
 
     @property
     def timers(self) -> Timers:

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from bridge_hpc.training.checkpointing import save_checkpoint
+from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.state import GlobalState
+from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.utils.train_utils import (
     comm_device,
     num_floating_point_operations,
@@ -247,7 +249,10 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     """Save a checkpoint of the current step, timed, and remember that this step is saved."""
     timer = state.timers("save-checkpoint", log_level=0)
     timer.start(barrier=True)
-    save_checkpoint(state, model, optimizer, opt_param_scheduler, train_data_iterator)
+    ft = state.fault_tolerance
+    with ft.checkpointing() if ft is not None else contextlib.nullcontext():  # a long save is not a hang
+        save_checkpoint(state, model, optimizer, opt_param_scheduler, train_data_iterator)
+        _test_save_delay()
     timer.stop(barrier=True)
     checkpointing_context["last_saved_step"] = state.train_state.step
     checkpointing_context["last_save_time_s"] = state.last_save_s = timer.elapsed(reset=True)
@@ -256,6 +261,17 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
         state.progress.saved_checkpoint(ts.step, num_floating_point_operations_so_far,
                                         ts.consumed_train_samples * state.cfg.model.seq_length,
                                         checkpointing_context["last_save_time_s"])
+
+
+#: Test hook (tests/test_ft_slurm.py): seconds to sleep inside every checkpoint save, to make a save
+#: longer than ``[ft] step_timeout`` on a machine where real saves of the tiny model take a second.
+TEST_SAVE_DELAY_ENV = "BRIDGE_TEST_SAVE_DELAY_S"
+
+
+def _test_save_delay() -> None:
+    delay = float(os.environ.get(TEST_SAVE_DELAY_ENV, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
 
 
 def _any_rank(flags: Dict[str, bool]) -> Dict[str, bool]:
@@ -269,7 +285,8 @@ def _any_rank(flags: Dict[str, bool]) -> Dict[str, bool]:
 
 #: Exit reason -> the progress log's ``Ending job`` reason; the first that holds is reported (work
 #: done outranks the rest: nothing is left to requeue for).
-PROGRESS_REASONS = {"train_iters reached": "done", "signal received": "signal", "time limit": "time_limit",
+PROGRESS_REASONS = {"train_iters reached": "done", "straggler": "straggler", "signal received": "signal",
+                    "time limit": "time_limit",
                     "exit_duration_in_mins": "duration", "exit_interval": "interval"}
 
 #: Kept free before Slurm's end time on top of one (slowest) step and one save: the exit itself and
@@ -333,6 +350,7 @@ def exit_reasons(state: GlobalState) -> List[str]:
         "exit_duration_in_mins": bool(t.exit_duration_in_mins)
         and (time.time() - state.start_time) / 60.0 >= t.exit_duration_in_mins,
         "time limit": state.rank == 0 and time_limit_reached(state),
+        "straggler": state.straggler_stop,
     }
     reasons += [name for name, flag in _any_rank(local).items() if flag]
     return reasons
@@ -405,12 +423,20 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
                                   checkpointing_context, train_data_iterator):
         return
 
+    # Fault tolerance (section "step" / heartbeats) and straggler timing around each step; no-ops when off.
+    ft = global_state.fault_tolerance or FaultTolerance(None)
+    straggler = global_state.straggler_detector or StragglerDetector(None)
     while True:
         # 1. one optimizer step
+        ft.step_start(ts.step)
+        ft.maybe_simulate_fault(ts.step)
+        straggler.step_start()
         timers("interval-time", log_level=0).start()
         loss_dict, skipped_iter, _, _, _, grad_norm, num_zeros_in_grad = train_step(
             forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
         timers("interval-time", log_level=0).stop()
+        straggler.step_end()
+        ft.step_end(ts.step)
         step_time_s = timers("interval-time", log_level=0).elapsed(reset=True)
         global_state.slowest_step_s = max(global_state.slowest_step_s, step_time_s)
 
@@ -425,6 +451,8 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
         if first_step and global_state.progress is not None:
             global_state.progress.first_step(ts.step)
         first_step = False
+        if straggler.check(ts.step):  # collective on report steps; the same answer on every rank
+            global_state.straggler_stop = True
 
         # 3. log, evaluate, housekeeping
         learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None

@@ -1,0 +1,152 @@
+"""Fault tolerance end to end on the local cluster: the real 2-rank GPT loop under ft_launcher.
+
+Two jobs of configs/local-tiny-ft.toml, submitted with bridge-submit, each with one simulated fault on
+rank 1: ``rank_hung`` (its rank monitor must kill it after the step timeout) and ``rank_killed`` (the
+launcher sees it die). The second job also makes every checkpoint save longer than the step timeout
+(test hook ``BRIDGE_TEST_SAVE_DELAY_S``, see bridge_hpc/training/train.py), which must not be taken
+for a hang. Both must restart in the same job (one Slurm run, no requeue), resume from their last
+checkpoint, finish, and log the same losses bit for bit as an uninterrupted torchrun of the same config;
+the progress log and bridge-report must show the restart with its cause and lost time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from preemption import drive, log_text, losses, reference_run, sacct_runs
+
+import preemption
+from bridge_hpc.progress import RESTART, parse_progress
+
+pytest.importorskip("nvidia_resiliency_ext.fault_tolerance")
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "local-tiny-ft.toml"
+ITERS = 120
+STEP_TIMEOUT = 3.0
+CHECK = 0.5  # ft.workload_check_interval
+MARGIN = 3.0  # a shared 2-core machine
+SAVE_DELAY = 4.0  # > STEP_TIMEOUT: the slow-save job
+
+
+def ft_overrides(run_dir: Path, extra=()) -> list:
+    return [f"job.run_dir={run_dir}", f"train.train_iters={ITERS}", "logger.log_interval=10",
+            "train.eval_interval=50", "checkpoint.most_recent_k=3", "ft.max_restarts=2",
+            f"ft.step_timeout={STEP_TIMEOUT}", "ft.setup_timeout=90", "ft.checkpointing_timeout=60",
+            "ft.rank_out_of_section_timeout=30", f"ft.workload_check_interval={CHECK}", *extra]
+
+
+def submit_ft(run_dir: Path, extra=(), env_extra=None) -> str:
+    args = [sys.executable, "-m", "bridge_hpc.cli.submit", str(CONFIG)]
+    for item in ft_overrides(run_dir, extra):
+        args += ["--set", item]
+    env = dict(os.environ, **(env_extra or {}))
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.split()[2]
+
+
+def _stamp(line: str):
+    m = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})", line)
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000 if m else None
+
+
+class Job:
+    def __init__(self, run_dir: Path, job_id: str, state: str, seconds: float):
+        self.run_dir, self.job_id, self.state, self.seconds = run_dir, job_id, state, seconds
+        self.log = log_text(run_dir, job_id)
+
+    def fault_time(self) -> float:
+        m = re.search(r"SIMULATED FAULT (\S+) rank 1 iteration (\d+) at ([\d.]+)", self.log)
+        assert m, self.log[-4000:]
+        return float(m.group(3))
+
+    def detected(self) -> list:
+        """Times of the launcher's decision to restart the workers (0.4.1's and 0.7.0's words)."""
+        return [t for t in (_stamp(line) for line in self.log.splitlines()
+                            if "will restart worker group" in line) if t is not None]
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory):
+    """Both FT jobs are submitted first (they queue on the 2-CPU node); the torchrun reference runs
+    meanwhile on the login side."""
+    base = tmp_path_factory.mktemp("ft")
+    t0 = time.time()
+    hung = submit_ft(base / "hung", ["ft.simulate_fault=true", "ft.simulated_fault_type='rank_hung'",
+                                      "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=5",
+                                      "checkpoint.save_interval=20"])
+    killed = submit_ft(base / "killed", ["ft.simulate_fault=true", "ft.simulated_fault_type='rank_killed'",
+                                          "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=10",
+                                          "checkpoint.save_interval=40"],
+                       env_extra={"BRIDGE_TEST_SAVE_DELAY_S": str(SAVE_DELAY)})
+    old_config = preemption.CONFIG
+    preemption.CONFIG = CONFIG  # same model/data/optimizer; FT stays inactive without ft_launcher
+    try:
+        reference = reference_run(base / "reference", ITERS)
+    finally:
+        preemption.CONFIG = old_config
+    out = {"reference": reference}
+    for name, job_id in (("hung", hung), ("killed", killed)):
+        state = drive(job_id, timeout=400)
+        out[name] = Job(base / name, job_id, state, time.time() - t0)
+    return out
+
+
+def check_restarted_once_and_exact(job: Job, reference: Path) -> None:
+    assert job.state == "COMPLETED", job.log[-4000:]
+    assert sacct_runs(job.job_id) == ["COMPLETED"], "restarted in place: one Slurm run, no requeue"
+    assert "requeueing" not in job.log
+    assert len(job.detected()) == 1, job.log[-4000:]  # one restart: the fault's, no false one
+    got, want = losses(job.run_dir), losses(reference)
+    assert sorted(got) == list(range(1, ITERS + 1))
+    assert got == want  # bitwise
+
+    runs = parse_progress(str(job.run_dir / "checkpoints" / "progress.txt"))
+    assert len(runs) == 2 and [r.restart_count for r in runs] == [0, 1]
+    restart = runs[0].last(RESTART)
+    assert restart is not None and restart.fields["Cause"] == "fault"
+    lost = restart.number("Lost seconds")
+    assert lost is not None and 0 < lost < 120
+    saved = [int(e.fields["Iteration"]) for e in runs[0].of("Saved checkpoint")]
+    loaded = runs[1].last("Loaded checkpoint")
+    assert saved and loaded is not None and int(loaded.fields["Iteration"]) == saved[-1]  # the last checkpoint
+    assert runs[1].last("Ending job").fields["Reason"] == "done"
+
+    report = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.report", str(job.run_dir), "--json"],
+                            capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    rows = json.loads(report.stdout)["runs"]
+    assert [r["restart"] for r in rows] == [0, 1]
+    assert rows[0]["reason"] == "fault" and rows[1]["in_job_restart"] and rows[1]["reason"] == "done"
+
+
+def test_rank_hung_is_detected_within_the_step_timeout(jobs):
+    job = jobs["hung"]
+    check_restarted_once_and_exact(job, jobs["reference"])
+    latency = job.detected()[0] - job.fault_time()
+    assert STEP_TIMEOUT - 0.1 <= latency <= STEP_TIMEOUT + CHECK + MARGIN, latency
+    print(f"rank_hung: detected {latency:.2f} s after the fault (step timeout {STEP_TIMEOUT} s); "
+          f"fixture done at {job.seconds:.0f} s")
+
+
+def test_rank_killed_is_detected_and_slow_saves_are_not_hangs(jobs):
+    job = jobs["killed"]
+    check_restarted_once_and_exact(job, jobs["reference"])
+    latency = job.detected()[0] - job.fault_time()
+    assert 0 <= latency <= 1.0 + MARGIN, latency
+    # every save took longer than the step timeout, and the first one came before the fault
+    runs = parse_progress(str(job.run_dir / "checkpoints" / "progress.txt"))
+    saves = [e for r in runs for e in r.of("Saved checkpoint")]
+    assert saves and all(e.number("Save seconds") >= STEP_TIMEOUT for e in saves)
+    assert runs[0].of("Saved checkpoint")
+    print(f"rank_killed: detected {latency:.2f} s after the fault; {len(saves)} saves of >= {SAVE_DELAY} s; "
+          f"fixture done at {job.seconds:.0f} s")
