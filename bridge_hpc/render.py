@@ -11,6 +11,7 @@ Control characters never get this far: the config loader refuses them.
 from __future__ import annotations
 
 import importlib.resources
+import os
 import re
 import shlex
 from typing import Optional
@@ -36,6 +37,7 @@ def _environment() -> jinja2.Environment:
     folder = str(importlib.resources.files("bridge_hpc.templates"))
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(folder),
+        bytecode_cache=_bytecode_cache(),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
@@ -43,6 +45,18 @@ def _environment() -> jinja2.Environment:
     env.filters["q"] = lambda v: shlex.quote(str(v))
     env.filters["sbatch_arg"] = sbatch_arg
     return env
+
+
+def _bytecode_cache():
+    """Compiled templates cached per user: compiling them is most of a dry run's render time.
+    jinja2 keys the cache on each template's source, so an edited template is recompiled."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(base, "bridge_hpc", f"jinja2-{__version__}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None
+    return jinja2.FileSystemBytecodeCache(folder)
 
 
 def run_files(cfg: JobConfig) -> dict:
