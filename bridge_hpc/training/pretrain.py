@@ -91,7 +91,10 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
         cfg.ft, checkpoint_dir=cfg.checkpoint.save,
         min_computed_timeout_s=cfg.ft.min_computed_timeout_s if cfg.ft is not None else 60.0)
     ft.setup()
-    state.straggler_detector = StragglerDetector(cfg.nvrx_straggler)
+    # The step brackets the gradient all-reduce; torch DDP (CPU) runs it inside backward, so a rank
+    # waiting for a straggler would look as slow by the wall clock: time process CPU there instead.
+    state.straggler_detector = StragglerDetector(cfg.nvrx_straggler,
+                                                 clock="wall" if torch.cuda.is_available() else "process")
     state.straggler_detector.setup()
     if cfg.logger.log_progress and cfg.checkpoint.save and state.rank == 0:
         path = os.path.join(cfg.checkpoint.save, PROGRESS_FILE)
