@@ -83,7 +83,20 @@ def short_hostname() -> str:
 
 
 def release_requeued(job_id) -> None:
-    """Let a requeued job start now: Slurm holds it pending (Reason=BeginTime) for ~120 s otherwise."""
+    """Let a requeued job start now: Slurm holds it pending (Reason=BeginTime) for ~120 s otherwise.
+
+    Not within the second of the requeue, though: slurmd refuses to launch a job whose credential it
+    revoked in the same second ("Job credential revoked") and the run fails. A requeue resets the
+    job's SubmitTime, so wait until two seconds past it.
+    """
+    show = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
+    submitted = next((f.split("=", 1)[1] for f in show.split() if f.startswith("SubmitTime=")), "")
+    try:
+        wait = time.mktime(time.strptime(submitted, "%Y-%m-%dT%H:%M:%S")) + 2.0 - time.time()
+    except ValueError:
+        wait = 0.0
+    if wait > 0:
+        time.sleep(min(wait, 5.0))
     out = subprocess.run(
         ["scontrol", "update", f"jobid={job_id}", "StartTime=now"], capture_output=True, text=True
     )

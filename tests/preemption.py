@@ -72,23 +72,13 @@ def steps_done(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-_held_since: Dict[str, float] = {}
-
-
 def release_when_held(job_id: str) -> None:
-    """Slurm holds a requeued job ~120 s (Reason=BeginTime); a test has no time for that. Release it
-    once it has been held a few seconds: slurmd refuses a start within the second its credential
-    was revoked by the requeue ("Job credential revoked")."""
+    """Slurm holds a requeued job ~120 s (Reason=BeginTime); a test has no time for that."""
     from bridge_hpc.cluster import release_requeued
 
     state = squeue_state(job_id)
-    if not (state and state[0] == "PENDING" and "BeginTime" in state[1]):
-        _held_since.pop(job_id, None)
-        return
-    since = _held_since.setdefault(job_id, time.time())
-    if time.time() - since >= 3.0:
+    if state and state[0] == "PENDING" and "BeginTime" in state[1]:
         release_requeued(job_id)
-        _held_since.pop(job_id, None)
 
 
 def drive(job_id: str, timeout: float = 900, on_tick: Optional[Callable[[], None]] = None) -> str:
