@@ -59,6 +59,19 @@ def expand_nodelist(nodelist: str) -> List[str]:
     return hosts
 
 
+def node_address(node: str) -> str:
+    """How to reach a node: Slurm's NodeAddr for it, which is the node name on most clusters but not
+    where several slurmd share a host (the local cluster's n1, n2 are 127.0.0.1)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", node, "-o"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return node
+    for field in out.stdout.split():
+        if field.startswith("NodeAddr=") and field != "NodeAddr=":
+            return field.split("=", 1)[1]
+    return node
+
+
 @dataclass(frozen=True)
 class JobEnvironment:
     """Where this process sits in the job: launcher, rank, world and the rendezvous point."""
@@ -110,7 +123,7 @@ class JobEnvironment:
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
             job_id = env.get("SLURM_JOB_ID", "0")
             nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-            master = env.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1")
+            master = env.get("MASTER_ADDR") or (node_address(nodes[0]) if nodes else "127.0.0.1")
             # A port derived from the job id keeps concurrent jobs on one node apart.
             port = int(env.get("MASTER_PORT") or 20000 + int("".join(c for c in job_id if c.isdigit()) or 0) % 20000)
             return cls(

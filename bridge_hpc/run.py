@@ -49,16 +49,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch.distributed as dist
 
     from bridge_hpc.training.gpt import forward_step
-    from bridge_hpc.training.pretrain import initialize_distributed, pretrain
+    from bridge_hpc.training.pretrain import pretrain
 
-    initialize_distributed(cfg.dist)
+    # pretrain brings torch.distributed up itself, after its signal handler is in place: a preemption
+    # notice during a slow rendezvous is then recorded, not fatal.
     try:
         pretrain(cfg, forward_step)
     finally:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
