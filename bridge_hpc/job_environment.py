@@ -91,13 +91,6 @@ class JobEnvironment:
     restart_count: int
     hostname: str
 
-    @property
-    def requeue_id(self) -> Optional[str]:
-        """The id that requeues exactly this job: ``<array id>_<task id>`` for array tasks."""
-        if self.array_job_id and self.array_task_id:
-            return f"{self.array_job_id}_{self.array_task_id}"
-        return self.job_id
-
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "JobEnvironment":
         env = os.environ if env is None else env

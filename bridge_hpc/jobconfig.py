@@ -149,10 +149,6 @@ class JobConfig:
         return self.slurm.nodes * self.slurm.ntasks_per_node
 
     @property
-    def time_limit_s(self) -> int:
-        return parse_time_limit(self.slurm.time)
-
-    @property
     def checkpoint_dir(self) -> Path:
         """``[checkpoint] save``, relative to the run folder, or ``<run_dir>/checkpoints``."""
         return resolve_in_run_dir(self.run_dir, self.training.get("checkpoint", {}).get("save"), "checkpoints")

@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from bridge_hpc.slurm_query import TERMINAL_STATES
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "local-tiny.toml"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"}
 
 
 def overrides(run_dir: Path, train_iters: int, extra: List[str] = ()) -> List[str]:
@@ -88,7 +89,7 @@ def drive(job_id: str, timeout: float = 900, on_tick: Optional[Callable[[], None
         state = squeue_state(job_id)
         if state is None:
             runs = sacct_runs(job_id)
-            if runs and runs[-1] in TERMINAL:
+            if runs and runs[-1] in TERMINAL_STATES:
                 return runs[-1]
         else:
             release_when_held(job_id)

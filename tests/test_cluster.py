@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from bridge_hpc.cli.cluster import main as cluster_main
+from bridge_hpc.slurm_query import TERMINAL_STATES
 from bridge_hpc.cluster import MARKER, LocalCluster, check_managed, release_requeued
 from bridge_hpc.errors import ConfigError
 
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
 def sh(*argv: str, timeout: float = 120) -> str:
@@ -28,7 +28,7 @@ def sacct_state(job_id: str, timeout: float = 30) -> str:
     state = ""
     while time.monotonic() < deadline:
         state = sh("sacct", "-j", job_id, "-n", "-X", "-o", "State").strip()
-        if state.split() and state.split()[0] in TERMINAL:
+        if state.split() and state.split()[0] in TERMINAL_STATES:
             return state.split()[0]
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} not finished in sacct after {timeout} s (state {state!r})")

@@ -10,6 +10,7 @@ from typing import List, Optional
 from bridge_hpc.errors import exits_on_config_error
 from bridge_hpc.jobconfig import load_job_config
 from bridge_hpc.render import render_script
+from bridge_hpc.slurm_query import TERMINAL_STATES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,8 +36,7 @@ def wait_for(job, poll_s: float = 2.0) -> str:
         if state != last and state != "UNKNOWN":  # UNKNOWN: accounting has not seen the job yet
             print(f"{time.strftime('%H:%M:%S')}  job {job.job_id}: {state}", flush=True)
             last = state
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE") \
-                or state.startswith("CANCELLED"):
+        if state in TERMINAL_STATES or state.startswith("CANCELLED"):
             return state
         time.sleep(poll_s)
 
