@@ -46,6 +46,10 @@ def parse_time_limit(value: str) -> int:
 # --------------------------------------------------------------------------- the launcher's sections
 
 
+DEFAULT_FORWARD_STEP = "bridge_hpc.training.gpt:forward_step"
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
 @dataclass
 class JobSection:
     """What the run is called and where everything it writes goes."""
@@ -54,6 +58,11 @@ class JobSection:
     run_dir: str = ""  # default: runs/<name>, relative to the directory bridge-submit runs in
     python: str = "python3"  # interpreter on the compute nodes (after [setup] ran)
     description: str = ""
+    # The forward step every rank trains with, Megatron Bridge's signature
+    # ``forward_step(state, data_iterator, model) -> (output, loss_func)``: ``"package.module:function"``
+    # (importable on the compute nodes) or ``"path/to/file.py:function"`` (relative to the directory
+    # bridge-submit runs in, like run_dir; written absolute to resolved.toml).
+    forward_step: str = DEFAULT_FORWARD_STEP
 
 
 @dataclass
@@ -399,14 +408,35 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     base = cwd or Path.cwd()
     run_dir = Path(job.run_dir or f"runs/{job.name}").expanduser()
     job.run_dir = str(run_dir if run_dir.is_absolute() else (base / run_dir).resolve())
+    job.forward_step = _resolve_forward_step(job.forward_step, base, where)
     resolved = dict(doc)
     resolved["job"] = dict(doc.get("job", {}), name=job.name, run_dir=job.run_dir)
+    if job.forward_step != DEFAULT_FORWARD_STEP:
+        resolved["job"]["forward_step"] = job.forward_step
     training = {k: v for k, v in doc.items() if k in TRAINING_SECTIONS}
     _check_training_sections(training, where)
     return JobConfig(
         path=path, job=job, slurm=slurm, env=env, container=container, setup=setup,
         cluster=cluster, training=training, raw=resolved,
     )
+
+
+def _resolve_forward_step(spec: str, base: Path, where: "_Where") -> str:
+    """Check ``[job] forward_step`` without importing it (the login node has no torch): the form, and
+    for a file that it exists; a file's path comes back absolute."""
+    target, sep, function = spec.rpartition(":")
+    expected = "expected 'package.module:function' or 'path/to/file.py:function'"
+    if not sep or not target or not function.isidentifier():
+        raise where.error("job.forward_step", f"{expected}, got {spec!r}")
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        path = path if path.is_absolute() else (base / path).resolve()
+        if not path.is_file():
+            raise where.error("job.forward_step", f"{expected}; the file {path} does not exist")
+        return f"{path}:{function}"
+    if not _DOTTED.match(target):
+        raise where.error("job.forward_step", f"{expected}, got {spec!r}")
+    return spec
 
 
 def _check_training_sections(training: Dict[str, Any], where: "_Where") -> None:

@@ -1,4 +1,6 @@
-"""``python -m bridge_hpc.run JOB.toml [--set section.key=value ...]``: train the job's GPT.
+"""``python -m bridge_hpc.run JOB.toml [--set section.key=value ...]``: train the job's GPT with
+the forward step ``[job] forward_step`` names (default: Bridge's GPT step,
+:func:`bridge_hpc.training.gpt.forward_step`).
 
 The job file's training sections become a :class:`ConfigContainer`; launcher sections are
 ignored except ``[job] run_dir`` (relative to the current directory), which places the run:
@@ -10,17 +12,52 @@ where it stopped. Works the same under ``srun`` (SLURM_* variables) and ``torchr
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import os
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from bridge_hpc.errors import exits_on_config_error
 from bridge_hpc.jobconfig import load_job_config, resolve_in_run_dir
 from bridge_hpc.training.config import ConfigContainer
 
 
+def load_forward_step(spec: str) -> Callable:
+    """``[job] forward_step`` -> the function: ``"package.module:function"`` is imported;
+    ``"/abs/path/file.py:function"`` is loaded from the file, with the file's folder on ``sys.path`` so
+    it can import its neighbours. Errors name the setting, as a ConfigError would."""
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            folder = os.path.dirname(os.path.abspath(target))
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+            module_name = "bridge_user_" + os.path.splitext(os.path.basename(target))[0]
+            module_spec = importlib.util.spec_from_file_location(module_name, target)
+            if module_spec is None or module_spec.loader is None:
+                raise ImportError(f"cannot load {target}")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ImportError as exc:
+        raise ImportError(f"[job] forward_step = {spec!r}: {exc}") from exc
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ImportError(f"[job] forward_step = {spec!r}: {target} has no function {name!r}")
+    return function
+
+
 def build_config(path: str, overrides: Optional[List[str]] = None) -> ConfigContainer:
+    """The training config of a job file (see :func:`build_job`)."""
+    return build_job(path, overrides)[0]
+
+
+def build_job(path: str, overrides: Optional[List[str]] = None) -> Tuple[ConfigContainer, str]:
     """Job file (``extends`` profiles resolved, ``--set`` overrides applied, launcher sections checked)
-    -> ConfigContainer with the run-folder defaults filled in.
+    -> (ConfigContainer with the run-folder defaults filled in, ``[job] forward_step``).
 
     Paths follow ``bridge-submit``: ``[job] run_dir`` relative to the current directory (a
     resolved.toml holds it absolute), and relative training paths inside the run folder, so the job
@@ -34,7 +71,7 @@ def build_config(path: str, overrides: Optional[List[str]] = None) -> ConfigCont
         value = resolve_in_run_dir(job.run_dir, sections.get(section, {}).get(key), default)
         if value is not None:
             sections[section] = dict(sections.get(section, {}), **{key: str(value)})
-    return ConfigContainer.from_sections(sections, source=path)
+    return ConfigContainer.from_sections(sections, source=path), job.job.forward_step
 
 
 @exits_on_config_error
@@ -44,11 +81,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one setting (repeatable); VALUE is a TOML value")
     args = parser.parse_args(argv)
-    cfg = build_config(args.config, args.overrides)
+    cfg, forward_step_spec = build_job(args.config, args.overrides)
+    forward_step = load_forward_step(forward_step_spec)
 
     import torch.distributed as dist
 
-    from bridge_hpc.training.gpt import forward_step
     from bridge_hpc.training.pretrain import pretrain
 
     # pretrain brings torch.distributed up itself, after its signal handler is in place: a preemption

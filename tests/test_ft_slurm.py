@@ -7,10 +7,16 @@ launcher sees it die). The second job also makes every checkpoint save longer th
 for a hang. Both must restart in the same job (one Slurm run, no requeue), resume from their last
 checkpoint, finish, and log the same losses bit for bit as an uninterrupted torchrun of the same config;
 the progress log and bridge-report must show the restart with its cause and lost time.
+
+A third job computes its timeouts (``calc_ft_timeouts``) and is requeued by ``exit_interval``; in its
+second Slurm run a user's forward step (tests/data/faulty_forward_step.py) hangs on rank 1. The rank
+monitor must catch it by the timeout computed in the first run, far below the loose configured one;
+with no in-job restarts allowed, the job must leave through the requeue path and still finish exactly.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -35,6 +41,8 @@ STEP_TIMEOUT = 3.0
 CHECK = 0.5  # ft.workload_check_interval
 MARGIN = 3.0  # a shared 2-core machine
 SAVE_DELAY = 4.0  # > STEP_TIMEOUT: the slow-save job
+LOOSE_STEP_TIMEOUT = 60.0  # the requeue job's configured step timeout, before any is computed
+FAULTY_FORWARD_STEP = ROOT / "tests" / "data" / "faulty_forward_step.py"
 
 
 def ft_overrides(run_dir: Path, extra=()) -> list:
@@ -69,6 +77,9 @@ class Job:
         assert m, self.log[-4000:]
         return float(m.group(3))
 
+    def lines(self, pattern: str) -> list:
+        return [m for m in (re.search(pattern, line) for line in self.log.splitlines()) if m]
+
     def detected(self) -> list:
         """Times of the launcher's decision to restart the workers (0.4.1's and 0.7.0's words)."""
         return [t for t in (_stamp(line) for line in self.log.splitlines()
@@ -88,6 +99,10 @@ def jobs(slurm_cluster, tmp_path_factory):
                                           "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=10",
                                           "checkpoint.save_interval=40"],
                        env_extra={"BRIDGE_TEST_SAVE_DELAY_S": str(SAVE_DELAY)})
+    requeue = submit_ft(base / "requeue", [
+        "ft.calc_ft_timeouts=true", "ft.min_computed_timeout_s=2", f"ft.step_timeout={LOOSE_STEP_TIMEOUT}",
+        "ft.max_restarts=0", "train.exit_interval=50", "checkpoint.save_interval=20",
+        f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'", "env.TEST_HANG='1:57:1'"])
     old_config = preemption.CONFIG
     preemption.CONFIG = CONFIG  # same model/data/optimizer; FT stays inactive without ft_launcher
     try:
@@ -95,7 +110,7 @@ def jobs(slurm_cluster, tmp_path_factory):
     finally:
         preemption.CONFIG = old_config
     out = {"reference": reference}
-    for name, job_id in (("hung", hung), ("killed", killed)):
+    for name, job_id in (("hung", hung), ("killed", killed), ("requeue", requeue)):
         state = drive(job_id, timeout=400)
         out[name] = Job(base / name, job_id, state, time.time() - t0)
     return out
@@ -150,3 +165,45 @@ def test_rank_killed_is_detected_and_slow_saves_are_not_hangs(jobs):
     assert runs[0].of("Saved checkpoint")
     print(f"rank_killed: detected {latency:.2f} s after the fault; {len(saves)} saves of >= {SAVE_DELAY} s; "
           f"fixture done at {job.seconds:.0f} s")
+
+
+def test_computed_timeouts_survive_a_requeue_and_exhausted_restarts_requeue(jobs):
+    job = jobs["requeue"]
+    assert job.state == "COMPLETED", job.log[-4000:]
+    # run 0 stops at exit_interval; run 1 hangs and, with ft.max_restarts = 0, fails and is requeued
+    # by the batch script; run 2 stops at exit_interval again; run 3 finishes
+    assert sacct_runs(job.job_id) == ["REQUEUED", "REQUEUED", "REQUEUED", "COMPLETED"], job.log[-4000:]
+    assert "will restart worker group" not in job.log
+    assert len(job.lines(r"requeueing .*ranks failed with status")) == 1
+
+    # Each run's ranks log the timeouts in force when they connect to their monitors.
+    starts = [ast.literal_eval(m.group(2)) for m in
+              job.lines(r"\[rank 0\] bridge_hpc\.ft: fault tolerance: active \(sections API\), restart (\d+), "
+                        r"timeouts (\{.*\})$")]
+    assert len(starts) == 4, job.log[-4000:]
+    assert starts[0]["section"]["step"] == LOOSE_STEP_TIMEOUT and not starts[0]["calculated_sections"]
+    for later in starts[1:]:  # every run after the first starts with run 0's computed timeouts
+        assert {"step", "checkpointing"} <= set(later["calculated_sections"]), later
+    step_timeout = starts[1]["section"]["step"]
+    assert 2.0 <= step_timeout < LOOSE_STEP_TIMEOUT / 4, starts[1]
+
+    # The monitor of the hung rank enforced exactly that timeout, and detection came within it
+    hang = job.lines(r"TEST HANG rank 1 step 57 at ([\d.]+)")
+    assert len(hang) == 1, job.log[-4000:]
+    fired = job.lines(r"Section 'step' has been open for ([\d.]+) seconds\. Timeout is ([\d.]+) seconds")
+    assert fired, job.log[-4000:]
+    assert float(fired[0].group(2)) == pytest.approx(step_timeout, abs=0.01)
+    assert step_timeout - 0.1 <= float(fired[0].group(1)) <= step_timeout + CHECK + MARGIN
+    # start-up after a requeue loads a checkpoint: its own (computed) allowance from then on
+    final = json.loads((job.run_dir / "checkpoints" / "ft_state.json").read_text())["current_timeouts"]["section"]
+    assert {"setup", "step", "checkpointing"} <= set(final["calculated_sections"])
+
+    got, want = losses(job.run_dir), losses(jobs["reference"])
+    assert sorted(got) == list(range(1, ITERS + 1))
+    assert got == want  # bitwise
+    runs = parse_progress(str(job.run_dir / "checkpoints" / "progress.txt"))
+    assert len(runs) == 4
+    assert [int(r.last("Loaded checkpoint").fields["Iteration"]) for r in runs[1:]] == [50, 50, 100]
+    assert runs[-1].last("Ending job").fields["Reason"] == "done"
+    print(f"requeue: computed step timeout {step_timeout:.1f} s (configured {LOOSE_STEP_TIMEOUT:.0f} s) "
+          f"enforced after the requeue; hang caught after {float(fired[0].group(1)):.1f} s")

@@ -232,9 +232,12 @@ class LoggerConfig:
     log_timers_to_tensorboard: bool = False
     log_params_norm: bool = False
     metrics_file: Optional[str] = None
+    logging_level: int = 20  # Python logging level of bridge_hpc's own messages (20 = INFO)
 
     def finalize(self) -> None:
         _check(self.log_interval > 0, "logger.log_interval", "must be > 0")
+        _check(self.logging_level in (10, 20, 30, 40, 50), "logger.logging_level",
+               "must be a Python logging level: 10 (DEBUG), 20 (INFO), 30 (WARNING), 40 or 50")
         _check(self.tensorboard_log_interval > 0, "logger.tensorboard_log_interval", "must be > 0")
 
 

@@ -9,8 +9,10 @@ CUDA; megatron-core DDP and ``get_megatron_optimizer`` with it.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
+import sys
 import time
 from typing import Callable, List, Optional
 
@@ -41,6 +43,7 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
     Initializes torch.distributed from the environment if the caller has not; leaves it up on
     return (the caller owns the process group).
     """
+    setup_logging(config.logger.logging_level)
     state = GlobalState()
     state.cfg = config
     if config.inprocess_restart is not None and config.inprocess_restart.enabled:
@@ -149,6 +152,23 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
 # ---------------------------------------------------------------------------------------------
 # Setup pieces
 # ---------------------------------------------------------------------------------------------
+
+
+def setup_logging(level: int) -> None:
+    """Send bridge_hpc's log records (fault tolerance, straggler reports, checkpoints) to stderr with
+    a time stamp and this process's rank: under ft_launcher all ranks of a node share one Slurm task,
+    so Slurm's ``--label`` cannot tell them apart. Once per process. A script that configured logging
+    itself (the root logger has handlers) keeps its own handlers and format."""
+    logger = logging.getLogger("bridge_hpc")
+    logger.setLevel(level)
+    if logging.getLogger().handlers or any(getattr(h, "_bridge_hpc", False) for h in logger.handlers):
+        return
+    rank = JobEnvironment.from_env().rank
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[%(asctime)s] [%(levelname)s] [rank {rank}] %(name)s: %(message)s"))
+    handler._bridge_hpc = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.propagate = False
 
 
 def _process_age_s() -> Optional[float]:

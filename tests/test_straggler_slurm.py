@@ -1,0 +1,75 @@
+"""Straggler detection end to end on the local cluster: the real 2-rank GPT loop, rank 1 slowed on purpose.
+
+The job (configs/local-tiny.toml with ``[nvrx_straggler] enabled, stop_if_detected``) trains with a
+user's forward step (tests/data/faulty_forward_step.py) that, in the job's first Slurm run only, makes
+rank 1 burn extra CPU on every forward pass from step SLOW_FROM on. On CPU the detector compares the
+ranks' step times (process CPU time: a rank waiting in the gradient all-reduce for the straggler does
+not look slow itself). The first report after the slow-down must flag rank 1 and no report before it
+may flag anyone; the job must then checkpoint, stop (recorded as "straggler"), be requeued, finish in
+its second run, and log the same losses bit for bit as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import json
+from pathlib import Path
+
+import pytest
+from preemption import drive, log_text, losses, reference_run, sacct_runs, submit
+
+from bridge_hpc.progress import parse_progress
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+ITERS = 160
+SLOW_FROM = 60
+FAULTY_FORWARD_STEP = ROOT / "tests" / "data" / "faulty_forward_step.py"
+
+
+def test_a_rank_slowed_on_purpose_is_flagged_and_the_job_stops_with_a_checkpoint(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "straggler"
+    job_id = submit(run_dir, ITERS, [
+        "nvrx_straggler.enabled=true", "nvrx_straggler.stop_if_detected=true",
+        "nvrx_straggler.report_time_interval=0.5",
+        f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'", f"env.TEST_SLOW='0:{SLOW_FROM}:1:0.1'"])
+    reference = reference_run(tmp_path / "reference", ITERS)
+    state = drive(job_id, timeout=400)
+    log = log_text(run_dir, job_id)
+    assert state == "COMPLETED", log[-4000:]
+    assert sacct_runs(job_id) == ["REQUEUED", "COMPLETED"], log[-4000:]
+
+    def rank0(pattern):
+        return [m for m in (re.search(r"\[rank 0\] bridge_hpc\.straggler: " + pattern, line)
+                            for line in log.splitlines()) if m]
+
+    reports = [int(m.group(1)) for m in rank0(r"straggler report @(\d+) \(steptime\) relative perf scores")]
+    flagged = [(int(m.group(1)), m.group(2)) for m in rank0(r"straggler report @(\d+): flagged ranks (\[.*?\])")]
+    assert any(it < SLOW_FROM for it in reports), reports  # reports came before the slow-down ...
+    assert flagged, log[-4000:]
+    first_flag, ranks = flagged[0]
+    assert ranks == "[1]", flagged
+    assert first_flag >= SLOW_FROM, flagged  # ... and flagged no one
+    # the first report after the slow-down flagged it (a report interval holds at least one slow step)
+    assert [it for it in reports if SLOW_FROM < it < first_flag] == [], (reports, first_flag)
+    assert f"exiting at iteration {first_flag}: straggler (recorded as straggler)" in log
+
+    runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
+    assert len(runs) == 2
+    end = runs[0].last("Ending job")
+    assert end.fields["Reason"] == "straggler" and int(end.fields["Iteration"]) == first_flag
+    assert end.fields["Steps lost"] == "0"  # it stopped with a checkpoint
+    assert int(runs[1].last("Loaded checkpoint").fields["Iteration"]) == first_flag
+    assert runs[1].last("Ending job").fields["Reason"] == "done"
+    got, want = losses(run_dir), losses(reference)
+    assert sorted(got) == list(range(1, ITERS + 1))
+    assert got == want  # bitwise: the slow rank computed the same thing, later
+
+    report = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.report", str(run_dir), "--json"],
+                            capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    assert [r["reason"] for r in json.loads(report.stdout)["runs"]] == ["straggler", "done"]
+    print(f"straggler: reports at {reports}; rank 1 slowed from step {SLOW_FROM}, flagged at {first_flag}")
