@@ -93,6 +93,12 @@ BAD_INPUTS = [
     ("container without image", '[container]\nmounts = ["/a:/b"]\n', "container.image", "needs an image"),
     ("unknown training key", '[train]\ntrain_itres = 5\n', "train.train_itres", "did you mean 'train_iters'"),
     ("wrong training type", '[model]\nnum_layers = "two"\n', "model.num_layers", "expected an integer"),
+    ("forward_step without a function", '[job]\nforward_step = "mypkg.steps"\n', "job.forward_step",
+     "'package.module:function'"),
+    ("forward_step file missing", '[job]\nforward_step = "steps/nope.py:forward_step"\n', "job.forward_step",
+     "does not exist"),
+    ("forward_step bad module", '[job]\nforward_step = "my-pkg/steps:forward_step"\n', "job.forward_step",
+     "'path/to/file.py:function'"),
 ]
 
 
@@ -109,6 +115,23 @@ def test_bad_input_exits_2_naming_file_and_key(tmp_path: Path, what, text, key, 
     assert result.stderr.count("\n") == 1  # one message
     assert not (tmp_path / "runs").exists()
     assert job.exists()
+
+
+def test_forward_step_file_is_written_absolute_and_loads_on_the_ranks(tmp_path: Path):
+    write(tmp_path / "steps" / "mine.py", "def forward_step(state, data_iterator, model):\n    return 'mine'\n")
+    write(tmp_path / "job.toml", '[job]\nforward_step = "steps/mine.py:forward_step"\n' + MINIMAL_TRAINING_TOML)
+    cfg = load_job_config(tmp_path / "job.toml", cwd=tmp_path)
+    assert cfg.job.forward_step == f"{tmp_path / 'steps' / 'mine.py'}:forward_step"
+    assert cfg.raw["job"]["forward_step"] == cfg.job.forward_step  # resolved.toml: from any directory
+
+    from bridge_hpc.run import load_forward_step  # the rank side (imports no torch itself)
+
+    assert load_forward_step(cfg.job.forward_step)(None, None, None) == "mine"
+    assert load_forward_step("bridge_hpc.training.gpt:forward_step").__module__ == "bridge_hpc.training.gpt"
+    with pytest.raises(ImportError, match="has no function 'other'"):
+        load_forward_step(f"{tmp_path / 'steps' / 'mine.py'}:other")
+    with pytest.raises(ImportError, match="no_such_module"):
+        load_forward_step("no_such_module:forward_step")
 
 
 def test_unreadable_toml_names_the_line(tmp_path: Path):

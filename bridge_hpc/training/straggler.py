@@ -3,7 +3,8 @@
 Two backends behind one interface and one report shape:
 
 * ``"nvrx"``: nvidia-resiliency-ext's ``straggler.Detector`` (CUPTI kernel timings), used when CUDA is
-  available AND the installed package has the ``straggler`` module (0.4.1 has it; 0.7.0 does not).
+  available AND the installed package has the straggler module (``nvidia_resiliency_ext.straggler``
+  up to 0.4, ``nvidia_resiliency_ext.attribution.straggler`` later; the same ``Detector`` API).
 * ``"steptime"``: ours, for CPU and for packages without the module: every rank times its steps;
   every ``interval`` steps the ranks all_gather their recent mean step time (one small collective)
   and every rank computes the same report: relative score = fastest rank's mean / this rank's mean,
@@ -32,6 +33,7 @@ Where the loop calls it::
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import logging
 import socket
@@ -74,16 +76,31 @@ class StragglerReport:
         }
 
 
+#: Where nvidia-resiliency-ext keeps its straggler detector, newest layout first.
+NVRX_STRAGGLER_MODULES = ("nvidia_resiliency_ext.attribution.straggler", "nvidia_resiliency_ext.straggler")
+
+
+def nvrx_straggler_module():
+    """The installed package's straggler module (``Detector``, ``Report``), or None."""
+    for name in NVRX_STRAGGLER_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return importlib.import_module(name)
+        except ImportError:  # a parent package missing, or the CUPTI extension failing to load
+            continue
+    return None
+
+
 def nvrx_straggler_available() -> bool:
-    """CUDA present and the installed nvidia-resiliency-ext has ``straggler.Detector``."""
+    """CUDA present and the installed nvidia-resiliency-ext has a straggler ``Detector``."""
     try:
         import torch
 
         if not torch.cuda.is_available():
             return False
-        return importlib.util.find_spec("nvidia_resiliency_ext.straggler") is not None
-    except (ImportError, ValueError):
+    except ImportError:
         return False
+    return nvrx_straggler_module() is not None
 
 
 class StragglerDetector:
@@ -131,6 +148,7 @@ class StragglerDetector:
         self._rank_to_node: Dict[int, str] = {}
         self._section = None  # nvrx: the open detection_section context
         self._device = "cpu"
+        self._nvrx = None  # nvrx: the package's straggler module
 
     # -- set-up ------------------------------------------------------------------------------------
 
@@ -146,8 +164,10 @@ class StragglerDetector:
             backend = "nvrx" if nvrx_straggler_available() else "steptime"
         self.backend = backend
         if backend == "nvrx":
-            from nvidia_resiliency_ext import straggler
-
+            straggler = self._nvrx = nvrx_straggler_module()
+            if straggler is None:
+                raise RuntimeError("straggler detection: backend 'nvrx' asked for, but the installed "
+                                   "nvidia-resiliency-ext has no straggler module")
             scores = []
             if getattr(self.cfg, "calc_relative_gpu_perf", True):
                 scores.append("relative_perf_scores")
@@ -179,7 +199,7 @@ class StragglerDetector:
         if self.backend == "steptime":
             self._t0 = self._clock()
         elif self.backend == "nvrx":
-            from nvidia_resiliency_ext import straggler
+            straggler = self._nvrx
 
             self._section = straggler.Detector.detection_section("step", profile_cuda=True)
             self._section.__enter__()
@@ -222,7 +242,7 @@ class StragglerDetector:
 
     def shutdown(self) -> None:
         if self.backend == "nvrx":
-            from nvidia_resiliency_ext import straggler
+            straggler = self._nvrx
 
             straggler.Detector.shutdown()
         self.backend = None
@@ -285,7 +305,7 @@ class StragglerDetector:
     # -- nvrx backend ------------------------------------------------------------------------------
 
     def _check_nvrx(self, iteration: int) -> Optional[StragglerReport]:
-        from nvidia_resiliency_ext import straggler
+        straggler = self._nvrx
 
         report = straggler.Detector.generate_report_if_interval_elapsed()
         if report is None:
