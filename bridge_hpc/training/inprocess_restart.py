@@ -82,9 +82,12 @@ def maybe_wrap_for_inprocess_restart(train_fn: Callable, config: Any) -> Tuple[C
     def seconds(value: float) -> timedelta:
         return timedelta(seconds=value)
 
-    def adapter(*args, **kwargs):
-        call_wrapper = kwargs.pop("inprocess_call_wrapper", None)
-        return train_fn(*args, inprocess_call_wrapper=call_wrapper, **kwargs)
+    def adapter(*args, inprocess_call_wrapper=None, **kwargs):
+        return train_fn(*args, inprocess_call_wrapper=inprocess_call_wrapper, **kwargs)
+
+    # The wrapper passes its CallWrapper to the parameter annotated with that class; it compares
+    # annotation objects, and this module's annotations are strings (``from __future__``), so set it.
+    adapter.__annotations__ = {"inprocess_call_wrapper": Optional[inprocess.CallWrapper]}
 
     health = [inprocess.health_check.CudaHealthCheck(timeout=seconds(10))]
     if config.max_rank_faults is not None:

@@ -61,8 +61,16 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
     """Megatron Bridge's signature: ``store`` and ``inprocess_call_wrapper`` come from the in-process
     restart wrapper (each attempt gets its own prefix of the coordination store)."""
     cfg = state.cfg
-    if inprocess_call_wrapper is not None and store is not None:
-        store = dist.PrefixStore(str(inprocess_call_wrapper.iteration), store)
+    if inprocess_call_wrapper is not None:
+        # An in-process restart calls this again in the same process with the same ``state``: start
+        # each attempt from a fresh one (the step, counters and loggers come back from the checkpoint)
+        # and drop the model-parallel groups of the aborted process group.
+        if inprocess_call_wrapper.iteration > 0:
+            state.__init__()
+            state.cfg = cfg
+            parallel_state.destroy_model_parallel()
+        if store is not None:
+            store = dist.PrefixStore(str(inprocess_call_wrapper.iteration), store)
     state.restart_store = store
     # First of all: a preemption notice during setup must be recorded, not kill the process.
     if cfg.train.exit_signal_handler:

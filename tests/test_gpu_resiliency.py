@@ -1,0 +1,80 @@
+"""nvidia-resiliency-ext paths that only exist with CUDA: the CUPTI straggler detector and in-process
+restart. Skipped without a GPU (CI has none); run on the device machine:
+``python -m pytest -q tests/test_gpu_resiliency.py``. The CPU counterparts are tested on the local cluster
+(tests/test_straggler_slurm.py, tests/test_ft_slurm.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+WORKER = Path(__file__).resolve().parent / "data" / "gpu_resiliency_worker.py"
+
+
+def run_worker(mode: str, out: Path, timeout: float = 300) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for key in [k for k in env if k.startswith("SLURM_")]:
+        env.pop(key)
+    proc = subprocess.run([sys.executable, str(WORKER), mode, str(out)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def losses(run_dir: Path) -> dict:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert record["step"] not in out, f"step {record['step']} logged twice"
+        out[record["step"]] = record["loss"]
+    return out
+
+
+def test_nvrx_straggler_backend_reports_kernel_scores(tmp_path):
+    from bridge_hpc.training.straggler import nvrx_straggler_module
+
+    if nvrx_straggler_module() is None:
+        pytest.skip("the installed nvidia-resiliency-ext has no straggler module")
+    result = run_worker("straggler", tmp_path)
+    assert result["backend"] == "nvrx"
+    assert result["reports"], result
+    last = result["reports"][-1]
+    assert last["backend"] == "nvrx" and "0" in last["gpu_individual_perf_scores"]
+    assert 0 < last["gpu_individual_perf_scores"]["0"] <= 1.5
+    print(f"nvrx straggler: {len(result['reports'])} reports in {result['steps']} steps; last {last}")
+
+
+def test_inprocess_restart_resumes_in_the_same_process(tmp_path):
+    from bridge_hpc.training.inprocess_restart import unsupported_reason
+
+    reason = unsupported_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    reference = tmp_path / "reference"
+    run_worker("reference", reference)
+    faulty = tmp_path / "inprocess"
+    result = run_worker("inprocess", faulty)
+    assert result["faults"] == 1
+    got, want = losses(faulty), losses(reference)
+    assert sorted(got) == list(range(1, 21))
+    assert (faulty / "checkpoints" / "iter_0000020").is_dir()
+    from bridge_hpc.progress import parse_progress
+
+    runs = parse_progress(str(faulty / "checkpoints" / "progress.txt"))
+    assert len(runs) == 2 and int(runs[1].last("Loaded checkpoint").fields["Iteration"]) == 10
+    same = [step for step in got if got[step] == want[step]]
+    print(f"in-process restart: resumed at 10, finished 20; {len(same)}/20 losses bitwise equal to the reference")
+    assert got == want
