@@ -359,8 +359,15 @@ class InProcessRestartConfig:
     monitor_process_logdir: Optional[str] = None
 
     def finalize(self) -> None:
-        _check(self.hard_timeout >= self.soft_timeout, "inprocess_restart.hard_timeout",
-               "must be >= inprocess_restart.soft_timeout")
+        # The orderings nvidia-resiliency-ext's Wrapper enforces (0.4-0.7), checked here so a bad
+        # config stops at submission instead of on every rank at start-up: (smaller, larger) pairs.
+        for small, large in (("soft_timeout", "hard_timeout"), ("hard_timeout", "barrier_timeout"),
+                             ("heartbeat_timeout", "barrier_timeout"), ("heartbeat_interval", "heartbeat_timeout"),
+                             ("monitor_process_interval", "barrier_timeout"),
+                             ("monitor_process_interval", "heartbeat_timeout"),
+                             ("monitor_process_interval", "soft_timeout"), ("monitor_thread_interval", "soft_timeout")):
+            _check(getattr(self, small) < getattr(self, large), f"inprocess_restart.{large}",
+                   f"must be > inprocess_restart.{small} ({getattr(self, small):g})")
 
 
 @dataclass

@@ -41,10 +41,10 @@ def straggler(out):
         if det.last_report is not None and (not reports or reports[-1]["iteration"] != det.last_report.iteration):
             reports.append(det.last_report.to_dict())
         it += 1
+    backend = det.backend
     det.shutdown()
     dist.destroy_process_group()
-    return {"backend": det.requested_backend if det.backend is None else det.backend, "reports": reports,
-            "steps": it}
+    return {"backend": backend, "reports": reports, "steps": it}
 
 
 def train(out, fault):
@@ -57,7 +57,7 @@ def train(out, fault):
                  "model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
     if fault:
         overrides += ["inprocess_restart.enabled=true", "inprocess_restart.soft_timeout=30",
-                      "inprocess_restart.hard_timeout=60", "inprocess_restart.heartbeat_timeout=30",
+                      "inprocess_restart.hard_timeout=45", "inprocess_restart.heartbeat_timeout=30", "inprocess_restart.heartbeat_interval=5",
                       "inprocess_restart.barrier_timeout=60", "inprocess_restart.completion_timeout=60"]
     cfg = build_config(os.path.join(ROOT, "tests", "data", "tiny.toml"), overrides)
     faults = []
