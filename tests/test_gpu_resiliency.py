@@ -75,6 +75,10 @@ def test_inprocess_restart_resumes_in_the_same_process(tmp_path):
 
     runs = parse_progress(str(faulty / "checkpoints" / "progress.txt"))
     assert len(runs) == 2 and int(runs[1].last("Loaded checkpoint").fields["Iteration"]) == 10
+    assert [r.restart_count for r in runs] == [0, 1]
+    restart = runs[0].last("Restart")  # charged to the failed attempt, as for ft_launcher's restarts
+    assert restart is not None and restart.fields["Cause"] == "fault"
+    assert 0 <= restart.number("Lost seconds") < 60
     same = [step for step in got if got[step] == want[step]]
     print(f"in-process restart: resumed at 10, finished 20; {len(same)}/20 losses bitwise equal to the reference")
     assert got == want

@@ -93,6 +93,8 @@ BAD_INPUTS = [
     ("container without image", '[container]\nmounts = ["/a:/b"]\n', "container.image", "needs an image"),
     ("unknown training key", '[train]\ntrain_itres = 5\n', "train.train_itres", "did you mean 'train_iters'"),
     ("wrong training type", '[model]\nnum_layers = "two"\n', "model.num_layers", "expected an integer"),
+    ("in-process restart timeouts out of order", MINIMAL_TRAINING_TOML + '[inprocess_restart]\nsoft_timeout = 100\n',
+     "inprocess_restart.hard_timeout", "must be > inprocess_restart.soft_timeout"),
     ("forward_step without a function", '[job]\nforward_step = "mypkg.steps"\n', "job.forward_step",
      "'package.module:function'"),
     ("forward_step file missing", '[job]\nforward_step = "steps/nope.py:forward_step"\n', "job.forward_step",

@@ -66,8 +66,10 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
         # each attempt from a fresh one (the step, counters and loggers come back from the checkpoint)
         # and drop the model-parallel groups of the aborted process group.
         if inprocess_call_wrapper.iteration > 0:
+            last_step_time = state.last_step_time
             state.__init__()
             state.cfg = cfg
+            state.inprocess_restart = (inprocess_call_wrapper.iteration, last_step_time)
             parallel_state.destroy_model_parallel()
         if store is not None:
             store = dist.PrefixStore(str(inprocess_call_wrapper.iteration), store)
@@ -110,12 +112,17 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     if cfg.logger.log_progress and cfg.checkpoint.save and state.rank == 0:
         path = os.path.join(cfg.checkpoint.save, PROGRESS_FILE)
         state.progress = ProgressLog(path, env.job_id or "none", state.world_size)
-        if ft.restart_count > 0:  # an in-job restart by ft_launcher: charge the lost time to the failed run
+        # A restart inside the allocation (ft_launcher's new workers, or the in-process wrapper's next
+        # attempt): charge the time since the failed run's last step to that run, cause "fault".
+        in_process, last_step_time = state.inprocess_restart or (0, None)
+        if ft.restart_count > 0:
             lost_s = ft.seconds_lost_before_restart()
             state.progress.restart("fault", lost_s if lost_s is not None else 0.0)
+        elif in_process > 0:
+            state.progress.restart("fault", time.time() - last_step_time if last_step_time else 0.0)
         state.progress.starting_job(restart_count=run_restart_count(path, env.job_id, env.restart_count,
-                                                                    ft.restart_count),
-                                    startup_s=_process_age_s())
+                                                                    ft.restart_count + in_process),
+                                    startup_s=None if in_process else _process_age_s())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
                                                  cfg.model.pipeline_model_parallel_size)

@@ -180,6 +180,11 @@ class GlobalState:
         self.fault_tolerance = None
         self.straggler_detector = None
         self.straggler_stop: bool = False
+        #: Wall-clock time of this run's last finished step (what a restart charges lost time from).
+        self.last_step_time: Optional[float] = None
+        #: In a re-run by the in-process restart wrapper: (its iteration, the failed attempt's
+        #: ``last_step_time``); None otherwise.
+        self.inprocess_restart = None
         #: Extra state read from the loaded checkpoint (e.g. ``{"fault_tolerance": {...}}``).
         self.checkpoint_extra: Dict[str, Any] = {}
 

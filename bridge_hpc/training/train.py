@@ -439,6 +439,7 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
         ft.step_end(ts.step)
         step_time_s = timers("interval-time", log_level=0).elapsed(reset=True)
         global_state.slowest_step_s = max(global_state.slowest_step_s, step_time_s)
+        global_state.last_step_time = time.time()
 
         # 2. counters
         ts.step += 1
