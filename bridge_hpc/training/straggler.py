@@ -86,7 +86,7 @@ def nvrx_straggler_module():
         try:
             if importlib.util.find_spec(name) is not None:
                 return importlib.import_module(name)
-        except ImportError:  # a parent package missing, or the CUPTI extension failing to load
+        except (ImportError, ValueError):  # a parent package missing, the CUPTI extension failing to load
             continue
     return None
 
