@@ -11,10 +11,10 @@ its second run, and log the same losses bit for bit as an uninterrupted run.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
-import json
 from pathlib import Path
 
 import pytest
