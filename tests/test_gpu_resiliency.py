@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,48 @@ def test_nvrx_straggler_backend_reports_kernel_scores(tmp_path):
     assert last["backend"] == "nvrx" and "0" in last["gpu_individual_perf_scores"]
     assert 0 < last["gpu_individual_perf_scores"]["0"] <= 1.5
     print(f"nvrx straggler: {len(result['reports'])} reports in {result['steps']} steps; last {last}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nvrx_straggler_flags_the_rank_on_a_shared_gpu(tmp_path):
+    """2 ranks, one GPU each; a second process keeps GPU 1 busy, so rank 1's kernels run slower. The
+    first report must flag rank 1 (relative score) and both ranks must stop at the same iteration."""
+    from bridge_hpc.training.straggler import nvrx_straggler_module
+
+    if nvrx_straggler_module() is None:
+        pytest.skip("the installed nvidia-resiliency-ext has no straggler module")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    hog = subprocess.Popen([sys.executable, str(WORKER), "gpu_hog", str(tmp_path / "hog")],
+                           env=dict(base, LOCAL_RANK="1"), start_new_session=True)
+    ranks = []
+    try:
+        (tmp_path / "hog").mkdir()
+        deadline = time.time() + 120
+        while not (tmp_path / "hog" / "hog_ready").exists():
+            assert hog.poll() is None and time.time() < deadline, "the GPU hog did not start"
+            time.sleep(0.2)
+        for rank in (0, 1):
+            ranks.append(subprocess.Popen([sys.executable, str(WORKER), "straggler_pair", str(tmp_path / f"r{rank}")],
+                                          env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        logs = [p.communicate(timeout=240)[0] for p in ranks]
+    finally:
+        for p in ranks + [hog]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in ranks), logs
+    results = [json.loads((tmp_path / f"r{rank}" / "result.json").read_text()) for rank in (0, 1)]
+    assert results[0]["backend"] == results[1]["backend"] == "nvrx"
+    assert results[0]["stopped_at"] is not None and results[0]["stopped_at"] == results[1]["stopped_at"]
+    report = results[0]["reports"][-1]  # complete on rank 0 (nvrx gathers there)
+    assert report["flagged_ranks"] == [1], report
+    assert report["stragglers"]["straggler_gpus_relative"] == [1]
+    assert report["gpu_relative_perf_scores"]["1"] < 0.7 <= report["gpu_relative_perf_scores"]["0"]
+    print(f"nvrx straggler, GPU 1 shared with a busy process: {report}; stopped at {results[0]['stopped_at']}")
 
 
 def test_inprocess_restart_resumes_in_the_same_process(tmp_path):

@@ -308,9 +308,11 @@ class StragglerDetector:
         straggler = self._nvrx
 
         report = straggler.Detector.generate_report_if_interval_elapsed()
-        if report is None:
+        # The package agrees on "interval elapsed" across ranks, but with gather_on_rank0 only rank 0
+        # gets a report: ask the shared flag, so every rank goes on to _broadcast_flag together.
+        if not straggler.Detector.is_interval_elapsed():
             return None
-        if self._rank != 0:  # gather_on_rank0: other ranks get an empty report
+        if self._rank != 0 or report is None:  # other ranks: an empty report
             return StragglerReport(iteration, "nvrx", {}, {}, {})
         found = report.identify_stragglers(
             gpu_rel_threshold=float(getattr(self.cfg, "gpu_relative_perf_threshold", 0.7)),

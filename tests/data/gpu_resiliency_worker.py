@@ -47,6 +47,55 @@ def straggler(out):
     return {"backend": backend, "reports": reports, "steps": it}
 
 
+def straggler_pair(out):
+    """One of 2 ranks (one GPU each); the test slows rank 1's GPU with a competing process. Both ranks
+    stop at the same report (stop_if_detected)."""
+    import torch
+    import torch.distributed as dist
+
+    from bridge_hpc.training.config import NVRxStragglerDetectionConfig
+    from bridge_hpc.training.straggler import StragglerDetector
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    det = StragglerDetector(NVRxStragglerDetectionConfig(enabled=True, report_time_interval=2.0,
+                                                         stop_if_detected=True))
+    det.setup()
+    a = torch.randn(4096, 4096, device="cuda")
+    reports, stopped_at, start = [], None, time.time()
+    it = 0
+    while time.time() - start < 60.0:
+        det.step_start()
+        for _ in range(8):
+            a = torch.tanh(a @ a)
+        torch.cuda.synchronize()
+        det.step_end()
+        dist.all_reduce(a[0, :8])  # the ranks advance together, as in training
+        stop = det.check(it)
+        if det.last_report is not None and (not reports or reports[-1]["iteration"] != det.last_report.iteration):
+            reports.append(det.last_report.to_dict())
+        if stop:
+            stopped_at = it
+            break
+        it += 1
+    backend = det.backend
+    det.shutdown()
+    dist.destroy_process_group()
+    return {"backend": backend, "reports": reports, "stopped_at": stopped_at, "steps": it}
+
+
+def gpu_hog(out):
+    """Keeps the GPU named by LOCAL_RANK busy until killed: a noisy neighbour for straggler_pair."""
+    import torch
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    b = torch.randn(8192, 8192, device="cuda")
+    open(os.path.join(out, "hog_ready"), "w").close()
+    while True:
+        b = torch.tanh(b @ b)
+        torch.cuda.synchronize()
+
+
 def train(out, fault):
     from bridge_hpc.run import build_config
     from bridge_hpc.training import gpt
@@ -77,6 +126,11 @@ def main():
     os.makedirs(out, exist_ok=True)
     if mode == "straggler":
         result = straggler(out)
+    elif mode == "straggler_pair":
+        result = straggler_pair(out)
+    elif mode == "gpu_hog":
+        gpu_hog(out)
+        return
     else:
         result = train(out, fault=mode == "inprocess")
     with open(os.path.join(out, "result.json"), "w") as f:
