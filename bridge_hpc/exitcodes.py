@@ -11,14 +11,19 @@ before it starts the ranks, so a request always belongs to the run that wrote it
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 #: Set by the batch script: where rank 0 writes the request.
 REQUEUE_FILE_ENV = "BRIDGE_REQUEUE_FILE"
 
 
-def request_requeue(reason: str, iteration: int, environ: Optional[dict] = None) -> Optional[str]:
-    """Ask for a requeue (rank 0 only); returns the file written, or None outside a bridge_hpc job."""
+def request_requeue(reason: str, iteration: int, environ: Optional[dict] = None,
+                    exclude_nodes: Sequence[str] = ()) -> Optional[str]:
+    """Ask for a requeue (rank 0 only); returns the file written, or None outside a bridge_hpc job.
+
+    ``exclude_nodes``: Slurm node names the next run should avoid (the nodes of flagged stragglers);
+    the batch script adds them to the job's ``ExcNodeList`` when ``[slurm] exclude_straggler_nodes``
+    is on and enough nodes are left for the job."""
     environ = os.environ if environ is None else environ
     path = environ.get(REQUEUE_FILE_ENV)
     if not path:
@@ -26,6 +31,8 @@ def request_requeue(reason: str, iteration: int, environ: Optional[dict] = None)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         f.write(f"reason={reason}\niteration={iteration}\n")
+        if exclude_nodes:
+            f.write(f"exclude={','.join(exclude_nodes)}\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

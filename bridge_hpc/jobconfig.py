@@ -82,6 +82,9 @@ class SlurmSection:
     requeue: bool = True
     max_restarts: int = 20  # requeues after signals and time limits
     retries_without_progress: int = 2  # requeues after failures that saved no checkpoint (crash loops)
+    # After a stop for stragglers ([nvrx_straggler] stop_if_detected), keep the next run off their
+    # nodes (ExcNodeList), unless the partition would be left with too few nodes for the job.
+    exclude_straggler_nodes: bool = True
     constraint: Optional[str] = None
     exclusive: bool = False
     dependency: Optional[str] = None

@@ -248,6 +248,15 @@ def test_login_node_path_imports_no_torch(job_dir: Path):
     assert result.returncode == 0, result.stderr
 
 
+def test_straggler_node_exclusion_can_be_switched_off(job_dir: Path):
+    on = render_script(load_job_config(job_dir / "job.toml", cwd=job_dir))
+    off = render_script(load_job_config(job_dir / "job.toml", ["slurm.exclude_straggler_nodes=false"], cwd=job_dir))
+    assert "exclude_nodes()" in on and 'exclude_nodes "$id" "$2"' in on
+    assert "exclude_nodes" not in off and "ExcNodeList" not in off
+    for script in (on, off):  # either way the script stays valid bash
+        assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
 def test_sbatch_examples_match_the_templates():
     sys.path.insert(0, str(ROOT / "tests"))
     from render_examples import rendered_examples

@@ -6,7 +6,9 @@ rank 1 burn extra CPU on every forward pass from step SLOW_FROM on. On CPU the d
 ranks' step times (process CPU time: a rank waiting in the gradient all-reduce for the straggler does
 not look slow itself). The first report after the slow-down must flag rank 1 and no report before it
 may flag anyone; the job must then checkpoint, stop (recorded as "straggler"), be requeued, finish in
-its second run, and log the same losses bit for bit as an uninterrupted run.
+its second run, and log the same losses bit for bit as an uninterrupted run. On a one-node cluster
+the requeue cannot avoid the straggler's node (the job would never start again); on two nodes the
+second run must run on the other node (``[slurm] exclude_straggler_nodes``).
 """
 
 from __future__ import annotations
@@ -30,13 +32,17 @@ SLOW_FROM = 60
 FAULTY_FORWARD_STEP = ROOT / "tests" / "data" / "faulty_forward_step.py"
 
 
-def test_a_rank_slowed_on_purpose_is_flagged_and_the_job_stops_with_a_checkpoint(slurm_cluster, tmp_path):
-    run_dir = tmp_path / "straggler"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    return reference_run(tmp_path_factory.mktemp("reference") / "run", ITERS)
+
+
+def run_with_a_straggler(run_dir: Path, reference: Path):
+    """Submit, drive to the end, check everything but the nodes; returns (job id, log)."""
     job_id = submit(run_dir, ITERS, [
         "nvrx_straggler.enabled=true", "nvrx_straggler.stop_if_detected=true",
         "nvrx_straggler.report_time_interval=0.5",
         f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'", f"env.TEST_SLOW='0:{SLOW_FROM}:1:0.1'"])
-    reference = reference_run(tmp_path / "reference", ITERS)
     state = drive(job_id, timeout=400)
     log = log_text(run_dir, job_id)
     assert state == "COMPLETED", log[-4000:]
@@ -73,3 +79,24 @@ def test_a_rank_slowed_on_purpose_is_flagged_and_the_job_stops_with_a_checkpoint
     assert report.returncode == 0, report.stderr
     assert [r["reason"] for r in json.loads(report.stdout)["runs"]] == ["straggler", "done"]
     print(f"straggler: reports at {reports}; rank 1 slowed from step {SLOW_FROM}, flagged at {first_flag}")
+    return job_id, log
+
+
+def run_nodes(job_id: str) -> list:
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "--duplicates", "-o", "NodeList"],
+                         capture_output=True, text=True).stdout
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def test_a_rank_slowed_on_purpose_is_flagged_and_the_job_stops_with_a_checkpoint(slurm_cluster, reference, tmp_path):
+    job_id, log = run_with_a_straggler(tmp_path / "straggler", reference)
+    # one node: avoiding it would leave the job nowhere to run
+    assert "not excluding straggler node(s) vm: partition debug would keep 0 node(s) for a job of 1" in log
+    assert run_nodes(job_id) == ["vm", "vm"]
+
+
+def test_the_requeued_run_avoids_the_straggler_node(slurm_cluster_2nodes, reference, tmp_path):
+    job_id, log = run_with_a_straggler(tmp_path / "straggler", reference)
+    first, second = run_nodes(job_id)
+    assert first in ("n1", "n2") and second in ("n1", "n2") and first != second, (first, second)
+    assert f"the next run avoids {first} (straggler nodes)" in log

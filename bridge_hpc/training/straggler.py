@@ -36,6 +36,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -64,6 +65,11 @@ class StragglerReport:
         for ranks in self.stragglers.values():
             out |= set(ranks)
         return sorted(out)
+
+    @property
+    def flagged_nodes(self) -> List[str]:
+        """The nodes of :attr:`flagged_ranks` (what a requeue should avoid)."""
+        return sorted({self.rank_to_node[r] for r in self.flagged_ranks if r in self.rank_to_node})
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -101,6 +107,11 @@ def nvrx_straggler_available() -> bool:
     except ImportError:
         return False
     return nvrx_straggler_module() is not None
+
+
+def node_name() -> str:
+    """This process's Slurm node name (``SLURMD_NODENAME``), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 class StragglerDetector:
@@ -183,14 +194,17 @@ class StragglerDetector:
                 import torch
 
                 self._device = f"cuda:{torch.cuda.current_device()}"
-            if dist.is_initialized() and self._world > 1:
-                names: List[Optional[str]] = [None] * self._world
-                dist.all_gather_object(names, socket.gethostname(), group=self.group)
-                self._rank_to_node = {r: str(n) for r, n in enumerate(names)}
-            else:
-                self._rank_to_node = {0: socket.gethostname()}
             if self.interval_steps:
                 self._next_check = int(self.interval_steps)
+        # Which node each rank runs on, by Slurm's node name (what a requeue can exclude; several
+        # slurmd may share one host name), for both backends.
+        me = node_name()
+        if dist.is_initialized() and self._world > 1:
+            names: List[Optional[str]] = [None] * self._world
+            dist.all_gather_object(names, me, group=self.group)
+            self._rank_to_node = {r: str(n) for r, n in enumerate(names)}
+        else:
+            self._rank_to_node = {0: me}
         logger.info("straggler detection: %s backend on rank %d", backend, self._rank)
 
     # -- per step ----------------------------------------------------------------------------------
@@ -322,7 +336,7 @@ class StragglerDetector:
             iteration=iteration, backend="nvrx",
             gpu_relative_perf_scores=dict(report.gpu_relative_perf_scores),
             gpu_individual_perf_scores=dict(report.gpu_individual_perf_scores),
-            rank_to_node=dict(report.rank_to_node),
+            rank_to_node=dict(self._rank_to_node) or dict(report.rank_to_node),
             stragglers={
                 "straggler_gpus_relative": {s.rank for s in found.get("straggler_gpus_relative", ())},
                 "straggler_gpus_individual": {s.rank for s in found.get("straggler_gpus_individual", ())},

@@ -395,7 +395,10 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
         if "train_iters reached" not in reasons:
             from bridge_hpc.exitcodes import request_requeue
 
-            if request_requeue(reason, step):
+            detector = state.straggler_detector
+            avoid = (detector.last_report.flagged_nodes
+                     if reason == "straggler" and detector is not None and detector.last_report is not None else [])
+            if request_requeue(reason, step, exclude_nodes=avoid):
                 print(f"work left at iteration {step}: asked the batch script to requeue the job", flush=True)
     return True
 
