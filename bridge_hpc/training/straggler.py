@@ -27,7 +27,8 @@ Where the loop calls it::
     det.shutdown()
 
 ``det.last_report`` (a :class:`StragglerReport`) holds the latest report on every rank
-(with ``nvrx``: complete on rank 0 only, as nvrx gathers there).
+(with ``nvrx``: complete on rank 0 only, as nvrx gathers there). Its ``rank_to_node`` names Slurm
+nodes (``SLURMD_NODENAME``), so ``flagged_nodes`` is what a requeue can exclude.
 """
 
 from __future__ import annotations
