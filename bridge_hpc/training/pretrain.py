@@ -172,13 +172,15 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
 def setup_logging(level: int) -> None:
     """Send bridge_hpc's log records (fault tolerance, straggler reports, checkpoints) to stderr with
     a time stamp and this process's rank: under ft_launcher all ranks of a node share one Slurm task,
-    so Slurm's ``--label`` cannot tell them apart. Once per process. A script that configured logging
-    itself (the root logger has handlers) keeps its own handlers and format."""
+    so Slurm's ``--label`` cannot tell them apart. INFO comes from rank 0 only (a thousand ranks
+    saying the same thing helps nobody); warnings and errors from every rank; ``logging_level`` 10
+    (DEBUG) opens every rank. Once per process. A script that configured logging itself (the root
+    logger has handlers) keeps its own handlers and format."""
+    rank = JobEnvironment.from_env().rank
     logger = logging.getLogger("bridge_hpc")
-    logger.setLevel(level)
+    logger.setLevel(level if rank == 0 or level <= logging.DEBUG else max(level, logging.WARNING))
     if logging.getLogger().handlers or any(getattr(h, "_bridge_hpc", False) for h in logger.handlers):
         return
-    rank = JobEnvironment.from_env().rank
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[%(asctime)s] [%(levelname)s] [rank {rank}] %(name)s: %(message)s"))
     handler._bridge_hpc = True  # type: ignore[attr-defined]
