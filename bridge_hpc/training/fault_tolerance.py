@@ -198,7 +198,7 @@ class FaultTolerance:
         """
         self._setup_time = time.monotonic()
         if not self.enabled:
-            logger.info("fault tolerance: inactive ([ft] enable_ft_package is false)")
+            logger.debug("fault tolerance: inactive ([ft] enable_ft_package is false)")
             return False
         if not under_ft_launcher():
             logger.warning(

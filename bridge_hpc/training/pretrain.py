@@ -9,6 +9,7 @@ CUDA; megatron-core DDP and ``get_megatron_optimizer`` with it.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import os
 import random
@@ -257,9 +258,12 @@ def setup_model(cfg: ConfigContainer) -> List[torch.nn.Module]:
 
 def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module) -> torch.nn.Module:
     if not torch.cuda.is_available():
-        # broadcast_buffers=False: forward then issues no collectives, so a forward on one rank
-        # alone (non-loss-data evaluation on the last rank) cannot hang.
-        return torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        # No buffer sync in forward: forward then issues no collectives, so a forward on one rank
+        # alone (non-loss-data evaluation on the last rank) cannot hang. torch 2.13 renamed the
+        # option (forward_sync_buffers; it still syncs once at init, where the buffers are equal).
+        params = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+        return torch.nn.parallel.DistributedDataParallel(model, **no_sync)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
