@@ -140,7 +140,8 @@ def build_rows(runs: Sequence[Run]) -> List[RunRow]:
         ended_it = _iteration(ending) if ending else None
         last_it = max([it for _, it in marks] + [first_it]) if ended_it is None else ended_it
 
-        load_s = _sum(loads, "Load seconds")
+        # no load in a run whose log records loads (ours): 0 s, not unknown
+        load_s = _sum(loads, "Load seconds") if loads or run.restart_count is None else 0.0
         startup_s = None
         if first_step is not None and first_step.number("Start-up seconds") is not None:
             startup_s = max(first_step.number("Start-up seconds") - (load_s or 0.0), 0.0)

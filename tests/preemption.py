@@ -20,6 +20,8 @@ from bridge_hpc.slurm_query import TERMINAL_STATES
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "local-tiny.toml"
+#: A forward step with faults and delays chosen by environment variables (see its docstring)
+FAULTY_FORWARD_STEP = ROOT / "tests" / "data" / "faulty_forward_step.py"
 
 
 def overrides(run_dir: Path, train_iters: int, extra: List[str] = ()) -> List[str]:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 from jobs import assert_bitwise_equal, model_params
-from preemption import (drive, log_text, losses, reference_run, sacct_runs, squeue_state, steps_done, submit,
-                        wait_running_past)
+from preemption import (FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs, squeue_state,
+                        steps_done, submit, wait_running_past)
 
 from bridge_hpc.progress import parse_progress
 
@@ -119,7 +119,11 @@ def test_exit_interval_and_exit_duration_requeue_until_done(slurm_cluster, refer
     assert len(runs) >= 2 and set(reasons[:-1]) == {"duration"} and reasons[-1] == "done"
 
 
-TIME_LIMIT_ITERS = 2400  # about 2 minutes of training: more than one 2-minute allocation holds
+TIME_LIMIT_ITERS = 1200
+#: Each forward pass (2 micro-batches a step) sleeps this long on top of its work, so the job needs
+#: more than 120 s of training however fast the machine: more than one 2-minute allocation (90 s
+#: before its warning) can hold.
+TIME_LIMIT_STEP_SLEEP = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +134,9 @@ def long_reference(tmp_path_factory) -> Path:
 def test_two_minute_time_limit_requeues_until_done(slurm_cluster, long_reference, tmp_path):
     run_dir = tmp_path / "run"
     job_id = submit(run_dir, TIME_LIMIT_ITERS,
-                    ["slurm.time=00:02:00", "slurm.signal=USR1@30", "checkpoint.save_interval=200"])
+                    ["slurm.time=00:02:00", "slurm.signal=USR1@30", "checkpoint.save_interval=200",
+                     f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
+                     f"env.TEST_STEP_SLEEP='{TIME_LIMIT_STEP_SLEEP}'"])
     assert drive(job_id, timeout=1500) == "COMPLETED"
     runs = check_exact(run_dir, long_reference, job_id, tmp_path, TIME_LIMIT_ITERS)
     reasons = [r.last("Ending job").fields["Reason"] for r in runs]

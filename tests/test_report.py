@@ -176,7 +176,7 @@ def test_bridge_goodput_and_lost_steps(bridge_log):
     assert [r.lost_steps for r in rows] == [50, 50, 0]
     assert [r.lost_s for r in rows] == pytest.approx([500, 500, 0])
     assert [r.startup_s for r in rows] == pytest.approx([60, 40, 40])  # load (20 s) counted apart
-    assert [(r.loads, r.load_s) for r in rows] == [(0, None), (1, 20.0), (1, 20.0)]
+    assert [(r.loads, r.load_s) for r in rows] == [(0, 0.0), (1, 20.0), (1, 20.0)]
     assert [(r.saves, r.save_s) for r in rows] == [(2, 100.0), (1, 50.0), (1, 50.0)]
     assert [r.duration_s for r in rows] == pytest.approx([2650, 1600, 1110])
     t = report.totals

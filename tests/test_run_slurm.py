@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from bridge_hpc.progress import parse_progress
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,8 +42,11 @@ def check_trained(run_dir: Path, log: str) -> None:
     assert all(isinstance(s["loss"], float) and s["loss"] > 0 for s in steps)
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     assert (run_dir / "checkpoints" / "iter_0000006").is_dir()
-    # both ranks ran (srun --label prefixes each line with the rank)
-    assert "0: " in log and "1: " in log
+    # both ranks joined (the progress log's world size) and both wrote their shard of the checkpoint
+    runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
+    assert [r.world_size for r in runs] == [2], log
+    shards = sorted(p.name for p in (run_dir / "checkpoints" / "iter_0000006").glob("*.distcp"))
+    assert {name.split("_")[2] for name in shards} == {"0", "1"}, shards
 
 
 def test_demo_two_ranks_one_node(slurm_cluster, tmp_path: Path):

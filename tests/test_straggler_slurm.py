@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from preemption import drive, log_text, losses, reference_run, sacct_runs, submit
+from preemption import FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs, submit
 
 from bridge_hpc.progress import parse_progress
 
@@ -29,7 +29,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 ITERS = 160
 SLOW_FROM = 60
-FAULTY_FORWARD_STEP = ROOT / "tests" / "data" / "faulty_forward_step.py"
 
 
 @pytest.fixture(scope="module")

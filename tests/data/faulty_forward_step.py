@@ -10,6 +10,9 @@ the job (``SLURM_RESTART_COUNT``) and the first worker group of that run (``TORC
   step (as a dead-locked kernel would), and never comes back.
 * ``TEST_SLOW = "<slurm restart>:<from step>:<rank>:<seconds>"``: from that step on, that rank burns
   this much CPU before each of its forward passes (a slow or throttled processor).
+* ``TEST_STEP_SLEEP = "<seconds>"``: every rank, in every run, sleeps this long before each forward
+  pass (a slower machine: a floor under the step time, so that a test can count on a time limit
+  being reached however fast the machine is).
 
 Each fault prints one line with its wall-clock time, which the tests read.
 """
@@ -53,4 +56,5 @@ def forward_step(state, data_iterator, model):
             _announced.append(step)
             print(f"TEST SLOW rank {rank} from step {step} at {time.time():.3f}", flush=True)
         _burn(float(slow[3]))
+    time.sleep(float(os.environ.get("TEST_STEP_SLEEP", "0")))
     return gpt_forward_step(state, data_iterator, model)
