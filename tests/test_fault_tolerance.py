@@ -216,11 +216,12 @@ def test_fault_is_detected_and_workers_restart(tmp_path, fault):
 
 
 @pytest.mark.parametrize("mode", ["sections", "heartbeats"])
-def test_long_checkpoint_is_not_a_hang(tmp_path, mode):
-    # step / heartbeat timeout 2 s, a save of 4 s inside checkpointing(): no restart
+def test_long_checkpoint_and_slow_first_step_are_not_hangs(tmp_path, mode):
+    # step / heartbeat timeout 2 s; a first step (warm-up) of 4 s, under the set-up allowance; a save
+    # of 4 s inside checkpointing(): no restart
     timeouts = fast_timeouts(step=2, heartbeat=2, use_sections=mode == "sections")
-    run = run_ft(tmp_path / mode, ["--steps", "12", "--step-time", "0.05", "--save-interval", "6",
-                                   "--save-time", "4"], timeouts, max_restarts=1)
+    run = run_ft(tmp_path / mode, ["--steps", "12", "--step-time", "0.05", "--first-step-time", "4",
+                                   "--save-interval", "6", "--save-time", "4"], timeouts, max_restarts=1)
     assert run.rc == 0, run.log[-4000:]
     assert "will restart worker group" not in run.log and "FT timeout elapsed" not in run.log
     for rank in (0, 1):

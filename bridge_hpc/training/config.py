@@ -264,9 +264,10 @@ class FaultToleranceConfig:
     the ft_launcher command line; the batch script renders them, see ``bridge_hpc.ft_launch``), named
     after nvidia-resiliency-ext's own ``FaultToleranceConfig`` fields where it has one:
     ``max_restarts`` (in-job restarts of all workers before the job gives up and the batch script's
-    requeue path takes over), the per-section timeouts (``setup``: start-up incl. checkpoint load,
-    ``step``, ``checkpointing``: one save), ``rank_out_of_section_timeout`` (between sections:
-    logging, evaluation), the heartbeat timeouts (used only when the package has no section API),
+    requeue path takes over), the per-section timeouts (``setup``: start-up incl. checkpoint load
+    and the run's first step, its warm-up; ``step``; ``checkpointing``: one save),
+    ``rank_out_of_section_timeout`` (between sections: logging, evaluation), the heartbeat timeouts
+    (used only when the package has no section API),
     ``workload_check_interval`` (how often a monitor looks: detection comes at most that long after
     the timeout), ``safety_factor`` (computed timeout = longest observed interval x this) and
     ``min_computed_timeout_s`` (floor for every computed timeout). Seconds throughout.

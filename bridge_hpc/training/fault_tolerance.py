@@ -12,15 +12,17 @@ Where the loop calls it::
     ft = FaultTolerance(cfg.ft, checkpoint_dir=cfg.checkpoint.save)   # cfg.ft may be None
     ft.setup()                        # right after torch.distributed.init_process_group,
                                       # BEFORE building the model and loading the checkpoint
-    state = load_checkpoint(...)      # start-up, covered by section "setup" (its own allowance)
+    state = load_checkpoint(...)      # start-up, covered by section "setup" (its own allowance,
+                                      # through the end of the run's first step: the warm-up)
     if state is not None:
         ft.load_state_dict(state.get("fault_tolerance", {}))   # optional, see below
         ft.on_checkpoint_loaded()
     while iteration < train_iters:
-        ft.step_start(iteration)      # first call closes "setup"
+        ft.step_start(iteration)      # opens "step" (from the second step of the run on)
         ft.maybe_simulate_fault(iteration)
         ...forward / backward / optimizer step...
-        ft.step_end(iteration)        # may all_reduce (timeouts calculation) on a fixed iteration
+        ft.step_end(iteration)        # first call closes "setup"; may all_reduce (timeouts
+                                      # calculation) on a fixed iteration
         if time_to_save:
             with ft.checkpointing():  # a long save is not a hang
                 save_checkpoint(..., extra={"fault_tolerance": ft.state_dict()})
@@ -42,7 +44,8 @@ Computed timeouts (``calc_ft_timeouts = true``): the package's timeouts calculat
 longest observed interval of each kind; on fixed points (same iteration on every rank, as it
 all_reduces) this module asks the client to turn them into timeouts (observed max x the launcher's
 ``safety_factor``, merged by EMA with previously computed values): ``step`` after
-``min_iters_for_step_timeout`` steps, ``setup`` at the first step of a run that loaded a checkpoint,
+``min_iters_for_step_timeout`` steps, ``setup`` (start-up, load and first step) at the end of the
+first step of a run that loaded a checkpoint,
 ``checkpointing`` after the first save, out-of-section at :meth:`shutdown`. They are written by rank 0
 to ``<checkpoint_dir>/ft_state.json`` (read back by :meth:`setup` *before* the checkpoint load, so the
 load already runs under the computed setup allowance) and are also available as :meth:`state_dict`
@@ -143,7 +146,6 @@ class FaultTolerance:
         self.mode: Optional[str] = None  # "sections" | "heartbeats" | None (inactive)
         self._pending_state: Optional[Dict[str, Any]] = None
         self._setup_open = False
-        self._step_open = False
         self._steps_seen = 0
         self._checkpoint_loaded = False
         self._saves_seen = 0
@@ -258,15 +260,15 @@ class FaultTolerance:
         self._checkpoint_loaded = True
 
     def step_start(self, iteration: int) -> None:
-        """At the top of every training iteration (before the batch is fetched)."""
-        if self.mode != "sections":
+        """At the top of every training iteration (before the batch is fetched).
+
+        The first step of a run stays inside ``setup``: it is the warm-up (lazy allocations,
+        kernel selection, the first collectives on fresh communicators) and can take many times a
+        steady step, so judging it by a step timeout computed from steady steps would restart a
+        healthy run right after every requeue or in-job restart."""
+        if self.mode != "sections" or self._setup_open:
             return
-        send, client = self._send, self.client
-        if self._setup_open:
-            send(client.end_section, SECTION_SETUP)
-            self._setup_open = False
-        send(client.start_section, SECTION_STEP)
-        self._step_open = True
+        self._send(self.client.start_section, SECTION_STEP)
 
     def step_end(self, iteration: int) -> None:
         """After the optimizer step of every iteration. Collective when a timeout is computed here
@@ -275,8 +277,11 @@ class FaultTolerance:
         if mode is None:
             return
         if mode == "sections":
-            self._send(self.client.end_section, SECTION_STEP)
-            self._step_open = False
+            if self._setup_open:  # the run's first step: the end of set-up (see step_start)
+                self._send(self.client.end_section, SECTION_SETUP)
+                self._setup_open = False
+            else:
+                self._send(self.client.end_section, SECTION_STEP)
         else:
             self._maybe_heartbeat()
         self._steps_seen += 1

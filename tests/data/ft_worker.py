@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--step-time", type=float, default=0.05)
+    p.add_argument("--first-step-time", type=float, default=None)  # each worker group's first step (warm-up)
     p.add_argument("--save-interval", type=int, default=0)
     p.add_argument("--save-time", type=float, default=0.0)
     p.add_argument("--fault", default="none")  # rank_hung | rank_killed | random | none
@@ -72,12 +73,14 @@ def main() -> None:
 
     steps_file = open(os.path.join(args.out, f"steps_rank{rank}.txt"), "a", buffering=1)
     x = torch.ones(4)
+    first = True
     while iteration < args.steps:
         ft.step_start(iteration)
         ft.maybe_simulate_fault(iteration)
         dist.all_reduce(x)
         x.fill_(1.0)
-        time.sleep(args.step_time)
+        time.sleep(args.first_step_time if first and args.first_step_time is not None else args.step_time)
+        first = False
         ft.step_end(iteration)
         iteration += 1
         steps_file.write(f"{ft.restart_count} {iteration} {time.time():.3f}\n")
