@@ -19,6 +19,7 @@ from typing import Optional
 import jinja2
 
 from bridge_hpc import __version__
+from bridge_hpc.errors import EXIT_BAD_INPUT
 from bridge_hpc.jobconfig import JobConfig
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
@@ -125,4 +126,5 @@ def render_script(cfg: JobConfig) -> str:
         log_pattern=log_pattern(cfg),
         checkpoint_dir=str(cfg.checkpoint_dir),
         ft_launch=ft_launch_command(cfg),
+        exit_bad_input=EXIT_BAD_INPUT,
     )

@@ -18,15 +18,17 @@ import os
 import sys
 from typing import Callable, List, Optional, Tuple
 
-from bridge_hpc.errors import exits_on_config_error
+from bridge_hpc.errors import ConfigError, exits_on_config_error
 from bridge_hpc.jobconfig import load_job_config, resolve_in_run_dir
 from bridge_hpc.training.config import ConfigContainer
 
 
-def load_forward_step(spec: str) -> Callable:
+def load_forward_step(spec: str, source: Optional[str] = None) -> Callable:
     """``[job] forward_step`` -> the function: ``"package.module:function"`` is imported;
     ``"/abs/path/file.py:function"`` is loaded from the file, with the file's folder on ``sys.path`` so
-    it can import its neighbours. Errors name the setting, as a ConfigError would."""
+    it can import its neighbours. A module that cannot be imported, or has no such function, is a
+    :class:`ConfigError` naming the job file ``source`` and the key (the login node cannot check a
+    module: importing the user's code may need torch)."""
     target, _, name = spec.rpartition(":")
     try:
         if target.endswith(".py"):
@@ -43,10 +45,11 @@ def load_forward_step(spec: str) -> Callable:
         else:
             module = importlib.import_module(target)
     except ImportError as exc:
-        raise ImportError(f"[job] forward_step = {spec!r}: {exc}") from exc
+        raise ConfigError(f"cannot import {spec!r}: {exc}", path=source,
+                          key="job.forward_step") from exc
     function = getattr(module, name, None)
     if not callable(function):
-        raise ImportError(f"[job] forward_step = {spec!r}: {target} has no function {name!r}")
+        raise ConfigError(f"{target} has no function {name!r}", path=source, key="job.forward_step")
     return function
 
 
@@ -102,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     cfg, forward_step_spec = build_job(args.config, args.overrides)
     quiet_known_warnings()
-    forward_step = load_forward_step(forward_step_spec)
+    forward_step = load_forward_step(forward_step_spec, source=args.config)
 
     import torch.distributed as dist
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import toml
 
+from bridge_hpc.errors import ConfigError
 from bridge_hpc.jobconfig import load_job_config
 from bridge_hpc.render import render_script
 from jobs import MINIMAL_TRAINING, MINIMAL_TRAINING_TOML
@@ -130,9 +131,10 @@ def test_forward_step_file_is_written_absolute_and_loads_on_the_ranks(tmp_path: 
 
     assert load_forward_step(cfg.job.forward_step)(None, None, None) == "mine"
     assert load_forward_step("bridge_hpc.training.gpt:forward_step").__module__ == "bridge_hpc.training.gpt"
-    with pytest.raises(ImportError, match="has no function 'other'"):
-        load_forward_step(f"{tmp_path / 'steps' / 'mine.py'}:other")
-    with pytest.raises(ImportError, match="no_such_module"):
+    with pytest.raises(ConfigError, match="has no function 'other'") as err:
+        load_forward_step(f"{tmp_path / 'steps' / 'mine.py'}:other", source="job.toml")
+    assert err.value.key == "job.forward_step" and err.value.path == "job.toml"
+    with pytest.raises(ConfigError, match="no_such_module"):
         load_forward_step("no_such_module:forward_step")
 
 
