@@ -267,6 +267,30 @@ def test_computed_timeouts_survive_a_requeue(tmp_path):
 # -- straggler detection on CPU ---------------------------------------------------------------------
 
 
+def test_steptime_individual_score_is_against_the_usual_step_not_the_luckiest():
+    # one rank, steps timed by a scripted clock, a report every 4 steps: one lucky fast window must not
+    # make every later window of a healthy rank look slow; a real slow-down is still flagged
+    from bridge_hpc.training.config import NVRxStragglerDetectionConfig
+    from bridge_hpc.training.straggler import StragglerDetector
+
+    det = StragglerDetector(NVRxStragglerDetectionConfig(enabled=True), backend="steptime", interval_steps=4)
+    det.setup()
+    window_means = [1.0, 1.05, 0.95, 0.5, 1.0, 1.1, 1.0, 2.0]
+    ticks = iter([t for mean in window_means for _ in range(4) for t in (0.0, mean)])
+    det._clock = lambda: next(ticks)
+    flagged, scores = [], []
+    for window in range(len(window_means)):
+        for step in range(4):
+            det.step_start()
+            det.step_end()
+            det.check(window * 4 + step)
+        scores.append(det.last_report.gpu_individual_perf_scores[0])
+        flagged.append(det.last_report.flagged_ranks)
+    assert flagged == [[]] * 7 + [[0]], scores
+    assert min(scores[:7]) >= 0.9 and scores[7] == pytest.approx(0.5)
+    det.shutdown()
+
+
 def test_cpu_straggler_detector_flags_slow_rank(tmp_path):
     port = free_port()
     procs = []

@@ -8,7 +8,10 @@ Two backends behind one interface and one report shape:
 * ``"steptime"``: ours, for CPU and for packages without the module: every rank times its steps;
   every ``interval`` steps the ranks all_gather their recent mean step time (one small collective)
   and every rank computes the same report: relative score = fastest rank's mean / this rank's mean,
-  individual score = this rank's best earlier mean / its current mean (1.0 = no slower than ever).
+  individual score = the median of this rank's earlier means (its last
+  :data:`INDIVIDUAL_BASELINE_REPORTS` reports) / its current mean, at most 1.0 (1.0 = no slower than
+  usual). Not the best earlier mean: with short report windows the luckiest window would set the
+  baseline, and every later report of a healthy rank would look slow against it.
   ``interval`` comes from ``report_time_interval`` (seconds) divided by the measured step time,
   agreed by all ranks after ``warmup_steps`` steps (or is given directly).
 
@@ -33,15 +36,17 @@ nodes (``SLURMD_NODENAME``), so ``flagged_nodes`` is what a requeue can exclude.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import importlib.util
 import logging
 import os
 import socket
+import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Deque, Dict, List, Optional, Set
 
 logger = logging.getLogger("bridge_hpc.straggler")
 
@@ -82,6 +87,9 @@ class StragglerReport:
             "flagged_ranks": self.flagged_ranks,
         }
 
+
+#: How many earlier reports the steptime backend's individual score takes its median over.
+INDIVIDUAL_BASELINE_REPORTS = 64
 
 #: Where nvidia-resiliency-ext keeps its straggler detector, newest layout first.
 NVRX_STRAGGLER_MODULES = ("nvidia_resiliency_ext.attribution.straggler", "nvidia_resiliency_ext.straggler")
@@ -156,7 +164,7 @@ class StragglerDetector:
         self._count = 0
         self._steps = 0
         self._next_check: Optional[int] = None
-        self._best_mean: Optional[float] = None
+        self._earlier_means: Deque[float] = collections.deque(maxlen=INDIVIDUAL_BASELINE_REPORTS)
         self._rank_to_node: Dict[int, str] = {}
         self._section = None  # nvrx: the open detection_section context
         self._device = "cpu"
@@ -284,9 +292,9 @@ class StragglerDetector:
         means = self._all_gather(mean)
         fastest = min(means)
         rel = {r: (fastest / m if m > 0 else 1.0) for r, m in enumerate(means)}
-        mine_best = mean if self._best_mean is None else min(self._best_mean, mean)
-        indiv_mine = mine_best / mean if mean > 0 else 1.0
-        self._best_mean = mine_best
+        baseline = statistics.median(self._earlier_means) if self._earlier_means else mean
+        indiv_mine = min(1.0, baseline / mean) if mean > 0 else 1.0
+        self._earlier_means.append(mean)
         indiv = dict(enumerate(self._all_gather(indiv_mine)))
         rel_thr = float(getattr(self.cfg, "gpu_relative_perf_threshold", 0.7))
         ind_thr = float(getattr(self.cfg, "gpu_individual_perf_threshold", 0.7))
