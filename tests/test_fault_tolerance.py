@@ -291,6 +291,37 @@ def test_steptime_individual_score_is_against_the_usual_step_not_the_luckiest():
     det.shutdown()
 
 
+def test_steptime_flags_the_slow_rank_not_the_ranks_waiting_for_it():
+    # rank 0's view of 2 ranks (the all_gather scripted): rank 1 becomes 4x slower; rank 0's own
+    # steps look 1.5x slower too (its share of the waiting), below the individual threshold alone
+    from bridge_hpc.training.config import NVRxStragglerDetectionConfig
+    from bridge_hpc.training.straggler import StragglerDetector
+
+    det = StragglerDetector(NVRxStragglerDetectionConfig(enabled=True), backend="steptime", interval_steps=1)
+    det.setup()
+    det._world = 2
+    mine = [1.0, 1.0, 1.0, 1.5]
+    other_means, other_scores = iter([1.0, 1.0, 1.0, 4.0]), iter([1.0, 1.0, 1.0, 0.25])
+    ticks = iter([t for mean in mine for t in (0.0, mean)])
+    det._clock = lambda: next(ticks)
+    gathered = []
+
+    def all_gather(value):
+        gathered.append(value)
+        return [value, next(other_means) if len(gathered) % 2 else next(other_scores)]
+
+    det._all_gather = all_gather
+    for step in range(len(mine)):
+        det.step_start()
+        det.step_end()
+        det.check(step)
+    report = det.last_report
+    assert report.gpu_individual_perf_scores == {0: pytest.approx(1 / 1.5), 1: 0.25}
+    assert report.stragglers == {"straggler_gpus_relative": {1}, "straggler_gpus_individual": {1}}
+    assert report.flagged_ranks == [1]
+    det.shutdown()
+
+
 def test_cpu_straggler_detector_flags_slow_rank(tmp_path):
     port = free_port()
     procs = []

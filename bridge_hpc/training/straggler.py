@@ -11,7 +11,9 @@ Two backends behind one interface and one report shape:
   individual score = the median of this rank's earlier means (its last
   :data:`INDIVIDUAL_BASELINE_REPORTS` reports) / its current mean, at most 1.0 (1.0 = no slower than
   usual). Not the best earlier mean: with short report windows the luckiest window would set the
-  baseline, and every later report of a healthy rank would look slow against it.
+  baseline, and every later report of a healthy rank would look slow against it. While some rank is
+  slow relative to the rest, only such ranks are flagged by their individual scores too: the others
+  got slower by waiting for them in collectives (gloo's waits cost process CPU time as well).
   ``interval`` comes from ``report_time_interval`` (seconds) divided by the measured step time,
   agreed by all ranks after ``warmup_steps`` steps (or is given directly).
 
@@ -298,11 +300,15 @@ class StragglerDetector:
         indiv = dict(enumerate(self._all_gather(indiv_mine)))
         rel_thr = float(getattr(self.cfg, "gpu_relative_perf_threshold", 0.7))
         ind_thr = float(getattr(self.cfg, "gpu_individual_perf_threshold", 0.7))
+        slow_relative = {r for r, s in rel.items() if s < rel_thr}
+        slow_individual = {r for r, s in indiv.items() if s < ind_thr}
+        if slow_relative:  # the others' slow-down is their wait for these ranks (see the module doc)
+            slow_individual &= slow_relative
         stragglers: Dict[str, Set[int]] = {}
         if getattr(self.cfg, "calc_relative_gpu_perf", True):
-            stragglers["straggler_gpus_relative"] = {r for r, s in rel.items() if s < rel_thr}
+            stragglers["straggler_gpus_relative"] = slow_relative
         if getattr(self.cfg, "calc_individual_gpu_perf", True):
-            stragglers["straggler_gpus_individual"] = {r for r, s in indiv.items() if s < ind_thr}
+            stragglers["straggler_gpus_individual"] = slow_individual
         return StragglerReport(
             iteration=iteration, backend="steptime",
             gpu_relative_perf_scores=rel if getattr(self.cfg, "calc_relative_gpu_perf", True) else {},
