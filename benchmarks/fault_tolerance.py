@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bridge_hpc.ft_launch import FTLaunchTimeouts, ft_launcher_argv  # noqa: E402
+from bridge_hpc.launch.ft_launch import FTLaunchTimeouts, ft_launcher_argv  # noqa: E402
 
 FT_WORKER = ROOT / "tests" / "data" / "ft_worker.py"
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from preemption import drive, steps_done, submit, wait_running_past  # noqa: E402
 
-from bridge_hpc.progress import parse_progress  # noqa: E402
+from bridge_hpc.report.progress import parse_progress  # noqa: E402
 
 
 def step_gone(job_id: str) -> bool:

@@ -1,10 +1,10 @@
-"""Shared pytest fixtures: a REAL local Slurm cluster (see ``bridge_hpc/cluster.py``).
+"""Shared pytest fixtures: a REAL local Slurm cluster (see ``bridge_hpc/local_slurm/``).
 
 Fixtures
 --------
 ``slurm_cluster`` (session)
     A 1-node cluster (node named after ``hostname -s``), brought up if needed. Returns the
-    :class:`bridge_hpc.cluster.LocalCluster`. ``sbatch``/``squeue``/``sacct``/``scontrol`` then just work.
+    :class:`bridge_hpc.local_slurm.cluster.LocalCluster`. ``sbatch``/``squeue``/``sacct``/``scontrol`` then just work.
 ``slurm_cluster_2nodes`` (module)
     The cluster reconfigured to nodes ``n1`` and ``n2`` (both this machine, 127.0.0.1) for the tests of
     one module; afterwards the node count it had before is restored.
@@ -19,7 +19,7 @@ other live pytest session that uses it is registered (``<state_dir>/users/<pid>`
 already up is left up. Reconfiguring the node count restarts slurmctld/slurmd and cancels running jobs,
 so avoid running 2-node tests while another session runs jobs on the 1-node cluster.
 
-``release_requeued(job_id)`` (from ``bridge_hpc.cluster``) releases a requeued job at once instead of
+``release_requeued(job_id)`` (from ``bridge_hpc.local_slurm.cluster``) releases a requeued job at once instead of
 Slurm's ~120 s BeginTime hold.
 """
 
@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import pytest
 
-from bridge_hpc.cluster import LocalCluster
+from bridge_hpc.local_slurm.cluster import LocalCluster
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from bridge_hpc.slurm_query import TERMINAL_STATES
+from bridge_hpc.slurm.query import TERMINAL_STATES
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "local-tiny.toml"
@@ -36,7 +36,7 @@ def reference_run(run_dir: Path, train_iters: int) -> Path:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-            "-m", "bridge_hpc.run", str(CONFIG)]
+            "-m", "bridge_hpc.training.run", str(CONFIG)]
     for item in overrides(run_dir, train_iters):
         args += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -77,7 +77,7 @@ def steps_done(run_dir: Path) -> int:
 
 def release_when_held(job_id: str) -> None:
     """Slurm holds a requeued job ~120 s (Reason=BeginTime); a test has no time for that."""
-    from bridge_hpc.cluster import release_requeued
+    from bridge_hpc.local_slurm.cluster import release_requeued
 
     state = squeue_state(job_id)
     if state and state[0] == "PENDING" and "BeginTime" in state[1]:

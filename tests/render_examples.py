@@ -12,8 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bridge_hpc.jobconfig import load_job_config  # noqa: E402
-from bridge_hpc.render import render_script  # noqa: E402
+from bridge_hpc.launch.jobconfig import load_job_config  # noqa: E402
+from bridge_hpc.launch.render import render_script  # noqa: E402
 
 SUBMIT_DIR = Path("/scratch/bridge")
 EXAMPLES = ["configs/local-tiny.toml", "configs/local-tiny-ft.toml", "configs/gpt-126m-h100.toml"]

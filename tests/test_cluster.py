@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from bridge_hpc.cli.cluster import main as cluster_main
-from bridge_hpc.slurm_query import TERMINAL_STATES
-from bridge_hpc.cluster import MARKER, LocalCluster, check_managed, release_requeued
-from bridge_hpc.errors import ConfigError
+from bridge_hpc.slurm.query import TERMINAL_STATES
+from bridge_hpc.local_slurm.cluster import MARKER, LocalCluster, check_managed, release_requeued
+from bridge_hpc.contracts.errors import ConfigError
 
 
 

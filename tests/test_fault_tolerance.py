@@ -19,8 +19,8 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from bridge_hpc import ft_launch
-from bridge_hpc.ft_launch import FTLaunchTimeouts, ft_launcher_argv, shell_join
+from bridge_hpc.launch import ft_launch
+from bridge_hpc.launch.ft_launch import FTLaunchTimeouts, ft_launcher_argv, shell_join
 from bridge_hpc.training.config import FaultToleranceConfig
 
 pytest.importorskip("nvidia_resiliency_ext.fault_tolerance")
@@ -128,14 +128,14 @@ def fast_timeouts(**kw) -> FTLaunchTimeouts:
 def test_argv_is_accepted_by_installed_ft_launcher():
     from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser
 
-    argv = ft_launcher_argv(["-m", "bridge_hpc.run", "cfg.toml"], python="python3", nnodes=4, nproc_per_node=8,
+    argv = ft_launcher_argv(["-m", "bridge_hpc.training.run", "cfg.toml"], python="python3", nnodes=4, nproc_per_node=8,
                             rdzv_endpoint="node001:31234", rdzv_id="4242", max_restarts=3, term_timeout=60,
                             log_dir="/tmp/ftlogs")
     assert argv[:3] == ["python3", "-m", ft_launch.WRAPPER_MODULE]
     args = get_args_parser().parse_args(argv[3:])
     assert (args.nnodes, args.nproc_per_node, args.max_restarts) == ("4", "8", 3)
     assert args.rdzv_endpoint == "node001:31234" and args.rdzv_id == "4242" and args.rdzv_backend == "c10d"
-    assert args.module and args.training_script == "bridge_hpc.run" and args.training_script_args == ["cfg.toml"]
+    assert args.module and args.training_script == "bridge_hpc.training.run" and args.training_script_args == ["cfg.toml"]
     assert args.ft_rank_section_timeouts == "setup:600,step:180,checkpointing:420"
     assert float(args.ft_rank_out_of_section_timeout) == 300.0
     assert float(args.ft_rank_heartbeat_timeout) == 2700.0
@@ -144,7 +144,7 @@ def test_argv_is_accepted_by_installed_ft_launcher():
 
 def test_shell_join_and_slurm_endpoint():
     argv = ft_launch.srun_prefix(2, cpus_per_node=16) + ft_launcher_argv(
-        ["-m", "bridge_hpc.run", "$BRIDGE_CONFIG"], nnodes=2, nproc_per_node=8,
+        ["-m", "bridge_hpc.training.run", "$BRIDGE_CONFIG"], nnodes=2, nproc_per_node=8,
         rdzv_endpoint="${BRIDGE_RDZV_HOST}:${BRIDGE_RDZV_PORT}", rdzv_id="$SLURM_JOB_ID")
     line = shell_join(argv)
     assert '"--rdzv-endpoint=${BRIDGE_RDZV_HOST}:${BRIDGE_RDZV_PORT}"' in line
@@ -367,7 +367,7 @@ def test_launcher_under_srun_survives_usr1(slurm_cluster, tmp_path):
     script.write_text(f"""#!/bin/bash
 #SBATCH --nodes=1 --ntasks-per-node=2 --time=5 --output={tmp_path}/job.out
 export PYTHONPATH={REPO}${{PYTHONPATH:+:$PYTHONPATH}}
-endpoint=$({sys.executable} -c 'from bridge_hpc.ft_launch import rdzv_endpoint_from_slurm as r; print(r())')
+endpoint=$({sys.executable} -c 'from bridge_hpc.launch.ft_launch import rdzv_endpoint_from_slurm as r; print(r())')
 export BRIDGE_RDZV_HOST=${{endpoint%:*}} BRIDGE_RDZV_PORT=${{endpoint##*:}}
 {shell_join(argv)}
 echo "srun status $?"

@@ -3,7 +3,7 @@
 Two jobs of configs/local-tiny-ft.toml, submitted with bridge-submit, each with one simulated fault on
 rank 1: ``rank_hung`` (its rank monitor must kill it after the step timeout) and ``rank_killed`` (the
 launcher sees it die). The second job also makes every checkpoint save longer than the step timeout
-(test hook ``BRIDGE_TEST_SAVE_DELAY_S``, see bridge_hpc/training/train.py), which must not be taken
+(``TEST_SAVE_DELAY`` of tests/data/faulty_forward_step.py), which must not be taken
 for a hang. Both must restart in the same job (one Slurm run, no requeue), resume from their last
 checkpoint, finish, and log the same losses bit for bit as an uninterrupted torchrun of the same config;
 the progress log and bridge-report must show the restart with its cause and lost time.
@@ -29,7 +29,7 @@ import pytest
 from preemption import FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs
 
 import preemption
-from bridge_hpc.progress import RESTART, parse_progress
+from bridge_hpc.report.progress import RESTART, parse_progress
 
 pytest.importorskip("nvidia_resiliency_ext.fault_tolerance")
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -100,8 +100,9 @@ def jobs(slurm_cluster, tmp_path_factory):
                                       "checkpoint.save_interval=20"])
     killed = submit_ft(base / "killed", ["ft.simulate_fault=true", "ft.simulated_fault_type='rank_killed'",
                                           "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=10",
-                                          "checkpoint.save_interval=40"],
-                       env_extra={"BRIDGE_TEST_SAVE_DELAY_S": str(SAVE_DELAY)})
+                                          "checkpoint.save_interval=40",
+                                          f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
+                                          f"env.TEST_SAVE_DELAY='{SAVE_DELAY}'"])
     requeue = submit_ft(base / "requeue", [
         "ft.calc_ft_timeouts=true", f"ft.min_computed_timeout_s={COMPUTED_FLOOR}", f"ft.step_timeout={LOOSE_STEP_TIMEOUT}",
         "ft.max_restarts=0", "train.exit_interval=50", "checkpoint.save_interval=20",

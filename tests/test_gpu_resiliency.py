@@ -114,7 +114,7 @@ def test_inprocess_restart_resumes_in_the_same_process(tmp_path):
     got, want = losses(faulty), losses(reference)
     assert sorted(got) == list(range(1, 21))
     assert (faulty / "checkpoints" / "iter_0000020").is_dir()
-    from bridge_hpc.progress import parse_progress
+    from bridge_hpc.report.progress import parse_progress
 
     runs = parse_progress(str(faulty / "checkpoints" / "progress.txt"))
     assert len(runs) == 2 and int(runs[1].last("Loaded checkpoint").fields["Iteration"]) == 10

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import toml
 
-from bridge_hpc.errors import ConfigError
-from bridge_hpc.jobconfig import load_job_config
-from bridge_hpc.render import render_script
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.launch.jobconfig import load_job_config
+from bridge_hpc.launch.render import render_script
 from jobs import MINIMAL_TRAINING, MINIMAL_TRAINING_TOML
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ BAD_INPUTS = [
     ("wrong type", '[slurm]\nnodes = "two"\n', "slurm.nodes", "expected an integer"),
     ("bad time", '[slurm]\ntime = "90 minutes"\n', "slurm.time", "HH:MM:SS"),
     ("bad minutes", '[slurm]\ntime = "00:75:00"\n', "slurm.time", "HH:MM:SS"),
-    ("bad signal", '[slurm]\nsignal = "USR9@60"\n', "slurm.signal", "SIG@seconds"),
+    ("bad signal", '[slurm]\nsignal = "USR9@60"\n', "slurm.signal", "SIGNAL[@seconds]"),
     ("signal after the end", '[slurm]\ntime = "00:01:00"\nsignal = "USR1@120"\n', "slurm.signal", "slurm.time"),
     ("gpus on a CPU profile", '[slurm]\ngpus_per_node = 4\n', "slurm.gpus_per_node", "has no GPUs"),
     ("partition not in profile", '[slurm]\npartition = "gpu"\n', "slurm.partition", "not a partition"),
@@ -127,7 +127,7 @@ def test_forward_step_file_is_written_absolute_and_loads_on_the_ranks(tmp_path: 
     assert cfg.job.forward_step == f"{tmp_path / 'steps' / 'mine.py'}:forward_step"
     assert cfg.raw["job"]["forward_step"] == cfg.job.forward_step  # resolved.toml: from any directory
 
-    from bridge_hpc.run import load_forward_step  # the rank side (imports no torch itself)
+    from bridge_hpc.training.run import load_forward_step  # the rank side (imports no torch itself)
 
     assert load_forward_step(cfg.job.forward_step)(None, None, None) == "mine"
     assert load_forward_step("bridge_hpc.training.gpt:forward_step").__module__ == "bridge_hpc.training.gpt"
@@ -179,7 +179,7 @@ def test_profile_inheritance_and_overrides_resolve_in_order(job_dir: Path):
     assert cfg.slurm.account == "from-profile"
     assert cfg.slurm.ntasks_per_node == 2  # from the job file
     assert cfg.slurm.time == "02:00:00"  # job file said 00:10:00, profile 00:30:00: --set wins
-    assert cfg.training["train"]["train_iters"] == 500
+    assert cfg.training.train.train_iters == 500
     assert {v.name: v.value for v in cfg.env} == {"FROM_PROFILE": "1", "EXTRA": "yes"}
     assert cfg.run_dir == job_dir / "runs" / "exp"
     # The resolved document is what the ranks read: profiles merged, no 'extends' left.
@@ -192,7 +192,7 @@ def test_dry_run_prints_the_script_and_writes_nothing(job_dir: Path):
     assert result.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=exp\n")
     assert "#SBATCH --partition=debug" in result.stdout and "#SBATCH --time=00:10:00" in result.stdout
     assert "#SBATCH --signal=USR1@120" in result.stdout and "#SBATCH --requeue" in result.stdout
-    assert "-m bridge_hpc.run" in result.stdout
+    assert "-m bridge_hpc.training.run" in result.stdout
     assert not (job_dir / "runs").exists()
 
 
@@ -226,7 +226,7 @@ def test_secrets_are_named_never_written(tmp_path: Path):
     assert "s3cr3t-value" not in result.stdout
     assert 'export API_KEY="${MY_SECRET_TOKEN}"' in result.stdout
     cfg = load_job_config(tmp_path / "job.toml", cwd=tmp_path)
-    from bridge_hpc.jobconfig import dump_resolved
+    from bridge_hpc.launch.jobconfig import dump_resolved
     assert "s3cr3t-value" not in dump_resolved(cfg)
 
 
@@ -240,7 +240,7 @@ def test_missing_secret_stops_submission(tmp_path: Path):
 
 def test_login_node_path_imports_no_torch(job_dir: Path):
     code = (
-        "import sys; from bridge_hpc.cli.submit import main; from bridge_hpc import submit, cli; "
+        "import sys; from bridge_hpc.cli.submit import main; import bridge_hpc.launch.submit, bridge_hpc.local_slurm.cluster; "
         "import bridge_hpc.cli.status, bridge_hpc.cli.report\n"
         "main(['job.toml', '--dry-run'])\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'nvidia_resiliency_ext')]\n"

@@ -2,7 +2,7 @@
 
 The rendered scripts run for real under sbatch/srun. Most tests here swap only the rank program
 (``job.python`` points at a small recorder script instead of the Python that would run
-``bridge_hpc.run``), so they check the launcher — script, quoting, environment, srun placement — in a
+``bridge_hpc.training.run``), so they check the launcher — script, quoting, environment, srun placement — in a
 second each; tests/test_run_slurm.py runs the training entry itself.
 """
 
@@ -78,7 +78,7 @@ def test_two_ranks_on_one_node_run_and_the_run_folder_is_complete(slurm_cluster,
     seen = ranks(run_dir)
     assert sorted(r["SLURM_PROCID"] for r in seen) == ["0", "1"]
     assert all(r["SLURM_NTASKS"] == "2" for r in seen)
-    assert all(r["argv"] == ["-u", "-m", "bridge_hpc.run", str(run_dir / "resolved.toml")] for r in seen)
+    assert all(r["argv"] == ["-u", "-m", "bridge_hpc.training.run", str(run_dir / "resolved.toml")] for r in seen)
     # the run folder: the script exactly as submitted, the resolved config, the log, the submission record
     script = (run_dir / "job.sbatch").read_text()
     assert (run_dir / "logs" / f"{job_id}_submission.sh").resolve().read_text() == script

@@ -20,7 +20,7 @@ from jobs import assert_bitwise_equal, model_params
 from preemption import (FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs, squeue_state,
                         steps_done, submit, wait_running_past)
 
-from bridge_hpc.progress import parse_progress
+from bridge_hpc.report.progress import parse_progress
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

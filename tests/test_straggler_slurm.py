@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from preemption import FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs, submit
 
-from bridge_hpc.progress import parse_progress
+from bridge_hpc.report.progress import parse_progress
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

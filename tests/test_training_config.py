@@ -6,8 +6,8 @@ import shutil
 import pytest
 import toml
 
-from bridge_hpc.errors import ConfigError
-from bridge_hpc.run import build_config
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.training.run import build_config
 from bridge_hpc.training.config import ConfigContainer, MockGPTDatasetConfig
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
@@ -30,7 +30,7 @@ def test_tiny_builds_and_validates():
     assert cfg.data_parallel_size == 2
     assert isinstance(cfg.dataset, MockGPTDatasetConfig) and cfg.dataset.vocab_size == 128
     assert cfg.scheduler.lr_decay_iters == 40  # defaults to train_iters
-    assert cfg.train.exit_signal == ["SIGTERM", "SIGUSR1"]
+    assert cfg.train.exit_signal == ["SIGUSR1", "SIGTERM"]  # slurm.signal's default, plus SIGTERM
 
 
 def test_launcher_sections_are_ignored():
@@ -98,13 +98,17 @@ def test_run_dir_defaults_and_overrides(tmp_path, monkeypatch):
     job = tmp_path / "configs" / "job.toml"
     shutil.copy(TINY, job)
     monkeypatch.chdir(tmp_path)  # run_dir is relative to where the job is launched, as in bridge-submit
-    cfg = build_config(str(job), ["train.train_iters=7", "logger.log_interval=1", "train.exit_signal=SIGUSR1"])
+    cfg = build_config(str(job), ["train.train_iters=7", "logger.log_interval=1",
+                                  'train.exit_signal=["SIGUSR1", "SIGTERM", "SIGINT"]'])
     run_dir = tmp_path / "runs" / "tiny"
     assert cfg.checkpoint.save == str(run_dir / "checkpoints")
     assert cfg.checkpoint.load == cfg.checkpoint.save  # a requeued job resumes by itself
     assert cfg.logger.metrics_file == str(run_dir / "metrics.jsonl")
     assert cfg.train.train_iters == 7 and cfg.logger.log_interval == 1
-    assert cfg.train.exit_signal == ["SIGUSR1"]
+    assert cfg.train.exit_signal == ["SIGUSR1", "SIGTERM", "SIGINT"]
+    with pytest.raises(ConfigError) as err:  # slurm.signal (default USR1) would find no handler
+        build_config(str(job), ["train.exit_signal=SIGTERM"])
+    assert err.value.key == "train.exit_signal" and "SIGUSR1" in err.value.message
     with pytest.raises(ConfigError) as err:
         build_config(str(job), ["train.train_iters=many"])
     assert err.value.key == "train.train_iters"

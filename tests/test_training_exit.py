@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from bridge_hpc.run import build_config
+from bridge_hpc.training.run import build_config
+from bridge_hpc.training import checkpointing
 from bridge_hpc.training import train as train_module
 from bridge_hpc.training.state import DistributedSignalHandler, GlobalState
 
@@ -27,7 +28,7 @@ def state(tmp_path, monkeypatch):
     st.cfg = build_config(str(job), ["checkpoint.save_interval=10", "train.exit_interval=0"])
     st.cfg.validate(world_size=1)
     saves = []
-    monkeypatch.setattr(train_module, "save_checkpoint", lambda s, *args: saves.append(s.train_state.step))
+    monkeypatch.setattr(checkpointing, "save_checkpoint", lambda s, *args: saves.append(s.train_state.step))
     st.saves = saves
     return st
 
@@ -92,7 +93,7 @@ def test_exit_interval_counts_steps_trained_not_loaded(state):
 @pytest.fixture
 def slurm_end(state, monkeypatch):
     """The job's end time as Slurm would report it (squeue is asked through slurm_query)."""
-    import bridge_hpc.slurm_query as slurm_query
+    import bridge_hpc.slurm.query as slurm_query
 
     end = {"t": None, "start": time.time() - 60, "limit": 3600.0}
     monkeypatch.setenv("SLURM_JOB_ID", "123")

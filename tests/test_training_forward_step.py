@@ -147,7 +147,7 @@ def single_rank():
 
 
 def _tiny_config(tmp_path, *overrides):
-    from bridge_hpc.run import build_config
+    from bridge_hpc.training.run import build_config
 
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)
@@ -318,7 +318,7 @@ def _two_rank_worker(job: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from bridge_hpc.run import build_config
+    from bridge_hpc.training.run import build_config
     from bridge_hpc.training.pretrain import initialize_distributed, pretrain
 
     initialize_distributed()

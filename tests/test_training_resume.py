@@ -20,7 +20,7 @@ from jobs import assert_bitwise_equal, model_params
 import torch
 
 from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint
-from bridge_hpc.progress import parse_events
+from bridge_hpc.report.progress import parse_events
 from bridge_hpc.training.metrics import read_metrics
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
@@ -41,7 +41,7 @@ def _job(directory) -> str:
 
 def _torchrun(job: str, *overrides: str) -> list:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           "-m", "bridge_hpc.run", job]
+           "-m", "bridge_hpc.training.run", job]
     for item in overrides:
         cmd += ["--set", item]
     return cmd
@@ -173,7 +173,7 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
                    SLURM_NNODES="1", SLURM_TASKS_PER_NODE="2", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "bridge_hpc.run", job, "--set", "train.train_iters=100000",
+            [sys.executable, "-m", "bridge_hpc.training.run", job, "--set", "train.train_iters=100000",
              "--set", "checkpoint.save_interval=100000", "--set", "logger.log_progress=true"],
             cwd=os.path.dirname(str(job)), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     metrics_file = os.path.join(_run_dir(job), "metrics.jsonl")

@@ -11,8 +11,8 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from bridge_hpc.cluster import DEFAULT_STATE_DIR, ClusterError, LocalCluster
-from bridge_hpc.errors import EXIT_BAD_INPUT, ConfigError
+from bridge_hpc.local_slurm.cluster import DEFAULT_STATE_DIR, ClusterError, LocalCluster
+from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
 
 EXIT_FAILED = 1
 

@@ -12,12 +12,11 @@ import os
 import sys
 from typing import List, Optional
 
-from bridge_hpc.errors import ConfigError, exits_on_config_error
-from bridge_hpc.progress import parse_progress
-from bridge_hpc.report import build_report, format_table, plot, to_json
-
-LOG_NAME = "progress.txt"
-
+from bridge_hpc.contracts import run_folder
+from bridge_hpc.contracts.run_folder import RunFolder
+from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
+from bridge_hpc.report.progress import parse_progress
+from bridge_hpc.report.goodput import build_report, format_table, plot, to_json
 
 def _read_toml(path: str) -> dict:
     """tomllib on Python >= 3.11, the ``toml`` package (an install requirement) before."""
@@ -35,36 +34,38 @@ def _read_toml(path: str) -> dict:
 def find_progress_log(target: str) -> str:
     """The progress log for a file or a run directory.
 
-    In a run directory, in order: ``resolved.toml``'s ``[checkpoint] save`` (the folder the job
-    really wrote to), ``checkpoints/progress.txt``, ``progress.txt``, then the only ``progress.txt``
-    found below it. Raises ConfigError naming the path when there is none (or several).
+    In a run directory: where its resolved.toml says the job checkpointed (``[checkpoint] save``,
+    absolute there), else the default checkpoint folder, else ``progress.txt`` in the folder itself
+    or the only one found below it (a checkpoint folder of Megatron-LM or Bridge). Raises ConfigError
+    naming the path when there is none (or several).
     """
     if not os.path.exists(target):
         raise ConfigError("no such file or directory", path=target)
     if os.path.isfile(target):
         return target
+    folder = RunFolder(target)
     candidates = []
-    resolved = os.path.join(target, "resolved.toml")
-    if os.path.isfile(resolved):
+    if os.path.isfile(folder.resolved_config):
         try:
-            save = (_read_toml(resolved).get("checkpoint") or {}).get("save")
-        except (ValueError, OSError) as err:  # tomllib's and toml's decode errors are ValueErrors
-            raise ConfigError(f"cannot read: {err}", path=resolved) from None
+            save = (_read_toml(folder.resolved_config).get("checkpoint") or {}).get("save")
+        except (ValueError, OSError, RecursionError) as err:  # tomllib's and toml's decode errors are ValueErrors
+            raise ConfigError(f"cannot read: {err}", path=folder.resolved_config) from None
         if isinstance(save, str) and save:
-            candidates.append(os.path.join(target, save, LOG_NAME))  # join keeps an absolute save as is
-    candidates += [os.path.join(target, "checkpoints", LOG_NAME), os.path.join(target, LOG_NAME)]
+            candidates.append(RunFolder(target, os.path.join(target, save)).progress_log())  # absolute since resolved.toml records it so
+    candidates += [folder.progress_log(), os.path.join(target, run_folder.PROGRESS_FILE)]
     for candidate in candidates:
         if os.path.isfile(candidate):
             return candidate
     found = sorted(
-        os.path.join(root, LOG_NAME) for root, _, files in os.walk(target) if LOG_NAME in files
+        os.path.join(root, run_folder.PROGRESS_FILE) for root, _, files in os.walk(target)
+        if run_folder.PROGRESS_FILE in files
     )
     if len(found) == 1:
         return found[0]
     if found:
         raise ConfigError(f"several progress logs, name one: {', '.join(found)}", path=target)
-    raise ConfigError(f"no {LOG_NAME} found (looked in checkpoints/, resolved.toml's "
-                      "[checkpoint] save and below)", path=target)
+    raise ConfigError(f"no {run_folder.PROGRESS_FILE} found (looked in {run_folder.CHECKPOINTS_DIR}/, "
+                      "resolved.toml's [checkpoint] save and below)", path=target)
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

@@ -9,13 +9,15 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from bridge_hpc.errors import ConfigError, exits_on_config_error
-from bridge_hpc.slurm_query import TERMINAL_STATES, job_runs
-from bridge_hpc.submit import submitted_job_ids
+from bridge_hpc.contracts.run_folder import RunFolder
+from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
+from bridge_hpc.slurm.query import TERMINAL_STATES, job_runs
+from bridge_hpc.launch.submit import submitted_job_ids
 
 
 def log_paths(run_dir: Path, job_id: str) -> List[Path]:
-    return [run_dir / "logs" / f"{job_id}_0_log.out", run_dir / "logs" / f"{job_id}_0_log.err"]
+    folder = RunFolder(str(run_dir))
+    return [Path(folder.stdout(job_id)), Path(folder.stderr(job_id))]
 
 
 def follow(paths: List[Path], job_id: str, poll_s: float = 1.0) -> str:

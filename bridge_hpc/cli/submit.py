@@ -7,10 +7,10 @@ import sys
 import time
 from typing import List, Optional
 
-from bridge_hpc.errors import exits_on_config_error
-from bridge_hpc.jobconfig import load_job_config
-from bridge_hpc.render import render_script
-from bridge_hpc.slurm_query import TERMINAL_STATES
+from bridge_hpc.contracts.errors import exits_on_config_error
+from bridge_hpc.launch.jobconfig import load_job_config
+from bridge_hpc.launch.render import render_script
+from bridge_hpc.slurm.query import TERMINAL_STATES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +48,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.dry_run:
         sys.stdout.write(render_script(cfg))
         return 0
-    from bridge_hpc.submit import submit  # submitit only when submitting
+    from bridge_hpc.launch.submit import submit  # submitit only when submitting
 
     try:
         sub = submit(cfg, force=args.force)

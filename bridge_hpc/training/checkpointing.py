@@ -39,11 +39,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from bridge_hpc.contracts import run_folder
 from bridge_hpc.training.state import GlobalState
 
 logger = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = run_folder.TRACKER_FILE
 #: Written last into a checkpoint folder; its presence marks the folder complete. (Not ``common.pt``:
 #: megatron-core's dist_checkpointing writes a file of that name itself.)
 COMMON_FILE = "train_state.pt"

@@ -10,7 +10,7 @@ Construction is deferred the way Bridge does it: building a dataclass only store
 section's ``finalize()`` fills derived fields and checks the section on its own;
 :meth:`ConfigContainer.validate` finalizes everything and checks the sections against each other
 (which needs the world size, so it runs once torch.distributed is up). Every bad value raises
-:class:`~bridge_hpc.errors.ConfigError` naming the dotted key.
+:class:`~bridge_hpc.contracts.errors.ConfigError` naming the dotted key.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from bridge_hpc.errors import ConfigError
-from bridge_hpc.jobconfig import LAUNCHER_SECTIONS
-from bridge_hpc.schema import build_dataclass, did_you_mean
+from bridge_hpc.contracts import signals
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 
 # ---------------------------------------------------------------------------------------------
 # Sections
@@ -145,6 +145,9 @@ class TrainingConfig:
 
     ``exit_signal_handler`` defaults to on (Bridge: off) because on a preemptible cluster Slurm's
     SIGTERM (and ``--signal=USR1@...``) is the normal way a job ends: the loop must save and stop.
+    ``exit_signal`` (Python names) is filled at submission from ``[slurm] signal`` — the configured
+    signal plus SIGTERM, see :mod:`bridge_hpc.contracts.signals`; left unset, :meth:`finalize` takes
+    the default signal's list. A list that misses the signal Slurm will send is refused there.
     """
 
     train_iters: Optional[int] = None
@@ -155,7 +158,7 @@ class TrainingConfig:
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = True
-    exit_signal: Union[str, List[str]] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    exit_signal: Optional[Union[str, List[str]]] = None
     manual_gc: bool = False
     manual_gc_interval: int = 0
     skip_train: bool = False
@@ -172,6 +175,8 @@ class TrainingConfig:
             _check(value is None or value >= 0, f"train.{key}", "must be >= 0")
         _check(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                "train.exit_duration_in_mins", "must be > 0")
+        if self.exit_signal is None:
+            self.exit_signal = list(signals.default_rank_signals())
         if isinstance(self.exit_signal, str):
             self.exit_signal = [self.exit_signal]
         import signal
@@ -220,7 +225,7 @@ class LoggerConfig:
     """Console, metrics-file and TensorBoard logging.
 
     ``metrics_file`` is ours (not Bridge's): the JSON-lines file that records every step's loss at
-    full precision; ``bridge_hpc.run`` points it at ``<run_dir>/metrics.jsonl``. ``log_progress``
+    full precision; ``bridge_hpc.training.run`` points it at ``<run_dir>/metrics.jsonl``. ``log_progress``
     appends Megatron's ``progress.txt`` (plus bridge_hpc's goodput events) in ``checkpoint.save``.
     """
 
@@ -261,7 +266,7 @@ class FaultToleranceConfig:
     """nvidia-resiliency-ext fault tolerance: ranks report sections (or heartbeats) to ft_launcher.
 
     The first six fields are Bridge's (rank side). The rest are launcher side (Bridge leaves them to
-    the ft_launcher command line; the batch script renders them, see ``bridge_hpc.ft_launch``), named
+    the ft_launcher command line; the batch script renders them, see ``bridge_hpc.launch.ft_launch``), named
     after nvidia-resiliency-ext's own ``FaultToleranceConfig`` fields where it has one:
     ``max_restarts`` (in-job restarts of all workers before the job gives up and the batch script's
     requeue path takes over), the per-section timeouts (``setup``: start-up incl. checkpoint load
@@ -530,7 +535,7 @@ SECTIONS: Dict[str, type] = {
 }
 
 #: Top-level sections of a job file that belong to the launcher, not to training.
-# The launcher's sections ([job], [slurm], ...) are bridge_hpc.jobconfig's; the trainer skips them.
+# The launcher's sections ([job], [slurm], ...) are bridge_hpc.launch.jobconfig's; the trainer skips them.
 
 
 @dataclass
@@ -557,10 +562,10 @@ class ConfigContainer:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def from_sections(cls, sections: Dict[str, Any], source: str = "<config>") -> "ConfigContainer":
-        """Build from a job file's parsed TOML sections; launcher sections are skipped.
+        """Build from a job file's parsed TOML sections; the launcher's sections are skipped.
 
-        Each section is type-checked and finalized here, so a typo fails on the login node;
-        cross-section checks wait for :meth:`validate`.
+        Each section is type-checked and finalized here, once, so a typo fails on the login node;
+        cross-section checks that need the world size wait for :meth:`validate`.
         """
         def error(key: str, message: str) -> ConfigError:
             return ConfigError(message, path=source, key=key)
@@ -592,17 +597,17 @@ class ConfigContainer:
                 yield f.name, value
 
     def finalize_sections(self) -> None:
-        """Run every section's deferred ``finalize()`` (idempotent)."""
+        """Run every section's deferred ``finalize()``; :meth:`from_sections` does it once."""
         for _, section in self.sections():
             section.finalize()
 
     # -- cross-section checks -----------------------------------------------------------------
     def validate(self, world_size: Optional[int] = None) -> None:
-        """Finalize every section, then check that they agree with each other and with the world.
+        """Check that the (finalized) sections agree with each other and with the world; fills the
+        fields that depend on it (data-parallel size, decay and warm-up iterations).
 
         ``world_size`` defaults to torch.distributed's when it is up, else ``$WORLD_SIZE``, else 1.
         """
-        self.finalize_sections()
         world_size = world_size or _world_size()
         m, t = self.model, self.train
         model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size

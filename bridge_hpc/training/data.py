@@ -8,14 +8,14 @@ checkpoint therefore restores the exact next batch on every rank.
 
 from __future__ import annotations
 
-import signal
-
-from typing import Any, Dict, Iterator, Optional
+import functools
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from bridge_hpc.contracts import signals
 from bridge_hpc.training.config import DataloaderConfig, DatasetBuildContext, DatasetProvider
 
 __all__ = ["MockGPTDataset", "DatasetProvider", "DatasetBuildContext", "SampleIterator", "build_data_iterator"]
@@ -77,13 +77,12 @@ class _PretrainingBatchSampler:
             position += self.mbs * self.dp_size
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
-    """Loader workers leave stop signals to the rank. Slurm signals every process of a step on
-    preemption or time-out; a worker dying of SIGTERM would make torch raise in the rank in the middle
-    of its step, before it could checkpoint. Workers still exit with their rank (torch watches the
-    parent) and die with the step's final SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
+def _ignore_stop_signals(stop_signals: Sequence[str], worker_id: int) -> None:
+    """Loader workers leave the stop signals (``train.exit_signal``) to the rank. Slurm signals every
+    process of a step on preemption or time-out; a worker dying of SIGTERM would make torch raise in
+    the rank in the middle of its step, before it could checkpoint. Workers still exit with their rank
+    (torch watches the parent) and die with the step's final SIGKILL."""
+    signals.ignore(stop_signals)
 
 
 class SampleIterator:
@@ -94,7 +93,7 @@ class SampleIterator:
     """
 
     def __init__(self, dataset: Dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 dataloader: DataloaderConfig, seed: int):
+                 dataloader: DataloaderConfig, seed: int, stop_signals: Optional[Sequence[str]] = None):
         self.consumed_samples = consumed_samples
         self._step = micro_batch_size * dp_size
         sampler = _PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
@@ -105,7 +104,8 @@ class SampleIterator:
             dataset, batch_sampler=sampler, num_workers=dataloader.num_workers,
             pin_memory=dataloader.pin_memory and torch.cuda.is_available(),
             persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0,
-            generator=generator, worker_init_fn=_ignore_stop_signals,
+            generator=generator,
+            worker_init_fn=functools.partial(_ignore_stop_signals, tuple(stop_signals or signals.default_rank_signals())),
         )
         self._iter: Optional[Iterator] = None
 
@@ -124,11 +124,14 @@ class SampleIterator:
 
 
 def build_data_iterator(dataset: Optional[Dataset], consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                        dp_size: int, dataloader: DataloaderConfig, seed: int) -> Optional[SampleIterator]:
-    """An iterator over ``dataset`` positioned at ``consumed_samples``, or None without a dataset."""
+                        dp_size: int, dataloader: DataloaderConfig, seed: int,
+                        stop_signals: Optional[Sequence[str]] = None) -> Optional[SampleIterator]:
+    """An iterator over ``dataset`` positioned at ``consumed_samples``, or None without a dataset.
+    ``stop_signals``: the rank's (``train.exit_signal``), which its loader workers ignore."""
     if dataset is None or len(dataset) == 0:
         return None
-    return SampleIterator(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, dataloader, seed)
+    return SampleIterator(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, dataloader, seed,
+                          stop_signals)
 
 
 def build_datasets(provider: DatasetProvider, cfg) -> tuple:

@@ -1,6 +1,6 @@
 """Hang detection and in-job restart with nvidia-resiliency-ext (``[ft]``, Bridge's ``ft`` section).
 
-The ranks run under ``ft_launcher`` (see :mod:`bridge_hpc.ft_launch`); the launcher starts one
+The ranks run under ``ft_launcher`` (see :mod:`bridge_hpc.launch.ft_launch`); the launcher starts one
 *rank monitor* process per rank, which kills its rank when the rank stops reporting progress for
 longer than a timeout; the launcher then restarts all workers of the job in place (``--max-restarts``)
 and they resume from the latest checkpoint. This module is the rank side: a small object that the
@@ -33,7 +33,7 @@ Two progress APIs exist in nvidia-resiliency-ext; the one used is chosen at run 
 * **sections** (``RankMonitorClient.start_section``/``end_section``), used when the client has them
   AND the launcher was given timeouts for the sections ``setup``, ``step`` and ``checkpointing``
   (``--ft-rank-section-timeouts=setup:..,step:..,checkpointing:..``, which
-  :func:`bridge_hpc.ft_launch.ft_launcher_argv` always passes). Each phase has its own timeout;
+  :func:`bridge_hpc.launch.ft_launch.ft_launcher_argv` always passes). Each phase has its own timeout;
   time between steps (logging, evaluation) counts against ``rank_out_of_section_timeout``.
 * **heartbeats** (``send_heartbeat``) otherwise: one heartbeat per step; the first heartbeat must
   come within ``initial_rank_heartbeat_timeout`` (start-up + checkpoint load), later ones within
@@ -65,6 +65,9 @@ import threading
 import time
 from typing import Any, Dict, Iterator, Mapping, Optional
 
+from bridge_hpc.contracts import run_folder
+from bridge_hpc.training.config import FaultToleranceConfig
+
 logger = logging.getLogger("bridge_hpc.ft")
 
 SECTION_SETUP = "setup"
@@ -72,7 +75,7 @@ SECTION_STEP = "step"
 SECTION_CHECKPOINTING = "checkpointing"
 SECTIONS = (SECTION_SETUP, SECTION_STEP, SECTION_CHECKPOINTING)
 
-STATE_FILE = "ft_state.json"
+STATE_FILE = run_folder.FT_STATE_FILE
 # Environment set by ft_launcher in every worker (the rank monitor's socket).
 FT_RANK_MONITOR_IPC_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 # ft_launcher (torchrun) counts worker-group restarts in this variable.
@@ -91,13 +94,13 @@ class FaultTolerance:
     """Rank-side fault tolerance for one training process. See the module docstring for the call order.
 
     Args:
-        cfg: the ``[ft]`` section (:class:`bridge_hpc.training.config.FaultToleranceConfig`) or None (off).
+        cfg: the ``[ft]`` section (:class:`bridge_hpc.training.config.FaultToleranceConfig`); None: off.
         checkpoint_dir: the checkpoint folder (``checkpoint.save``); ``ft_state.json`` lives there.
             None: computed timeouts only travel through :meth:`state_dict`.
         rank: global rank; default ``$RANK`` (torch.distributed's rank once it is up).
         min_iters_for_step_timeout: steps observed before the step timeout is computed.
         checkpoint_allowance_s: heartbeat mode only: the longest save kept alive by :meth:`checkpointing`.
-        min_computed_timeout_s: floor for every computed timeout. The calculator multiplies the
+        min_computed_timeout_s: floor for every computed timeout (default: ``cfg.min_computed_timeout_s``). The calculator multiplies the
             longest interval seen in one run; a short first run (a quick set-up without a checkpoint
             load, no evaluation between steps) would otherwise leave timeouts that kill the next
             run's longer but healthy phases.
@@ -114,26 +117,28 @@ class FaultTolerance:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Optional[FaultToleranceConfig],
         checkpoint_dir: Optional[str] = None,
         *,
         rank: Optional[int] = None,
         min_iters_for_step_timeout: int = 16,
         checkpoint_allowance_s: float = 3600.0,
         progress_mark_interval_s: float = 5.0,
-        min_computed_timeout_s: float = 60.0,
+        min_computed_timeout_s: Optional[float] = None,
         async_ipc: bool = True,
         heartbeat_interval_s: float = 1.0,
     ) -> None:
+        cfg = cfg if cfg is not None else FaultToleranceConfig()  # no [ft]: its defaults, FT off
         self.cfg = cfg
-        self.enabled = bool(cfg is not None and getattr(cfg, "enable_ft_package", False))
-        self.calc_timeouts = bool(self.enabled and getattr(cfg, "calc_ft_timeouts", False))
+        self.enabled = cfg.enable_ft_package
+        self.calc_timeouts = self.enabled and cfg.calc_ft_timeouts
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir else None
         self._rank = rank
         self.min_iters_for_step_timeout = max(1, int(min_iters_for_step_timeout))
         self.checkpoint_allowance_s = float(checkpoint_allowance_s)
         self.progress_mark_interval_s = float(progress_mark_interval_s)
-        self.min_computed_timeout_s = float(min_computed_timeout_s)
+        self.min_computed_timeout_s = float(cfg.min_computed_timeout_s if min_computed_timeout_s is None
+                                            else min_computed_timeout_s)
         self._state_from_file = False
         self.async_ipc = bool(async_ipc)
         self._sender: Optional[_Sender] = None
@@ -492,7 +497,7 @@ class FaultTolerance:
     # -- in-job restart bookkeeping ----------------------------------------------------------------
 
     def _mark_path(self) -> Optional[str]:
-        return os.path.join(self.checkpoint_dir, "ft_progress_mark") if self.checkpoint_dir else None
+        return run_folder.checkpoint_file(self.checkpoint_dir, run_folder.FT_PROGRESS_MARK) if self.checkpoint_dir else None
 
     def _write_progress_mark(self, now: float) -> None:
         path = self._mark_path()
@@ -525,18 +530,18 @@ class FaultTolerance:
         (``TORCHELASTIC_RESTART_COUNT`` > 0) do not fail again, so the restart can be seen to succeed.
         """
         cfg = self.cfg
-        if not (self.enabled and getattr(cfg, "simulate_fault", False)) or self.restart_count > 0:
+        if not (self.enabled and cfg.simulate_fault) or self.restart_count > 0:
             return
         seed = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "bridge_hpc"
         rng = random.Random(f"{seed}:{os.environ.get('SLURM_RESTART_COUNT', '0')}")
-        fault_type = getattr(cfg, "simulated_fault_type", "random")
+        fault_type = cfg.simulated_fault_type
         if fault_type == "random":
             fault_type = rng.choice(FAULT_TYPES)
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        target = getattr(cfg, "simulated_fault_rank", None)
+        target = cfg.simulated_fault_rank
         if target is None:
             target = rng.randrange(world)
-        delay = float(getattr(cfg, "simulated_fault_base_delay", 0) or 0)
+        delay = float(cfg.simulated_fault_base_delay)
         if self.rank != int(target):
             return
         self._fault = {"type": fault_type, "at": (self._setup_time or time.monotonic()) + delay}

@@ -10,7 +10,7 @@ It is usable only where (1) the installed package has ``inprocess.Wrapper`` and 
 (0.4.1 and 0.7.0); a gloo collective waiting on a dead rank cannot be interrupted, so on CPU a fault
 would hang instead of restarting, and (3) torch.distributed is not initialised yet (the wrapper
 creates and destroys the process group on each attempt). Otherwise :func:`check_supported` raises a
-:class:`~bridge_hpc.errors.ConfigError` naming ``inprocess_restart.enabled`` at start-up.
+:class:`~bridge_hpc.contracts.errors.ConfigError` naming ``inprocess_restart.enabled`` at start-up.
 
 Checked on an H100 with nvidia-resiliency-ext 0.7.0 and megatron-core 0.19.2
 (tests/test_gpu_resiliency.py, skipped without CUDA): a fault at step 12 re-runs training in the same
@@ -25,7 +25,7 @@ import os
 from datetime import timedelta
 from typing import Any, Callable, Optional, Tuple
 
-from bridge_hpc.errors import ConfigError
+from bridge_hpc.contracts.errors import ConfigError
 
 KEY = "inprocess_restart.enabled"
 

@@ -23,19 +23,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from bridge_hpc.job_environment import JobEnvironment
-from bridge_hpc.progress import ProgressLog
+from bridge_hpc.contracts import run_folder
+from bridge_hpc.slurm.job_environment import JobEnvironment
+from bridge_hpc.report.progress import ProgressLog, longest_recent_save_s
 from bridge_hpc.training import checkpointing
 from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig
 from bridge_hpc.training.data import build_data_iterator, build_datasets
 from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.gpt import gpt_model_provider
-from bridge_hpc.training.state import DistributedSignalHandler, GlobalState
+from bridge_hpc.training.state import GlobalState, StopSignalRecorder
 from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.train import evaluate_and_print_results, train
 
-#: Megatron's progress log, in the checkpoint folder as Megatron keeps it (``logger.log_progress``).
-PROGRESS_FILE = "progress.txt"
 
 
 def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
@@ -77,7 +76,7 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
     state.restart_store = store
     # First of all: a preemption notice during setup must be recorded, not kill the process.
     if cfg.train.exit_signal_handler:
-        state.signal_handler = DistributedSignalHandler(cfg.train.exit_signal).__enter__()
+        state.signal_handler = StopSignalRecorder(cfg.train.exit_signal).__enter__()
     checkpointing_context: dict = {}
     try:
         _setup_and_train(state, forward_step_func, checkpointing_context)
@@ -96,14 +95,12 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
 
 def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpointing_context: dict) -> None:
     cfg = state.cfg
-    env = initialize_distributed(cfg.dist, store=getattr(state, "restart_store", None))
+    env = initialize_distributed(cfg.dist, store=state.restart_store)
     state.rank, state.world_size = dist.get_rank(), dist.get_world_size()
     cfg.validate(state.world_size)
     # Fault tolerance reports "setup" from here (before the model build and checkpoint load, which
     # its setup timeout must cover); straggler detection agrees on its node map (collective).
-    ft = state.fault_tolerance = FaultTolerance(
-        cfg.ft, checkpoint_dir=cfg.checkpoint.save,
-        min_computed_timeout_s=cfg.ft.min_computed_timeout_s if cfg.ft is not None else 60.0)
+    ft = state.fault_tolerance = FaultTolerance(cfg.ft, checkpoint_dir=cfg.checkpoint.save)
     ft.setup()
     # The step brackets the gradient all-reduce; torch DDP (CPU) runs it inside backward, so a rank
     # waiting for a straggler would look as slow by the wall clock: time process CPU there instead.
@@ -111,7 +108,8 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
                                                  clock="wall" if torch.cuda.is_available() else "process")
     state.straggler_detector.setup()
     if cfg.logger.log_progress and cfg.checkpoint.save and state.rank == 0:
-        path = os.path.join(cfg.checkpoint.save, PROGRESS_FILE)
+        path = run_folder.checkpoint_file(cfg.checkpoint.save, run_folder.PROGRESS_FILE)
+        state.logged_save_s = longest_recent_save_s(path)
         state.progress = ProgressLog(path, env.job_id or "none", state.world_size)
         # A restart inside the allocation (ft_launcher's new workers, or the in-process wrapper's next
         # attempt): charge the time since the failed run's last step to that run, cause "fault".
@@ -151,8 +149,11 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     train_ds, valid_ds, _ = build_datasets(cfg.dataset, cfg)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mbs = cfg.train.micro_batch_size
-    train_it = build_data_iterator(train_ds, ts.consumed_train_samples, mbs, dp_rank, dp_size, cfg.dataset, cfg.rng.seed)
-    valid_it = build_data_iterator(valid_ds, ts.consumed_valid_samples, mbs, dp_rank, dp_size, cfg.dataset, cfg.rng.seed)
+    stop = cfg.train.exit_signal
+    train_it = build_data_iterator(train_ds, ts.consumed_train_samples, mbs, dp_rank, dp_size, cfg.dataset,
+                                   cfg.rng.seed, stop)
+    valid_it = build_data_iterator(valid_ds, ts.consumed_valid_samples, mbs, dp_rank, dp_size, cfg.dataset,
+                                   cfg.rng.seed, stop)
     ts.do_train, ts.do_valid = train_it is not None, valid_it is not None
 
     state.metrics.open(resume_step=ts.step)
@@ -212,7 +213,7 @@ def run_restart_count(progress_path: str, job_id: Optional[str], slurm_restarts:
     goes 0, 1, 2, ... over every run of a job however it was restarted."""
     count = int(slurm_restarts) + int(in_job_restarts)
     if job_id and os.path.exists(progress_path):
-        from bridge_hpc.progress import STARTING_JOB, parse_events
+        from bridge_hpc.report.progress import STARTING_JOB, parse_events
 
         earlier = sum(1 for e in parse_events(progress_path) if e.name == STARTING_JOB and e.job_id == str(job_id))
         count = max(count, earlier)

@@ -114,12 +114,14 @@ class Timers:
         return {name: timer.elapsed(reset=reset) for name, timer in self._timers.items()}
 
 
-class DistributedSignalHandler:
+class StopSignalRecorder:
     """Records that a stop signal arrived; the loop acts on it between steps.
 
     The handler does nothing but set a flag: anything more (collectives, I/O, locks) inside a
-    signal handler can deadlock. After each step the loop all-reduces the flag so every rank sees
-    it at the same iteration and they all stop, save and exit together.
+    signal handler can deadlock. It distributes nothing itself: after each step the exit policy
+    all-reduces the flag (:func:`bridge_hpc.training.exit_policy.exit_reasons`), so every rank sees it
+    at the same iteration and they all stop, save and exit together. ``signals`` are Python names
+    (``train.exit_signal``, from :mod:`bridge_hpc.contracts.signals`).
     """
 
     def __init__(self, signals: List[str]):
@@ -146,6 +148,10 @@ class DistributedSignalHandler:
         self._previous.clear()
 
 
+#: Megatron Bridge's name for the same thing.
+DistributedSignalHandler = StopSignalRecorder
+
+
 class GlobalState:
     """Everything the loop shares: ``cfg``, ``train_state``, ``timers``, loggers, signal handler.
 
@@ -159,9 +165,9 @@ class GlobalState:
         self._timers: Optional[Timers] = None
         self._tensorboard_logger = None
         self._metrics = None
-        self.signal_handler: Optional[DistributedSignalHandler] = None
+        self.signal_handler: Optional[StopSignalRecorder] = None
         self.exit_reasons: List[str] = []
-        #: ``bridge_hpc.progress.ProgressLog`` on rank 0 when ``logger.log_progress`` is on, else None.
+        #: ``bridge_hpc.report.progress.ProgressLog`` on rank 0 when ``logger.log_progress`` is on, else None.
         self.progress = None
         self.start_time = time.time()
         self.rank = 0
@@ -175,6 +181,9 @@ class GlobalState:
         #: The step this run resumed at: exit_interval counts steps trained, not steps loaded.
         self.run_start_step: int = 0
         self.last_save_s: Optional[float] = None
+        #: Rank 0: the longest save of recent runs, from the progress log (None: none recorded); what
+        #: the time-limit rule expects of this run's first save.
+        self.logged_save_s: Optional[float] = None
         #: ``fault_tolerance.FaultTolerance`` / ``straggler.StragglerDetector`` of this run (set by
         #: ``_pretrain``; None in loops built without it). ``straggler_stop``: the detector asked to stop.
         self.fault_tolerance = None
@@ -185,6 +194,8 @@ class GlobalState:
         #: In a re-run by the in-process restart wrapper: (its iteration, the failed attempt's
         #: ``last_step_time``); None otherwise.
         self.inprocess_restart = None
+        #: The in-process restart wrapper's coordination store for this attempt (None without it).
+        self.restart_store = None
         #: Extra state read from the loaded checkpoint (e.g. ``{"fault_tolerance": {...}}``).
         self.checkpoint_extra: Dict[str, Any] = {}
 

@@ -50,6 +50,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Set
 
+from bridge_hpc.training.config import NVRxStragglerDetectionConfig
+
 logger = logging.getLogger("bridge_hpc.straggler")
 
 
@@ -139,7 +141,7 @@ class StragglerDetector:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Optional[NVRxStragglerDetectionConfig],
         *,
         backend: str = "auto",
         interval_steps: Optional[int] = None,
@@ -149,9 +151,10 @@ class StragglerDetector:
     ) -> None:
         if clock not in ("wall", "process"):
             raise ValueError("clock must be 'wall' or 'process'")
+        cfg = cfg if cfg is not None else NVRxStragglerDetectionConfig()  # no section: its defaults, off
         self.cfg = cfg
         self._clock = time.perf_counter if clock == "wall" else time.process_time
-        self.enabled = bool(cfg is not None and getattr(cfg, "enabled", False))
+        self.enabled = cfg.enabled
         self.requested_backend = backend
         self.backend: Optional[str] = None
         self.interval_steps = interval_steps
@@ -191,14 +194,14 @@ class StragglerDetector:
                 raise RuntimeError("straggler detection: backend 'nvrx' asked for, but the installed "
                                    "nvidia-resiliency-ext has no straggler module")
             scores = []
-            if getattr(self.cfg, "calc_relative_gpu_perf", True):
+            if self.cfg.calc_relative_gpu_perf:
                 scores.append("relative_perf_scores")
-            if getattr(self.cfg, "calc_individual_gpu_perf", True):
+            if self.cfg.calc_individual_gpu_perf:
                 scores.append("individual_perf_scores")
             straggler.Detector.initialize(
                 scores_to_compute=scores, gather_on_rank0=True,
-                profiling_interval=int(getattr(self.cfg, "profiling_interval", 1)),
-                report_time_interval=float(getattr(self.cfg, "report_time_interval", 300.0)),
+                profiling_interval=self.cfg.profiling_interval,
+                report_time_interval=self.cfg.report_time_interval,
             )
         else:
             if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
@@ -257,9 +260,9 @@ class StragglerDetector:
         if report is None:
             return False
         self.last_report = report
-        if getattr(self.cfg, "enable_logging", True) and self._rank == 0:
+        if self.cfg.enable_logging and self._rank == 0:
             self._log(report)
-        stop = bool(getattr(self.cfg, "stop_if_detected", False) and report.flagged_ranks)
+        stop = bool(self.cfg.stop_if_detected and report.flagged_ranks)
         if self.backend == "nvrx":  # the report is complete on rank 0 only: agree on the answer
             stop = self._broadcast_flag(stop)
         self.stop_requested = stop
@@ -281,7 +284,7 @@ class StragglerDetector:
             # agree on the interval: report_time_interval / slowest mean step time
             mean = self._sum / max(1, self._count)
             slowest = self._all_reduce_max(mean)
-            interval = float(getattr(self.cfg, "report_time_interval", 300.0))
+            interval = self.cfg.report_time_interval
             self.interval_steps = max(1, int(round(interval / max(slowest, 1e-6))))
             self._next_check = self._steps + self.interval_steps
             self._sum, self._count = 0.0, 0  # warm-up steps (compilation, caches) do not count
@@ -298,21 +301,21 @@ class StragglerDetector:
         indiv_mine = min(1.0, baseline / mean) if mean > 0 else 1.0
         self._earlier_means.append(mean)
         indiv = dict(enumerate(self._all_gather(indiv_mine)))
-        rel_thr = float(getattr(self.cfg, "gpu_relative_perf_threshold", 0.7))
-        ind_thr = float(getattr(self.cfg, "gpu_individual_perf_threshold", 0.7))
+        rel_thr = self.cfg.gpu_relative_perf_threshold
+        ind_thr = self.cfg.gpu_individual_perf_threshold
         slow_relative = {r for r, s in rel.items() if s < rel_thr}
         slow_individual = {r for r, s in indiv.items() if s < ind_thr}
         if slow_relative:  # the others' slow-down is their wait for these ranks (see the module doc)
             slow_individual &= slow_relative
         stragglers: Dict[str, Set[int]] = {}
-        if getattr(self.cfg, "calc_relative_gpu_perf", True):
+        if self.cfg.calc_relative_gpu_perf:
             stragglers["straggler_gpus_relative"] = slow_relative
-        if getattr(self.cfg, "calc_individual_gpu_perf", True):
+        if self.cfg.calc_individual_gpu_perf:
             stragglers["straggler_gpus_individual"] = slow_individual
         return StragglerReport(
             iteration=iteration, backend="steptime",
-            gpu_relative_perf_scores=rel if getattr(self.cfg, "calc_relative_gpu_perf", True) else {},
-            gpu_individual_perf_scores=indiv if getattr(self.cfg, "calc_individual_gpu_perf", True) else {},
+            gpu_relative_perf_scores=rel if self.cfg.calc_relative_gpu_perf else {},
+            gpu_individual_perf_scores=indiv if self.cfg.calc_individual_gpu_perf else {},
             rank_to_node=dict(self._rank_to_node), mean_step_time_s=dict(enumerate(means)),
             stragglers=stragglers,
         )
@@ -344,8 +347,8 @@ class StragglerDetector:
         if self._rank != 0 or report is None:  # other ranks: an empty report
             return StragglerReport(iteration, "nvrx", {}, {}, {})
         found = report.identify_stragglers(
-            gpu_rel_threshold=float(getattr(self.cfg, "gpu_relative_perf_threshold", 0.7)),
-            gpu_indiv_threshold=float(getattr(self.cfg, "gpu_individual_perf_threshold", 0.7)),
+            gpu_rel_threshold=self.cfg.gpu_relative_perf_threshold,
+            gpu_indiv_threshold=self.cfg.gpu_individual_perf_threshold,
         )
         return StragglerReport(
             iteration=iteration, backend="nvrx",
@@ -371,7 +374,7 @@ class StragglerDetector:
     # -- logging -----------------------------------------------------------------------------------
 
     def _log(self, report: StragglerReport) -> None:
-        n = int(getattr(self.cfg, "num_gpu_perf_scores_to_print", 5))
+        n = self.cfg.num_gpu_perf_scores_to_print
         for name, scores in (("relative", report.gpu_relative_perf_scores),
                              ("individual", report.gpu_individual_perf_scores)):
             if not scores or n <= 0:

@@ -20,7 +20,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from bridge_hpc.training.checkpointing import save_checkpoint
+from bridge_hpc.training.exit_policy import (  # noqa: F401 - Bridge's names in bridge.training.train
+    any_rank,
+    checkpoint_and_decide_exit,
+    save_checkpoint_and_time,
+    signal_seen,
+)
 from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.straggler import StragglerDetector
@@ -164,7 +169,7 @@ def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, mod
     reports: List[Dict[str, torch.Tensor]] = []
     for _ in range(cfg.train.eval_iters):
         # A long evaluation must not sit on a preemption notice: stop early, all ranks together.
-        if _any_rank({"signal": _signal_seen(state)})["signal"]:
+        if any_rank({"signal": signal_seen(state)})["signal"]:
             if state.rank == 0:
                 print(f"evaluation cut short after {len(reports)} micro-batches: stop signal received", flush=True)
             break
@@ -236,171 +241,6 @@ def _start_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
     )
     prof.start()
     return prof
-
-
-# ---------------------------------------------------------------------------------------------
-# Saving and stopping
-# ---------------------------------------------------------------------------------------------
-
-
-def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
-                             num_floating_point_operations_so_far: float, checkpointing_context: Dict[str, Any],
-                             non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
-    """Save a checkpoint of the current step, timed, and remember that this step is saved."""
-    timer = state.timers("save-checkpoint", log_level=0)
-    timer.start(barrier=True)
-    ft = state.fault_tolerance
-    with ft.checkpointing() if ft is not None else contextlib.nullcontext():  # a long save is not a hang
-        save_checkpoint(state, model, optimizer, opt_param_scheduler, train_data_iterator)
-        _test_save_delay()
-    timer.stop(barrier=True)
-    checkpointing_context["last_saved_step"] = state.train_state.step
-    checkpointing_context["last_save_time_s"] = state.last_save_s = timer.elapsed(reset=True)
-    if state.progress is not None:
-        ts = state.train_state
-        state.progress.saved_checkpoint(ts.step, num_floating_point_operations_so_far,
-                                        ts.consumed_train_samples * state.cfg.model.seq_length,
-                                        checkpointing_context["last_save_time_s"])
-
-
-#: Test hook (tests/test_ft_slurm.py): seconds to sleep inside every checkpoint save, to make a save
-#: longer than ``[ft] step_timeout`` on a machine where real saves of the tiny model take a second.
-TEST_SAVE_DELAY_ENV = "BRIDGE_TEST_SAVE_DELAY_S"
-
-
-def _test_save_delay() -> None:
-    delay = float(os.environ.get(TEST_SAVE_DELAY_ENV, "0") or 0)
-    if delay > 0:
-        time.sleep(delay)
-
-
-def _any_rank(flags: Dict[str, bool]) -> Dict[str, bool]:
-    """Logical OR of each flag over all ranks, in one all-reduce (MAX)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flags
-    values = torch.tensor([1 if flags[k] else 0 for k in flags], dtype=torch.int32, device=comm_device())
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return {k: bool(v) for k, v in zip(flags, values.tolist())}
-
-
-#: Exit reason -> the progress log's ``Ending job`` reason; the first that holds is reported (work
-#: done outranks the rest: nothing is left to requeue for).
-PROGRESS_REASONS = {"train_iters reached": "done", "straggler": "straggler", "signal received": "signal",
-                    "time limit": "time_limit",
-                    "exit_duration_in_mins": "duration", "exit_interval": "interval"}
-
-#: Kept free before Slurm's end time on top of one (slowest) step and one save: the exit itself and
-#: slack for a save slower than the last one.
-TIME_LIMIT_MARGIN_S = 20.0
-#: A run's first save has no measured duration yet: assume this much.
-FIRST_SAVE_GUESS_S = 30.0
-#: How often rank 0 asks Slurm again for the end time (an admin may extend the job).
-END_TIME_REFRESH_S = 300.0
-#: A stop signal this close to the job's end is Slurm's time-limit warning (``--signal``, which can
-#: come up to a minute early), not a preemption. Both requeue; only the recorded reason differs.
-TIME_LIMIT_WARNING_WINDOW_S = 300.0
-
-
-def _signal_seen(state: GlobalState) -> bool:
-    return state.signal_handler is not None and state.signal_handler.received is not None
-
-
-def refresh_job_times(state: GlobalState, force: bool = False):
-    """Rank 0 asks Slurm for the run's start, end and time limit (Slurm 22.05 has no
-    SLURM_JOB_END_TIME), at most every END_TIME_REFRESH_S; the end time, not the arrival of Slurm's
-    warning, drives the time-limit exit."""
-    now = time.time()
-    if state.rank == 0 and (force or now - state.job_times_checked >= END_TIME_REFRESH_S):
-        from bridge_hpc.job_environment import JobEnvironment
-        from bridge_hpc.slurm_query import job_times
-
-        job_id = JobEnvironment.from_env().job_id
-        state.job_times = job_times(job_id) if job_id else None
-        state.job_times_checked = now
-    return state.job_times
-
-
-def time_limit_reached(state: GlobalState) -> bool:
-    """Whether another step plus a save might no longer fit before Slurm ends the job (rank 0)."""
-    times = refresh_job_times(state)
-    if times is None or state.slowest_step_s == 0.0:
-        return False
-    save_s = state.last_save_s if state.last_save_s is not None else FIRST_SAVE_GUESS_S
-    return time.time() + state.slowest_step_s + save_s + TIME_LIMIT_MARGIN_S >= times.end
-
-
-def exit_reasons(state: GlobalState) -> List[str]:
-    """Why the loop should stop after the current step (empty: keep going). Collective.
-
-    Reasons from counters every rank shares need no communication. Reasons one rank can see before
-    another (a signal, a clock, Slurm's end time, which only rank 0 reads) are OR-ed across ranks in
-    one all-reduce, so all stop at the same iteration. A new reason goes in one of the two groups
-    below and in PROGRESS_REASONS.
-    """
-    ts, t = state.train_state, state.cfg.train
-    reasons = []
-    # -- shared counters: identical on every rank -------------------------------------------------
-    if ts.step >= t.train_iters:
-        reasons.append("train_iters reached")
-    if t.exit_interval and ts.step % t.exit_interval == 0 and ts.step > state.run_start_step:
-        reasons.append("exit_interval")
-    # -- per-rank observations: agreed on with one all-reduce -------------------------------------
-    local = {
-        "signal received": _signal_seen(state),
-        "exit_duration_in_mins": bool(t.exit_duration_in_mins)
-        and (time.time() - state.start_time) / 60.0 >= t.exit_duration_in_mins,
-        "time limit": state.rank == 0 and time_limit_reached(state),
-        "straggler": state.straggler_stop,
-    }
-    reasons += [name for name, flag in _any_rank(local).items() if flag]
-    return reasons
-
-
-def _progress_reason(state: GlobalState, reasons: List[str]) -> str:
-    """The one reason recorded for this exit (rank 0). Slurm versions differ in the signals they send
-    for preemption and time-out, so the job's times decide: a preemption moves the end time forward
-    (now + GraceTime), a time-out keeps it at start + limit; a signal near that end is its warning."""
-    reason = next(PROGRESS_REASONS[r] for r in PROGRESS_REASONS if r in reasons)
-    if reason == "signal":
-        times = refresh_job_times(state, force=True)
-        if times is not None and not times.shortened and times.end - time.time() <= TIME_LIMIT_WARNING_WINDOW_S:
-            reason = "time_limit"
-    return reason
-
-
-def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_scheduler,
-                               num_floating_point_operations_so_far: float, checkpointing_context: Dict[str, Any],
-                               train_data_iterator) -> bool:
-    """Save on ``checkpoint.save_interval``; on any exit reason save (unless this step is already
-    saved, or nothing was trained yet) and return True. With work left, rank 0 then asks the batch
-    script to requeue the job (:func:`bridge_hpc.exitcodes.request_requeue`): the checkpoint it
-    resumes from is durable by then."""
-    cfg, step = state.cfg, state.train_state.step
-    reasons = exit_reasons(state)
-    can_save = bool(cfg.checkpoint.save)
-    saved_now = checkpointing_context.get("last_saved_step") == step
-    args = (state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context)
-    if can_save and step > 0 and not saved_now and cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-        save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
-    if not reasons:
-        return False
-    if can_save and step > 0 and checkpointing_context.get("last_saved_step") != step:
-        save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
-    state.exit_reasons = reasons
-    if state.rank == 0:
-        reason = _progress_reason(state, reasons)
-        print(f"exiting at iteration {step}: {', '.join(reasons)} (recorded as {reason})", flush=True)
-        if state.progress is not None:
-            state.progress.ending_job(reason, step, step - checkpointing_context.get("last_saved_step", 0))
-        if "train_iters reached" not in reasons:
-            from bridge_hpc.exitcodes import request_requeue
-
-            detector = state.straggler_detector
-            avoid = (detector.last_report.flagged_nodes
-                     if reason == "straggler" and detector is not None and detector.last_report is not None else [])
-            if request_requeue(reason, step, exclude_nodes=avoid):
-                print(f"work left at iteration {step}: asked the batch script to requeue the job", flush=True)
-    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ the job (``SLURM_RESTART_COUNT``) and the first worker group of that run (``TORC
 * ``TEST_STEP_SLEEP = "<seconds>"``: every rank, in every run, sleeps this long before each forward
   pass (a slower machine: a floor under the step time, so that a test can count on a time limit
   being reached however fast the machine is).
+* ``TEST_SAVE_DELAY = "<seconds>"``: every checkpoint save takes this much longer (a slow file
+  system: a save longer than the FT step timeout, which must not be taken for a hang). The rank's
+  ``checkpointing.save_checkpoint`` is wrapped when this module is imported.
 
 Each fault prints one line with its wall-clock time, which the tests read.
 """
@@ -20,7 +23,18 @@ Each fault prints one line with its wall-clock time, which the tests read.
 import os
 import time
 
+from bridge_hpc.training import checkpointing
 from bridge_hpc.training.gpt import forward_step as gpt_forward_step
+
+if float(os.environ.get("TEST_SAVE_DELAY", "0") or 0) > 0:
+    _real_save = checkpointing.save_checkpoint
+
+    def _slow_save(*args, **kwargs):
+        result = _real_save(*args, **kwargs)
+        time.sleep(float(os.environ["TEST_SAVE_DELAY"]))
+        return result
+
+    checkpointing.save_checkpoint = _slow_save
 
 
 _announced = []

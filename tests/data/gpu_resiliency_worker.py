@@ -97,7 +97,7 @@ def gpu_hog(out):
 
 
 def train(out, fault):
-    from bridge_hpc.run import build_config
+    from bridge_hpc.training.run import build_config
     from bridge_hpc.training import gpt
     from bridge_hpc.training.pretrain import pretrain
 

@@ -16,7 +16,7 @@ The Debian packages are installed with apt-get when missing (needs root and a pa
 
 Python use::
 
-    from bridge_hpc.cluster import LocalCluster, release_requeued
+    from bridge_hpc.local_slurm.cluster import LocalCluster, release_requeued
     c = LocalCluster()          # $BRIDGE_CLUSTER_DIR or /var/tmp/bridge-cluster
     c.up(nodes=2)               # idempotent; waits until every node is idle
     c.status()                  # {'daemons': {...pid/alive...}, 'nodes': {'n1': 'idle', ...}, ...}
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
-from bridge_hpc.errors import ConfigError
+from bridge_hpc.contracts.errors import ConfigError
 
 MARKER = "# managed by bridge-cluster"
 ETC_SLURM = Path("/etc/slurm")
@@ -655,7 +655,7 @@ class LocalCluster:
         lines = [
             MARKER,
             f"# state-dir: {sd}",
-            "# Written by `bridge-cluster up` (bridge_hpc/cluster.py); `bridge-cluster down` leaves it.",
+            "# Written by `bridge-cluster up` (bridge_hpc/local_slurm/); `bridge-cluster down` leaves it.",
             f"ClusterName={CLUSTER_NAME}",
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={SLURMCTLD_PORT}",

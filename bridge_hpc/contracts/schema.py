@@ -1,6 +1,6 @@
 """Typed TOML tables: build a dataclass from a table, or say exactly which key is wrong and why.
 
-Shared by the launcher's sections (``bridge_hpc.jobconfig``) and the training sections
+Shared by the launcher's sections (``bridge_hpc.launch.jobconfig``) and the training sections
 (``bridge_hpc.training.config``), so both answer bad input the same way. No torch here.
 """
 
@@ -11,7 +11,11 @@ import difflib
 import typing
 from typing import Any, Callable, Dict, List, Literal, Sequence, Tuple, Union
 
-from bridge_hpc.errors import ConfigError
+from bridge_hpc.contracts.errors import ConfigError
+
+#: A job file's own sections for the launcher (bridge_hpc.launch.jobconfig types them); every other
+#: section belongs to the ranks' training config (bridge_hpc.training.config.SECTIONS), which skips these.
+LAUNCHER_SECTIONS = ("job", "slurm", "env", "container", "setup", "cluster")
 
 
 def did_you_mean(word: str, choices: Sequence[str]) -> str:

@@ -8,7 +8,7 @@ finds it hung. The launchers meet at a c10d rendezvous on the first node of the 
 Typical use in the sbatch template (shell variables stay unexpanded until the batch script runs)::
 
     argv = srun_prefix(nnodes=2, cpus_per_node=16) + ft_launcher_argv(
-        ["-m", "bridge_hpc.run", "$BRIDGE_CONFIG"], python="python3", nnodes=2, nproc_per_node=8,
+        ["-m", "bridge_hpc.training.run", "$BRIDGE_CONFIG"], python="python3", nnodes=2, nproc_per_node=8,
         rdzv_endpoint="${BRIDGE_RDZV_HOST}:${BRIDGE_RDZV_PORT}", rdzv_id="$SLURM_JOB_ID",
         max_restarts=3)
     line = shell_join(argv)      # $VARS double-quoted (expanded), everything else single-quoted
@@ -24,7 +24,7 @@ the ranks switch those off on their monitor when they choose sections
 (:meth:`bridge_hpc.training.fault_tolerance.FaultTolerance.setup`), since a monitor that never sees a
 heartbeat would otherwise kill its rank ``initial_heartbeat`` seconds after start.
 
-Stdlib only (no torch): imported by the login-node renderer.
+No torch (the training config module is torch-free): imported by the login-node renderer.
 """
 
 from __future__ import annotations
@@ -35,31 +35,45 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from bridge_hpc.contracts import signals
+from bridge_hpc.training.config import FaultToleranceConfig  # torch-free
+
 LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
-WRAPPER_MODULE = "bridge_hpc.ft_launch"  # ``python -m bridge_hpc.ft_launch <launcher args>``: see main()
+WRAPPER_MODULE = "bridge_hpc.launch.ft_launch"  # ``python -m bridge_hpc.launch.ft_launch <launcher args>``: see main()
+
+
+#: The FT config's own defaults: the launcher's timeouts default to them, never to a copy.
+_FT_DEFAULTS = FaultToleranceConfig()
 
 
 @dataclass
 class FTLaunchTimeouts:
     """Timeouts given to the rank monitors (seconds; None = no limit).
 
-    Defaults are Megatron-LM's/NeMo's for the section API (setup 600, step 180, checkpointing 420,
-    out of section 300) and the package's for heartbeats (60 min first, 45 min later). With
-    ``[ft] calc_ft_timeouts = true`` the ranks replace them by computed values once observed.
-    ``workload_check_interval`` is how often a monitor looks at its rank: detection comes at most
-    that long after the timeout.
+    Defaults are ``[ft]``'s (:class:`~bridge_hpc.training.config.FaultToleranceConfig`: Megatron-LM's
+    and NeMo's for the section API, the package's for heartbeats); :meth:`from_config` takes a job's
+    ``[ft]``. With ``[ft] calc_ft_timeouts = true`` the ranks replace them by computed values once
+    observed. ``workload_check_interval`` is how often a monitor looks at its rank: detection comes
+    at most that long after the timeout.
     """
 
-    setup: Optional[float] = 600.0
-    step: Optional[float] = 180.0
-    checkpointing: Optional[float] = 420.0
-    out_of_section: Optional[float] = 300.0
-    initial_heartbeat: Optional[float] = 3600.0
-    heartbeat: Optional[float] = 2700.0
-    workload_check_interval: float = 5.0
-    safety_factor: float = 5.0
+    setup: Optional[float] = _FT_DEFAULTS.setup_timeout
+    step: Optional[float] = _FT_DEFAULTS.step_timeout
+    checkpointing: Optional[float] = _FT_DEFAULTS.checkpointing_timeout
+    out_of_section: Optional[float] = _FT_DEFAULTS.rank_out_of_section_timeout
+    initial_heartbeat: Optional[float] = _FT_DEFAULTS.initial_rank_heartbeat_timeout
+    heartbeat: Optional[float] = _FT_DEFAULTS.rank_heartbeat_timeout
+    workload_check_interval: float = _FT_DEFAULTS.workload_check_interval
+    safety_factor: float = _FT_DEFAULTS.safety_factor
     use_sections: bool = True  # False: heartbeats only (no section timeouts given to the launcher)
     extra: Dict[str, str] = field(default_factory=dict)  # other --ft-<name> values, by field name
+
+    @classmethod
+    def from_config(cls, ft: FaultToleranceConfig) -> "FTLaunchTimeouts":
+        return cls(setup=ft.setup_timeout, step=ft.step_timeout, checkpointing=ft.checkpointing_timeout,
+                   out_of_section=ft.rank_out_of_section_timeout,
+                   initial_heartbeat=ft.initial_rank_heartbeat_timeout, heartbeat=ft.rank_heartbeat_timeout,
+                   workload_check_interval=ft.workload_check_interval, safety_factor=ft.safety_factor)
 
     def params(self) -> List[str]:
         """The ``--ft-*`` timeout arguments. A None float timeout is left out (the package default:
@@ -101,6 +115,7 @@ def ft_launcher_argv(
     monitor_interval: Optional[float] = None,
     log_dir: Optional[str] = None,
     extra_args: Sequence[str] = (),
+    stop_signal: Optional[signals.StopSignal] = None,
 ) -> List[str]:
     """argv of one node's launcher.
 
@@ -113,7 +128,7 @@ def ft_launcher_argv(
         max_restarts: in-job restarts of the whole worker group before the launcher gives up.
         timeouts: rank-monitor timeouts (:class:`FTLaunchTimeouts`).
         python: interpreter to run the launcher with (so the ranks use the same interpreter), through
-            this module's :func:`main` (``python -m bridge_hpc.ft_launch``), which makes the launcher
+            this module's :func:`main` (``python -m bridge_hpc.launch.ft_launch``), which makes the launcher
             survive SIGUSR1; None runs the ``ft_launcher`` console script as it is.
         workers_stop_timeout: seconds between SIGTERM and SIGKILL when the launcher stops the
             surviving ranks for a restart (ranks blocked in a collective only die by SIGKILL).
@@ -122,6 +137,8 @@ def ft_launcher_argv(
         monitor_interval: how often the launcher polls its ranks (launcher default 0.1 s).
         log_dir: per-rank log folder of the launcher (``--log-dir``).
         extra_args: more launcher options, inserted before ``entry``.
+        stop_signal: the job's stop signal (default ``[slurm] signal``'s default); through
+            :func:`main` the launcher ignores its warning signal, which the ranks handle.
     """
     if nnodes < 1 or nproc_per_node < 1:
         raise ValueError("nnodes and nproc_per_node must be >= 1")
@@ -129,7 +146,8 @@ def ft_launcher_argv(
         raise ValueError(f"rdzv_endpoint must be host:port, got {rdzv_endpoint!r}")
     if not entry:
         raise ValueError("entry must name a script or '-m module'")
-    argv = [python, "-m", WRAPPER_MODULE] if python else ["ft_launcher"]
+    stop_signal = stop_signal or signals.parse_slurm_signal(signals.DEFAULT_SLURM_SIGNAL)
+    argv = [python, "-m", WRAPPER_MODULE, f"{IGNORE_OPTION}={','.join(stop_signal.warning_signals)}"] if python else ["ft_launcher"]
     argv += [
         f"--nnodes={int(nnodes)}",
         f"--nproc-per-node={int(nproc_per_node)}",
@@ -168,14 +186,14 @@ def srun_prefix(nnodes: int, cpus_per_node: Optional[int] = None, extra: Sequenc
 
 def rdzv_port_for_job(job_id: Optional[str], base: int = 30000, span: int = 20000) -> int:
     """A rendezvous port derived from the job id, so concurrent jobs on one node stay apart (a
-    different range from :class:`bridge_hpc.job_environment.JobEnvironment`'s MASTER_PORT)."""
+    different range from :class:`bridge_hpc.slurm.job_environment.JobEnvironment`'s MASTER_PORT)."""
     digits = "".join(c for c in str(job_id or "") if c.isdigit())
     return base + (int(digits) % span if digits else 0)
 
 
 def rdzv_endpoint_from_slurm(env: Optional[Mapping[str, str]] = None, port: Optional[int] = None) -> str:
     """``<first node of the allocation>:<port>`` from ``SLURM_JOB_NODELIST`` (inside the job)."""
-    from bridge_hpc.job_environment import expand_nodelist
+    from bridge_hpc.slurm.job_environment import expand_nodelist
 
     env = os.environ if env is None else env
     nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST", "") or env.get("SLURM_NODELIST", ""))
@@ -204,23 +222,29 @@ def shell_join(argv: Sequence[str]) -> str:
 # The launcher process -----------------------------------------------------------------------------
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m bridge_hpc.ft_launch <ft_launcher arguments>``: ft_launcher that survives SIGUSR1.
+#: The wrapper's own first argument: the signals the launcher ignores (comma-separated Python names).
+IGNORE_OPTION = "--bridge-ignore-signals"
 
-    Slurm's ``--signal=USR1@<s>`` (and ``scancel --signal=USR1``) reaches every process of the step.
-    ft_launcher handles SIGTERM/SIGINT/SIGHUP/SIGQUIT (it forwards them to the ranks) but not SIGUSR1,
-    whose default action kills it; srun then ends the step and the ranks die in the middle of the
-    checkpoint they were saving because of that very signal. Here the launcher ignores SIGUSR1 (the
-    ranks, which got it from Slurm directly, install their own handler, overriding the inherited
-    "ignore"), then runs ft_launcher's own ``main``.
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m bridge_hpc.launch.ft_launch --bridge-ignore-signals=SIGUSR1 <ft_launcher arguments>``.
+
+    Slurm's warning signal (``--signal=USR1@<s>``, ``scancel --signal=USR1``) reaches every process of
+    the step. ft_launcher handles SIGTERM/SIGINT/SIGHUP/SIGQUIT (it forwards them to the ranks) but
+    not USR1/USR2, whose default action kills it; srun then ends the step and the ranks die in the
+    middle of the checkpoint they were saving because of that very signal. Here the launcher ignores
+    the job's warning signal (the ranks, which got it from Slurm directly, install their own handler,
+    overriding the inherited "ignore"), then runs ft_launcher's own ``main``.
     """
-    import signal
     import sys
 
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0].startswith(IGNORE_OPTION + "="):
+        names = [n for n in args.pop(0).split("=", 1)[1].split(",") if n]
+        signals.ignore(n for n in names if n not in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"))
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as launcher_main
 
-    sys.argv = ["ft_launcher", *(sys.argv[1:] if argv is None else argv)]
+    sys.argv = ["ft_launcher", *args]
     launcher_main()
 
 

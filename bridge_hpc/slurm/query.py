@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                    "DEADLINE", "PREEMPTED"}
@@ -116,3 +116,64 @@ def job_times(job_id: str) -> Optional[JobTimes]:
     if start is None or end is None:
         return None
     return JobTimes(start=start, end=end, limit_s=parse_slurm_duration(fields[2]))
+
+
+def scontrol_job(job_id: str) -> Dict[str, str]:
+    """``scontrol show job -o`` as ``{field: value}`` ({} when Slurm cannot be asked)."""
+    out = _run(["scontrol", "show", "job", "-o", str(job_id)]) or ""
+    fields: Dict[str, str] = {}
+    for word in out.split():
+        key, sep, value = word.partition("=")
+        if sep and key not in fields:
+            fields[key] = value
+    return fields
+
+
+def _accounted_state(job_id: str) -> str:
+    """sacct's state of the job's current run ("" without accounting): "CANCELLED by 0" -> CANCELLED."""
+    lines = (_run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"]) or "").split("\n")
+    lines = [line.split()[0] for line in lines if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def stop_cause(job_id: Optional[str], restart_count: int) -> Optional[str]:
+    """Why Slurm is stopping the current run of ``job_id`` (asked when a stop signal arrives):
+    ``"cancelled"`` (``scancel``), ``"requeued"`` (``scontrol requeue``, a requeue by Slurm),
+    ``"preempted"``, ``"time_limit"``, or None while the job runs on (a warning signal:
+    ``--signal`` or ``scancel --signal``) or when Slurm cannot be asked.
+
+    What tells them apart (seen on Slurm 22.05): a requeue has already raised ``Restarts`` above the
+    run's ``SLURM_RESTART_COUNT``; a preemption sets ``PreemptTime``; a cancel and a time-out both
+    leave the job COMPLETING, where accounting says which (``CANCELLED by <uid>`` / ``TIMEOUT``) and,
+    without accounting, the end time does: a time-out ends at start + limit, a cancel before."""
+    if not job_id:
+        return None
+    info = scontrol_job(job_id)
+    if not info:
+        return None
+    try:
+        if int(info.get("Restarts", "0")) > int(restart_count):
+            return "requeued"
+    except ValueError:
+        pass
+    if info.get("PreemptTime", "None") not in ("None", "", "(null)"):
+        return "preempted"
+    state = info.get("JobState", "")
+    if state in ("RUNNING", "PENDING", "SUSPENDED", "CONFIGURING", "REQUEUED", ""):
+        return None
+    if state == "TIMEOUT":
+        return "time_limit"
+    if state == "PREEMPTED":
+        return "preempted"
+    if state == "CANCELLED":
+        return "cancelled"
+    accounted = _accounted_state(job_id)
+    if accounted.startswith("CANCELLED"):
+        return "cancelled"
+    if accounted in ("TIMEOUT", "PREEMPTED", "REQUEUED"):
+        return {"TIMEOUT": "time_limit", "PREEMPTED": "preempted", "REQUEUED": "requeued"}[accounted]
+    start, end = _parse_stamp(info.get("StartTime", "")), _parse_stamp(info.get("EndTime", ""))
+    limit = parse_slurm_duration(info.get("TimeLimit", ""))
+    if start is not None and end is not None and limit is not None and end >= start + limit - 5.0:
+        return "time_limit"
+    return "cancelled"

@@ -33,7 +33,7 @@ RESTART = "Restart"
 
 SAVE_EVENTS = (SAVED_CHECKPOINT, SAVING_ASYNC)
 
-END_REASONS = ("signal", "time_limit", "duration", "interval", "done", "error", "fault", "straggler")
+END_REASONS = ("signal", "time_limit", "duration", "interval", "done", "error", "fault", "straggler", "cancelled")
 
 
 def format_time(epoch: float) -> str:
@@ -170,6 +170,16 @@ def cumulative_baseline(events: List[Event], world_size: int) -> Tuple[Optional[
         if event.name == STARTING_JOB and start is None:
             start, start_flops = event.time, latest_flops
     return start, (latest_flops if start_flops is None else start_flops)
+
+
+def longest_recent_save_s(path: str, saves: int = 5) -> Optional[float]:
+    """The longest ``Save seconds`` among the last ``saves`` saves the log records (None: none, or no
+    log): what the next save of the same job can be expected to take."""
+    if not os.path.exists(path):
+        return None
+    recorded = [e.number("Save seconds") for e in parse_events(path) if e.name in SAVE_EVENTS]
+    recorded = [s for s in recorded if s is not None][-saves:]
+    return max(recorded) if recorded else None
 
 
 # --------------------------------------------------------------------------------------------------

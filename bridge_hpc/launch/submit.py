@@ -18,9 +18,10 @@ from typing import List, Optional
 import submitit
 import toml
 
-from bridge_hpc.errors import ConfigError
-from bridge_hpc.jobconfig import JobConfig, check_secrets_present, dump_resolved
-from bridge_hpc.render import render_script, run_files
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.launch.jobconfig import JobConfig, check_secrets_present, dump_resolved
+from bridge_hpc.contracts import run_folder
+from bridge_hpc.launch.render import render_script
 
 
 class TemplateExecutor(submitit.SlurmExecutor):
@@ -69,7 +70,9 @@ def prepare_run_dir(cfg: JobConfig, script: str, resolved: str, force: bool = Fa
     untouched unless ``force``; then, as whenever a file would change, the old one is kept as
     ``<name>.<n>``: nothing a user has is ever overwritten.
     """
-    files = run_files(cfg)
+    folder = cfg.run_folder
+    files = {"resolved": Path(folder.resolved_config), "script": Path(folder.job_script)}
+    same_job = False
     if files["resolved"].exists():
         try:
             same_job = toml.loads(files["resolved"].read_text()) == toml.loads(resolved)
@@ -93,7 +96,7 @@ def prepare_run_dir(cfg: JobConfig, script: str, resolved: str, force: bool = Fa
                 n += 1
             path.rename(path.with_name(f"{path.name}.{n}"))
         _atomic_write(path, text)
-    files["logs"].mkdir(parents=True, exist_ok=True)
+    Path(folder.logs).mkdir(parents=True, exist_ok=True)
 
 
 def submit(cfg: JobConfig, force: bool = False) -> Submission:
@@ -102,21 +105,21 @@ def submit(cfg: JobConfig, force: bool = False) -> Submission:
     script = render_script(cfg)
     resolved = dump_resolved(cfg)
     prepare_run_dir(cfg, script, resolved, force=force)
-    files = run_files(cfg)
-    executor = TemplateExecutor(folder=files["logs"], script=script, num_tasks=cfg.num_tasks)
+    folder = cfg.run_folder
+    executor = TemplateExecutor(folder=Path(folder.logs), script=script, num_tasks=cfg.num_tasks)
     job = executor.submit_script()
     record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": str(cfg.path)}
-    with files["jobs"].open("a") as f:
+    with open(folder.jobs_log, "a") as f:
         f.write(json.dumps(record) + "\n")
     return Submission(
-        job_id=job.job_id, run_dir=cfg.run_dir, script_path=files["script"], resolved_path=files["resolved"],
-        stdout=Path(str(job.paths.stdout)), job=job,
+        job_id=job.job_id, run_dir=cfg.run_dir, script_path=Path(folder.job_script),
+        resolved_path=Path(folder.resolved_config), stdout=Path(str(job.paths.stdout)), job=job,
     )
 
 
 def submitted_job_ids(run_dir: Path) -> List[str]:
     """Job ids submitted into a run folder, oldest first (from its jobs.jsonl)."""
-    path = Path(run_dir) / "jobs.jsonl"
+    path = Path(run_folder.RunFolder(str(run_dir)).jobs_log)
     if not path.exists():
         return []
     ids = []

@@ -20,24 +20,29 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import toml
 
-from bridge_hpc.errors import ConfigError
-from bridge_hpc.schema import build_dataclass, did_you_mean
+from bridge_hpc.contracts import run_folder, signals
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
+from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
+from bridge_hpc.training.config import ConfigContainer
 
 # The launcher's sections; every other known section (bridge_hpc.training.config.SECTIONS, named
 # after Megatron Bridge's ConfigContainer fields) is carried to the ranks.
-LAUNCHER_SECTIONS = ("job", "slurm", "env", "container", "setup", "cluster")
 TOP_LEVEL_KEYS = ("extends",)
 
-_TIME_RE = re.compile(r"^(?:(?P<days>\d+)-)?(?P<h>\d{1,3}):(?P<m>\d{2}):(?P<s>\d{2})$")
-_SIGNAL_RE = re.compile(r"^(?:(?P<flags>[BR]):)?(?P<sig>[A-Z][A-Z0-9]*)(?:@(?P<secs>\d+))?$")
-_SIGNALS = {"USR1", "USR2", "TERM", "INT", "HUP", "QUIT", "ALRM", "CONT", "URG", "WINCH", "XCPU"}
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SBATCH_OPTION_RE = re.compile(r"^[a-z][a-z0-9-]*$")
+# Every pattern below is applied with fullmatch: ``$`` would also match before a final newline, and a
+# name ending in a newline would end an ``#SBATCH`` line and start a shell line.
+_TIME_RE = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<h>[0-9]{1,3}):(?P<m>[0-9]{2}):(?P<s>[0-9]{2})")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SBATCH_OPTION_RE = re.compile(r"[a-z][a-z0-9-]*")
+_KEY_PART_RE = re.compile(r"[A-Za-z0-9_-]+")
+#: The largest job file or profile read (a profile pointing at /proc/kcore must not be read whole).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def parse_time_limit(value: str) -> int:
     """``HH:MM:SS`` or ``D-HH:MM:SS`` to seconds; ValueError when it is neither."""
-    m = _TIME_RE.match(value)
+    m = _TIME_RE.fullmatch(value) if isinstance(value, str) else None
     if not m or int(m["m"]) >= 60 or int(m["s"]) >= 60:
         raise ValueError(value)
     return ((int(m["days"] or 0) * 24 + int(m["h"])) * 60 + int(m["m"])) * 60 + int(m["s"])
@@ -47,7 +52,7 @@ def parse_time_limit(value: str) -> int:
 
 
 DEFAULT_FORWARD_STEP = "bridge_hpc.training.gpt:forward_step"
-_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 @dataclass
@@ -78,7 +83,7 @@ class SlurmSection:
     gpus_per_node: int = 0
     mem: Optional[str] = None
     time: str = "01:00:00"
-    signal: str = "USR1@120"
+    signal: str = signals.DEFAULT_SLURM_SIGNAL
     requeue: bool = True
     max_restarts: int = 20  # requeues after signals and time limits
     retries_without_progress: int = 2  # requeues after failures that saved no checkpoint (crash loops)
@@ -140,7 +145,12 @@ class EnvVar:
 
 @dataclass
 class JobConfig:
-    """A fully resolved job: profiles merged, overrides applied, every launcher key typed."""
+    """A fully resolved job: profiles merged, overrides applied, every key typed and checked.
+
+    ``training`` is the :class:`~bridge_hpc.training.config.ConfigContainer` of the ranks, built and
+    checked here once; its paths are absolute and ``train.exit_signal`` is the stop signal's list.
+    ``raw`` is the same document as TOML data: what resolved.toml holds and the ranks read back.
+    """
 
     path: Path
     job: JobSection
@@ -149,12 +159,17 @@ class JobConfig:
     container: Optional[ContainerSection]
     setup: SetupSection
     cluster: ClusterSection
-    training: Dict[str, Dict[str, Any]]  # carried unchanged to the ranks
-    raw: Dict[str, Any]  # the merged TOML document, as written to resolved.toml
+    training: ConfigContainer
+    raw: Dict[str, Any]
+    stop_signal: signals.StopSignal
 
     @property
     def run_dir(self) -> Path:
         return Path(self.job.run_dir)
+
+    @property
+    def run_folder(self) -> run_folder.RunFolder:
+        return run_folder.RunFolder(self.job.run_dir, self.training.checkpoint.save)
 
     @property
     def num_tasks(self) -> int:
@@ -162,38 +177,61 @@ class JobConfig:
 
     @property
     def checkpoint_dir(self) -> Path:
-        """``[checkpoint] save``, relative to the run folder, or ``<run_dir>/checkpoints``."""
-        return resolve_in_run_dir(self.run_dir, self.training.get("checkpoint", {}).get("save"), "checkpoints")
+        return Path(self.run_folder.checkpoint_dir)
 
     def secrets(self) -> List[EnvVar]:
         return [v for v in self.env if v.from_shell]
 
 
-def resolve_in_run_dir(run_dir: Path, value: Optional[str], default: Optional[str] = None) -> Optional[Path]:
-    """A path from a training section: relative ones live in the run folder (so a job file and its
-    resolved.toml, which sit in different folders, place files identically)."""
-    if not isinstance(value, str):
-        return run_dir / default if default else None
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else run_dir / path
-
-
 # --------------------------------------------------------------------------- loading and merging
 
 
-def _read_toml(path: Path, referenced_by: Optional[Tuple[Path, str]] = None) -> Dict[str, Any]:
-    if not path.is_file():
-        if referenced_by:
-            raise ConfigError(f"file {str(path)!r} does not exist", path=str(referenced_by[0]), key=referenced_by[1])
-        raise ConfigError("file does not exist", path=str(path))
+def _control_chars(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def _expanduser(text: str) -> Path:
+    """``Path(text).expanduser()``; ValueError (not RuntimeError) for ``~nosuchuser``."""
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read file: {err}", path=str(path)) from None
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise ValueError(f"{text!r}: no such user's home folder") from None
+
+
+def _read_toml(path: Path, referenced_by: Optional[Tuple[Path, str]] = None) -> Dict[str, Any]:
+    """Parse one TOML file. A file reached through ``extends`` blames that key of the file that named
+    it (``referenced_by``), whatever is wrong with it."""
+    def error(message: str) -> ConfigError:
+        if referenced_by:
+            return ConfigError(f"{str(path)!r}: {message}", path=str(referenced_by[0]), key=referenced_by[1])
+        return ConfigError(message, path=str(path))
+
+    if _control_chars(str(path)):
+        raise ConfigError("a file name must not contain newlines or control characters", path=repr(str(path)),
+                          key=referenced_by[1] if referenced_by else None)
+    try:
+        if not path.is_file():
+            raise error("file does not exist" if not path.exists() else "not a regular file")
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise error(f"cannot read file: {err.strerror or err}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise error(f"larger than {MAX_CONFIG_BYTES} bytes: not a job config")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise error("not a text file (not UTF-8)") from None
+    if "\0" in text:
+        raise error("not a text file (contains NUL bytes)")
     try:
         return toml.loads(text)
     except toml.TomlDecodeError as err:
-        raise ConfigError(f"not valid TOML at line {err.lineno}, column {err.colno}: {err.msg}", path=str(path)) from None
+        raise error(f"not valid TOML at line {err.lineno}, column {err.colno}: {err.msg}") from None
+    except RecursionError:
+        raise error("tables or arrays nested too deeply") from None
+    except (ValueError, TypeError, IndexError) as err:  # the toml package's own failures on odd input
+        raise error(f"not valid TOML: {err}") from None
 
 
 def deep_merge(base: Dict[str, Any], override: Dict[str, Any]) -> Dict[str, Any]:
@@ -207,14 +245,14 @@ def deep_merge(base: Dict[str, Any], override: Dict[str, Any]) -> Dict[str, Any]
     return out
 
 
-def _load_with_profiles(path: Path, chain: Tuple[Path, ...] = ()) -> Tuple[Dict[str, Any], Dict[Tuple[str, ...], Path]]:
+def _load_with_profiles(path: Path, chain: Tuple[Path, ...] = (),
+                        referenced_by: Optional[Tuple[Path, str]] = None) -> Tuple[Dict[str, Any], Dict[Tuple[str, ...], Path]]:
     """Read ``path`` after the profiles it ``extends`` (in order); later values win.
 
     Returns the merged document and, for every leaf key, the file it came from, so that an error in
     an inherited key names the profile, not the job file.
     """
-    path = path.resolve()
-    doc = _read_toml(path)
+    doc = _read_toml(path, referenced_by)
     extends = doc.pop("extends", [])
     if isinstance(extends, str):
         extends = [extends]
@@ -223,12 +261,17 @@ def _load_with_profiles(path: Path, chain: Tuple[Path, ...] = ()) -> Tuple[Dict[
     merged: Dict[str, Any] = {}
     origin: Dict[Tuple[str, ...], Path] = {}
     for rel in extends:
-        parent = (path.parent / rel).resolve()
+        if _control_chars(rel):
+            raise ConfigError("a file name must not contain newlines or control characters", path=str(path), key="extends")
+        try:
+            parent = (path.parent / _expanduser(rel)).resolve()
+        except (ValueError, OSError) as err:
+            raise ConfigError(f"profile {rel!r}: {err}", path=str(path), key="extends") from None
         if parent in chain or parent == path:
             raise ConfigError(f"profiles extend each other in a cycle through {str(parent)!r}", path=str(path), key="extends")
         if not parent.is_file():
             raise ConfigError(f"profile {rel!r} not found (looked for {str(parent)!r})", path=str(path), key="extends")
-        pdoc, porigin = _load_with_profiles(parent, chain + (path,))
+        pdoc, porigin = _load_with_profiles(parent, chain + (path,), (path, "extends"))
         merged = deep_merge(merged, pdoc)
         origin.update(porigin)
     merged = deep_merge(merged, doc)
@@ -252,13 +295,17 @@ def parse_override(text: str) -> Tuple[List[str], Any]:
     is one (numbers, booleans, quoted strings, arrays), else taken as a plain string."""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected section.key=value")
+    if _control_chars(text.split("=", 1)[0]):
+        raise ConfigError(f"--set {text!r}: a key must not contain newlines or control characters")
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
-    if len(parts) < 2 or not all(_ENV_NAME_RE.match(p) or re.match(r"^[A-Za-z0-9_-]+$", p) for p in parts):
+    if len(parts) < 2 or not all(_KEY_PART_RE.fullmatch(p) for p in parts):
         raise ConfigError(f"--set {text!r}: expected a dotted key such as train.train_iters")
     try:
         value = toml.loads(f"v = {raw}")["v"]
-    except toml.TomlDecodeError:
+    except RecursionError:
+        raise ConfigError(f"--set {key.strip()}: the value is nested too deeply", key=key.strip()) from None
+    except (toml.TomlDecodeError, ValueError, TypeError, IndexError, KeyError):
         value = raw
     if isinstance(value, (datetime.date, datetime.time)):
         value = raw  # slurm.time=02:00:00 means the string, not a TOML time of day
@@ -291,13 +338,15 @@ class _Where:
 
 def _no_control_chars(value: Any, dotted: str, where: _Where) -> None:
     """Newlines would end an ``#SBATCH`` line and start a shell line: refuse them outright."""
-    if isinstance(value, str) and any(ord(c) < 32 and c != "\t" for c in value):
+    if isinstance(value, str) and _control_chars(value):
         raise where.error(dotted, "must not contain newlines or control characters")
     if isinstance(value, list):
         for v in value:
             _no_control_chars(v, dotted, where)
     if isinstance(value, dict):
         for k, v in value.items():
+            if _control_chars(k):
+                raise where.error(f"{dotted}.{k!r}", "a key must not contain newlines or control characters")
             _no_control_chars(v, f"{dotted}.{k}", where)
 
 
@@ -306,11 +355,11 @@ def _build_env(data: Any, where: _Where) -> List[EnvVar]:
         raise where.error("env", "expected a table of NAME = value")
     out = []
     for name, value in data.items():
-        if not _ENV_NAME_RE.match(name):
+        if not _ENV_NAME_RE.fullmatch(name):
             raise where.error(f"env.{name}", "not a valid environment variable name")
         if isinstance(value, dict):
             unknown = set(value) - {"from_shell"}
-            if unknown or not isinstance(value.get("from_shell"), str) or not _ENV_NAME_RE.match(value["from_shell"]):
+            if unknown or not isinstance(value.get("from_shell"), str) or not _ENV_NAME_RE.fullmatch(value["from_shell"]):
                 raise where.error(f"env.{name}", "expected a string, or { from_shell = \"VARIABLE\" } naming a variable of the submitting shell")
             out.append(EnvVar(name=name, from_shell=value["from_shell"]))
         elif isinstance(value, (str, int, float, bool)):
@@ -328,11 +377,12 @@ def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> None:
         raise where.error("slurm.time", f"expected HH:MM:SS or D-HH:MM:SS, got {s.time!r}") from None
     if limit <= 0:
         raise where.error("slurm.time", "must be longer than 0 seconds")
-    m = _SIGNAL_RE.match(s.signal)
-    if not m or m["sig"].removeprefix("SIG") not in _SIGNALS:
-        raise where.error("slurm.signal", f"expected SIG@seconds such as USR1@120 (signals: {', '.join(sorted(_SIGNALS))}), got {s.signal!r}")
-    if m["secs"] is not None and int(m["secs"]) >= limit:
-        raise where.error("slurm.signal", f"the warning ({m['secs']} s before the end) must come after the job starts: slurm.time is {s.time}")
+    try:
+        stop = signals.parse_slurm_signal(s.signal)
+    except ValueError as err:
+        raise where.error("slurm.signal", str(err)) from None
+    if stop.seconds is not None and stop.seconds >= limit:
+        raise where.error("slurm.signal", f"the warning ({stop.seconds} s before the end) must come after the job starts: slurm.time is {s.time}")
     for key in ("nodes", "ntasks_per_node"):
         if getattr(s, key) < 1:
             raise where.error(f"slurm.{key}", "must be at least 1")
@@ -341,7 +391,7 @@ def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> None:
         if value is not None and value < 0:
             raise where.error(f"slurm.{key}", "must not be negative")
     for key in s.extra:
-        if not _SBATCH_OPTION_RE.match(key):
+        if not _SBATCH_OPTION_RE.fullmatch(key):
             raise where.error(f"slurm.extra.{key}", "expected a long sbatch option name such as 'reservation'")
         if key in _OWNED_OPTIONS:
             raise where.error(f"slurm.extra.{key}", f"set by bridge_hpc itself{'' if key not in _FIELD_OPTIONS else f'; use slurm.{_FIELD_OPTIONS[key]}'}")
@@ -373,9 +423,14 @@ _OWNED_OPTIONS = set(_FIELD_OPTIONS) | {"output", "error", "open-mode", "chdir",
 
 
 def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: Optional[Path] = None) -> JobConfig:
-    """Load, merge, override and validate a job config. Raises ConfigError on any bad input."""
+    """Load, merge, override and validate a job config. Raises ConfigError on any bad input.
+
+    This is the one place a job is resolved: ``bridge-submit`` calls it on the job file and the ranks
+    on the resolved.toml it wrote (whose paths are absolute already, so they resolve to themselves)."""
     path = Path(path)
-    doc, origin = _load_with_profiles(path)
+    if _control_chars(str(path)):
+        raise ConfigError("a file name must not contain newlines or control characters", path=repr(str(path)))
+    doc, origin = _load_with_profiles(path.absolute())
     overridden = []
     for item in overrides:
         parts, value = parse_override(item)
@@ -386,10 +441,10 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         overridden.append(tuple(parts))
     where = _Where(path=path, origin=origin, overridden=tuple(overridden))
 
-    from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
-
     known = LAUNCHER_SECTIONS + tuple(TRAINING_SECTIONS)
     for key, value in doc.items():
+        if _control_chars(key):
+            raise where.error(repr(key), "a key must not contain newlines or control characters")
         if key not in known:
             raise where.error(key, f"unknown section{did_you_mean(key, known)}; known sections: {', '.join(known)}")
         if not isinstance(value, dict):
@@ -407,21 +462,71 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         raise where.error("container.image", "a [container] section needs an image")
     env = _build_env(doc.get("env", {}), where)
     _validate_slurm(slurm, cluster, where)
+    stop_signal = signals.parse_slurm_signal(slurm.signal)
 
     base = cwd or Path.cwd()
-    run_dir = Path(job.run_dir or f"runs/{job.name}").expanduser()
+    try:
+        run_dir = _expanduser(job.run_dir or f"runs/{job.name}")
+    except ValueError as err:
+        raise where.error("job.run_dir", str(err)) from None
     job.run_dir = str(run_dir if run_dir.is_absolute() else (base / run_dir).resolve())
     job.forward_step = _resolve_forward_step(job.forward_step, base, where)
     resolved = dict(doc)
     resolved["job"] = dict(doc.get("job", {}), name=job.name, run_dir=job.run_dir)
     if job.forward_step != DEFAULT_FORWARD_STEP:
         resolved["job"]["forward_step"] = job.forward_step
-    training = {k: v for k, v in doc.items() if k in TRAINING_SECTIONS}
-    _check_training_sections(training, where)
+    training = _resolved_training_sections(doc, job.run_dir, stop_signal, where)
+    resolved.update(training)
+    try:
+        container_cfg = ConfigContainer.from_sections(training, source=str(path))
+    except ConfigError as err:
+        raise (where.error(err.key, err.message) if err.key else err) from None
     return JobConfig(
         path=path, job=job, slurm=slurm, env=env, container=container, setup=setup,
-        cluster=cluster, training=training, raw=resolved,
+        cluster=cluster, training=container_cfg, raw=resolved, stop_signal=stop_signal,
     )
+
+
+#: Training paths placed in the run folder: (section, key, default name in the run folder or None).
+_RUN_FOLDER_PATHS = (
+    ("checkpoint", "save", run_folder.CHECKPOINTS_DIR),
+    ("checkpoint", "load", None),
+    ("checkpoint", "pretrained_checkpoint", None),
+    ("logger", "tensorboard_dir", None),
+    ("logger", "metrics_file", run_folder.METRICS_FILE),
+)
+
+
+def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, stop_signal: signals.StopSignal,
+                                where: "_Where") -> Dict[str, Dict[str, Any]]:
+    """The ranks' sections as resolved.toml records them: every path absolute (relative ones live in
+    the run folder, so a job file and its resolved.toml place files identically) and
+    ``train.exit_signal`` set to the stop signal's list (:mod:`bridge_hpc.contracts.signals`)."""
+    training = {k: dict(v) for k, v in doc.items() if k in TRAINING_SECTIONS}
+    for section, key, default in _RUN_FOLDER_PATHS:
+        value = training.get(section, {}).get(key)
+        if value is None and default is None:
+            continue
+        if value is not None and not isinstance(value, str):
+            continue  # the section's own type check names it
+        try:
+            path = _expanduser(value) if value is not None else Path(default)
+        except ValueError as err:
+            raise where.error(f"{section}.{key}", str(err)) from None
+        training.setdefault(section, {})[key] = str(path if path.is_absolute() else Path(run_dir) / path)
+    train = training.setdefault("train", {})
+    wanted = list(stop_signal.rank_signals)
+    given = train.get("exit_signal")
+    if given is None:
+        train["exit_signal"] = wanted
+    else:
+        names = [given] if isinstance(given, str) else given
+        missing = [n for n in wanted if isinstance(names, list) and n not in names]
+        if missing:
+            raise where.error("train.exit_signal", f"must include {', '.join(missing)}: Slurm will send it "
+                              f"(slurm.signal = {stop_signal.sbatch_value!r}) and a rank without a handler dies "
+                              "without a checkpoint; leave train.exit_signal unset to follow slurm.signal")
+    return training
 
 
 def _resolve_forward_step(spec: str, base: Path, where: "_Where") -> str:
@@ -432,25 +537,17 @@ def _resolve_forward_step(spec: str, base: Path, where: "_Where") -> str:
     if not sep or not target or not function.isidentifier():
         raise where.error("job.forward_step", f"{expected}, got {spec!r}")
     if target.endswith(".py"):
-        path = Path(target).expanduser()
+        try:
+            path = _expanduser(target)
+        except ValueError as err:
+            raise where.error("job.forward_step", str(err)) from None
         path = path if path.is_absolute() else (base / path).resolve()
         if not path.is_file():
             raise where.error("job.forward_step", f"{expected}; the file {path} does not exist")
         return f"{path}:{function}"
-    if not _DOTTED.match(target):
+    if not _DOTTED.fullmatch(target):
         raise where.error("job.forward_step", f"{expected}, got {spec!r}")
     return spec
-
-
-def _check_training_sections(training: Dict[str, Any], where: "_Where") -> None:
-    """Type-check the ranks' sections now, so a typo fails at submission and not after the queue wait.
-    Cross-section checks that need the world size still happen on the ranks."""
-    from bridge_hpc.training.config import ConfigContainer
-
-    try:
-        ConfigContainer.from_sections(training, source=str(where.path))
-    except ConfigError as err:
-        raise where.error(err.key, err.message) if err.key else err from None
 
 
 def check_secrets_present(cfg: JobConfig, environ: Optional[Dict[str, str]] = None) -> None:

@@ -19,8 +19,10 @@ from typing import Optional
 import jinja2
 
 from bridge_hpc import __version__
-from bridge_hpc.errors import EXIT_BAD_INPUT
-from bridge_hpc.jobconfig import JobConfig
+from bridge_hpc.contracts import run_folder
+from bridge_hpc.contracts.errors import EXIT_BAD_INPUT
+from bridge_hpc.contracts.requeue import REQUEUE_FILE_ENV
+from bridge_hpc.launch.jobconfig import JobConfig
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
@@ -60,22 +62,10 @@ def _bytecode_cache():
     return jinja2.FileSystemBytecodeCache(folder)
 
 
-def run_files(cfg: JobConfig) -> dict:
-    """Where a run keeps what bridge-submit writes; the one definition of the run folder's layout."""
-    run_dir = cfg.run_dir
-    return {
-        "script": run_dir / "job.sbatch",
-        "resolved": run_dir / "resolved.toml",
-        "logs": run_dir / "logs",
-        "jobs": run_dir / "jobs.jsonl",
-    }
-
-
-def log_pattern(cfg: JobConfig) -> str:
-    """sbatch output pattern without its suffix; matches submitit's ``%j_%t_log`` so it can find logs."""
-    job_part = "%A_%a" if cfg.slurm.array else "%j"
-    return str(run_files(cfg)["logs"] / f"{job_part}_0_log")
-
+#: The module every rank runs (``python -m``), given the run folder's resolved.toml.
+RANK_ENTRY_MODULE = "bridge_hpc.training.run"
+#: What the batch script runs to read the requeue request (``python -m``; see contracts/requeue.py).
+REQUEUE_READER_MODULE = "bridge_hpc.contracts.requeue"
 
 #: Shell variables of the batch script that the ft_launcher line refers to (expanded when it runs).
 RDZV_ENDPOINT = "${BRIDGE_RDZV_HOST}:${BRIDGE_RDZV_PORT}"
@@ -84,18 +74,16 @@ _SCRIPT_WORDS = ("$BRIDGE_CONFIG", f"--rdzv-endpoint={RDZV_ENDPOINT}", "--rdzv-i
 
 def ft_launch_command(cfg: JobConfig) -> Optional[str]:
     """With ``[ft] enable_ft_package = true``: the ``srun`` line that starts one ft_launcher per node
-    (``python -m bridge_hpc.ft_launch``), each running ``ntasks_per_node`` ranks of
-    ``bridge_hpc.run`` with the ``[ft]`` timeouts and ``max_restarts``; None otherwise.
+    (``python -m bridge_hpc.launch.ft_launch``), each running ``ntasks_per_node`` ranks of
+    the rank entry with the ``[ft]`` timeouts and ``max_restarts``; None otherwise.
 
     Every word from the config goes through ``shlex.quote``; only the script's own variables
     (``$BRIDGE_CONFIG``, the rendezvous endpoint, the job id) stay expandable."""
-    section = cfg.training.get("ft") or {}
-    if not section.get("enable_ft_package"):
+    ft = cfg.training.ft
+    if ft is None or not ft.enable_ft_package:
         return None
-    from bridge_hpc.ft_launch import FTLaunchTimeouts, ft_launcher_argv, shell_quote, srun_prefix
-    from bridge_hpc.training.config import FaultToleranceConfig  # torch-free
+    from bridge_hpc.launch.ft_launch import FTLaunchTimeouts, ft_launcher_argv, shell_quote, srun_prefix
 
-    ft = FaultToleranceConfig(**section)  # already checked by load_job_config
     s = cfg.slurm
     container = []
     if cfg.container:
@@ -104,27 +92,30 @@ def ft_launch_command(cfg: JobConfig) -> Optional[str]:
             container.append(f"--container-mounts={','.join(cfg.container.mounts)}")
         if cfg.container.workdir:
             container.append(f"--container-workdir={cfg.container.workdir}")
-    timeouts = FTLaunchTimeouts(
-        setup=ft.setup_timeout, step=ft.step_timeout, checkpointing=ft.checkpointing_timeout,
-        out_of_section=ft.rank_out_of_section_timeout, initial_heartbeat=ft.initial_rank_heartbeat_timeout,
-        heartbeat=ft.rank_heartbeat_timeout, workload_check_interval=ft.workload_check_interval,
-        safety_factor=ft.safety_factor)
     argv = srun_prefix(s.nodes, cpus_per_node=s.ntasks_per_node * (s.cpus_per_task or 1), extra=container)
-    argv += ft_launcher_argv(["-m", "bridge_hpc.run", "$BRIDGE_CONFIG"], python=cfg.job.python, nnodes=s.nodes,
+    argv += ft_launcher_argv(["-m", RANK_ENTRY_MODULE, "$BRIDGE_CONFIG"], python=cfg.job.python, nnodes=s.nodes,
                              nproc_per_node=s.ntasks_per_node, rdzv_endpoint=RDZV_ENDPOINT,
-                             rdzv_id="$SLURM_JOB_ID", max_restarts=ft.max_restarts, timeouts=timeouts)
+                             rdzv_id="$SLURM_JOB_ID", max_restarts=ft.max_restarts,
+                             timeouts=FTLaunchTimeouts.from_config(ft), stop_signal=cfg.stop_signal)
     words = [shell_quote(w) if w in _SCRIPT_WORDS else shlex.quote(w) for w in argv]
     return " \\\n    ".join(" ".join(words[i:i + 4]) for i in range(0, len(words), 4))
 
 
 def render_script(cfg: JobConfig) -> str:
+    """The batch script. Every file name, the stop signal and the modules it runs come from Python
+    (:mod:`bridge_hpc.contracts`); the templates never spell them."""
     template = _environment().get_template("job.sbatch.j2")
+    folder = cfg.run_folder
     return template.render(
         cfg=cfg,
         version=__version__,
-        resolved_path=str(run_files(cfg)["resolved"]),
-        log_pattern=log_pattern(cfg),
-        checkpoint_dir=str(cfg.checkpoint_dir),
+        folder=folder,
+        run_folder=run_folder,
+        log_pattern=folder.log_pattern(array=bool(cfg.slurm.array)),
+        stop_signal=cfg.stop_signal,
+        requeue_file_env=REQUEUE_FILE_ENV,
+        rank_entry=RANK_ENTRY_MODULE,
+        requeue_reader=REQUEUE_READER_MODULE,
         ft_launch=ft_launch_command(cfg),
         exit_bad_input=EXIT_BAD_INPUT,
     )

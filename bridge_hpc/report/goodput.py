@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from bridge_hpc.progress import (
+from bridge_hpc.report.progress import (
     ENDING_JOB,
     FIRST_STEP,
     LOADED_CHECKPOINT,

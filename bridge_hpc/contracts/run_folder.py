@@ -1,0 +1,113 @@
+"""Every file and folder of a run folder, named once.
+
+Three kinds of process read and write a run folder: ``bridge-submit`` on the login node, the batch
+script, and the ranks. Each name below is the only spelling of that file in the project: Python code
+imports it and the templates receive it from the render context. Stdlib only, importable everywhere.
+
+Layout (``RUN`` = ``[job] run_dir``; the checkpoint folder is ``[checkpoint] save``, by default
+``RUN/checkpoints``; ``resolved.toml`` holds every path absolute, so readers look paths up there
+instead of resolving them again)::
+
+    RUN/job.sbatch              the rendered script, as submitted
+    RUN/resolved.toml           the job config with profiles, overrides and absolute paths applied
+    RUN/jobs.jsonl              one JSON line per submission
+    RUN/metrics.jsonl           one JSON line per training step (rank 0)
+    RUN/logs/<job>_0_log.out    Slurm's stdout / stderr (submitit's names, so submitit finds them)
+    RUN/logs/requeue-request.<job>            rank 0 asks the batch script to requeue (requeue.py)
+    RUN/logs/.failures-without-progress.<job> the batch script's crash-loop counter
+    CKPT/latest_checkpointed_iteration.txt    the checkpoint tracker (Megatron's name)
+    CKPT/progress.txt           Megatron's progress log plus bridge_hpc's goodput events
+    CKPT/ft_state.json          computed fault-tolerance timeouts
+    CKPT/ft_progress_mark       time of the last finished step (in-job restart accounting)
+    CKPT/.lock                  held by rank 0 while a job trains into this folder
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+JOB_SCRIPT = "job.sbatch"
+RESOLVED_CONFIG = "resolved.toml"
+JOBS_LOG = "jobs.jsonl"
+METRICS_FILE = "metrics.jsonl"
+LOGS_DIR = "logs"
+CHECKPOINTS_DIR = "checkpoints"
+
+REQUEUE_REQUEST_PREFIX = "requeue-request."
+FAILURES_PREFIX = ".failures-without-progress."
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+PROGRESS_FILE = "progress.txt"
+FT_STATE_FILE = "ft_state.json"
+FT_PROGRESS_MARK = "ft_progress_mark"
+CHECKPOINT_LOCK = ".lock"
+
+#: Slurm's output pattern without its suffix: submitit's ``%j_%t_log`` (task 0 of the batch step).
+LOG_STEM = "{job}_0_log"
+#: ``%j`` for a job, ``%A_%a`` for an array task (Slurm's own patterns).
+JOB_PATTERN = "%j"
+ARRAY_JOB_PATTERN = "%A_%a"
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """The paths of one run folder. ``checkpoint_dir`` is ``[checkpoint] save`` when the job sets it."""
+
+    root: str
+    checkpoint_dir_override: Optional[str] = None
+
+    def _at(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    @property
+    def job_script(self) -> str:
+        return self._at(JOB_SCRIPT)
+
+    @property
+    def resolved_config(self) -> str:
+        return self._at(RESOLVED_CONFIG)
+
+    @property
+    def jobs_log(self) -> str:
+        return self._at(JOBS_LOG)
+
+    @property
+    def metrics(self) -> str:
+        return self._at(METRICS_FILE)
+
+    @property
+    def logs(self) -> str:
+        return self._at(LOGS_DIR)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint_dir_override or self._at(CHECKPOINTS_DIR)
+
+    def log_pattern(self, array: bool = False) -> str:
+        """The ``#SBATCH --output`` pattern without ``.out``/``.err``."""
+        return os.path.join(self.logs, LOG_STEM.format(job=ARRAY_JOB_PATTERN if array else JOB_PATTERN))
+
+    def stdout(self, job_id: str) -> str:
+        return os.path.join(self.logs, LOG_STEM.format(job=job_id) + ".out")
+
+    def stderr(self, job_id: str) -> str:
+        return os.path.join(self.logs, LOG_STEM.format(job=job_id) + ".err")
+
+    def requeue_request(self, job_id: str) -> str:
+        return os.path.join(self.logs, REQUEUE_REQUEST_PREFIX + job_id)
+
+    def failures_without_progress(self, job_id: str) -> str:
+        return os.path.join(self.logs, FAILURES_PREFIX + job_id)
+
+    def tracker(self) -> str:
+        return checkpoint_file(self.checkpoint_dir, TRACKER_FILE)
+
+    def progress_log(self) -> str:
+        return checkpoint_file(self.checkpoint_dir, PROGRESS_FILE)
+
+
+def checkpoint_file(checkpoint_dir: str, name: str) -> str:
+    """A file of the checkpoint folder (``TRACKER_FILE``, ``PROGRESS_FILE``, ``FT_STATE_FILE``, ...)."""
+    return os.path.join(checkpoint_dir, name)

@@ -1,0 +1,212 @@
+"""When the loop saves and when it stops: the one place that decides, after every step.
+
+:func:`checkpoint_and_decide_exit` (Megatron Bridge's name) saves on ``checkpoint.save_interval`` and,
+when an exit reason holds, saves once more (unless this step is saved already), records why the run
+ended in the progress log and, with work left, asks the batch script to requeue the job.
+
+Reasons come in two groups (:func:`exit_reasons`). Counters every rank shares (``train_iters``,
+``exit_interval``) need no communication. What one rank can see before another (a stop signal, a
+clock, Slurm's end time, which only rank 0 reads, a straggler verdict) is OR-ed across ranks in one
+all-reduce, so all ranks stop at the same iteration.
+
+A stop signal alone does not say why Slurm sent it: SIGTERM comes with a preemption, a time limit,
+``scontrol requeue`` and a plain ``scancel`` alike. So rank 0 asks Slurm
+(:func:`bridge_hpc.slurm.query.stop_cause`): a cancel ends the job with a checkpoint and no requeue
+request; anything else requeues.
+
+The time-limit rule stops when the slowest step, the expected save and a margin no longer fit before
+Slurm's end time. The expected save is this run's last save, else the longest save of recent runs
+that the progress log records, else a guess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from bridge_hpc.contracts.requeue import request_requeue
+from bridge_hpc.slurm import query
+from bridge_hpc.slurm.job_environment import JobEnvironment
+from bridge_hpc.training import checkpointing
+from bridge_hpc.training.state import GlobalState
+from bridge_hpc.training.utils.train_utils import comm_device
+
+#: Exit reason -> the progress log's ``Ending job`` reason; the first that holds is reported (work
+#: done outranks the rest: nothing is left to requeue for).
+PROGRESS_REASONS = {"train_iters reached": "done", "straggler": "straggler", "signal received": "signal",
+                    "time limit": "time_limit",
+                    "exit_duration_in_mins": "duration", "exit_interval": "interval"}
+#: ``Ending job`` reasons after which the job is not requeued.
+FINAL_REASONS = ("done", "cancelled")
+
+#: Kept free before Slurm's end time on top of one (slowest) step and one save: the exit itself and
+#: slack for a save slower than the last one.
+TIME_LIMIT_MARGIN_S = 20.0
+#: The expected save when neither this run nor the progress log has measured one.
+FIRST_SAVE_GUESS_S = 30.0
+#: How often rank 0 asks Slurm again for the end time (an admin may extend the job).
+END_TIME_REFRESH_S = 300.0
+#: A stop signal this close to the job's end is Slurm's time-limit warning (``--signal``, which can
+#: come up to a minute early), not a preemption. Both requeue; only the recorded reason differs.
+TIME_LIMIT_WARNING_WINDOW_S = 300.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
+                             num_floating_point_operations_so_far: float, checkpointing_context: Dict[str, Any],
+                             non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
+    """Save a checkpoint of the current step, timed, and remember that this step is saved."""
+    timer = state.timers("save-checkpoint", log_level=0)
+    timer.start(barrier=True)
+    ft = state.fault_tolerance
+    with ft.checkpointing() if ft is not None else contextlib.nullcontext():  # a long save is not a hang
+        checkpointing.save_checkpoint(state, model, optimizer, opt_param_scheduler, train_data_iterator)
+    timer.stop(barrier=True)
+    checkpointing_context["last_saved_step"] = state.train_state.step
+    checkpointing_context["last_save_time_s"] = state.last_save_s = timer.elapsed(reset=True)
+    if state.progress is not None:
+        ts = state.train_state
+        state.progress.saved_checkpoint(ts.step, num_floating_point_operations_so_far,
+                                        ts.consumed_train_samples * state.cfg.model.seq_length,
+                                        checkpointing_context["last_save_time_s"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Reasons
+# ---------------------------------------------------------------------------------------------
+
+
+def any_rank(flags: Dict[str, bool]) -> Dict[str, bool]:
+    """Logical OR of each flag over all ranks, in one all-reduce (MAX)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flags
+    values = torch.tensor([1 if flags[k] else 0 for k in flags], dtype=torch.int32, device=comm_device())
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {k: bool(v) for k, v in zip(flags, values.tolist())}
+
+
+def signal_seen(state: GlobalState) -> bool:
+    return state.signal_handler is not None and state.signal_handler.received is not None
+
+
+def refresh_job_times(state: GlobalState, force: bool = False):
+    """Rank 0 asks Slurm for the run's start, end and time limit (Slurm 22.05 has no
+    SLURM_JOB_END_TIME), at most every END_TIME_REFRESH_S; the end time, not the arrival of Slurm's
+    warning, drives the time-limit exit."""
+    now = time.time()
+    if state.rank == 0 and (force or now - state.job_times_checked >= END_TIME_REFRESH_S):
+        job_id = JobEnvironment.from_env().job_id
+        state.job_times = query.job_times(job_id) if job_id else None
+        state.job_times_checked = now
+    return state.job_times
+
+
+def expected_save_s(state: GlobalState) -> float:
+    """How long the next save will take: this run's last, else the longest of recent runs (the
+    progress log's ``Save seconds``), else :data:`FIRST_SAVE_GUESS_S`."""
+    if state.last_save_s is not None:
+        return state.last_save_s
+    if state.logged_save_s is not None:
+        return state.logged_save_s
+    return FIRST_SAVE_GUESS_S
+
+
+def time_limit_reached(state: GlobalState) -> bool:
+    """Whether another step plus a save might no longer fit before Slurm ends the job (rank 0)."""
+    times = refresh_job_times(state)
+    if times is None or state.slowest_step_s == 0.0:
+        return False
+    return time.time() + state.slowest_step_s + expected_save_s(state) + TIME_LIMIT_MARGIN_S >= times.end
+
+
+def exit_reasons(state: GlobalState) -> List[str]:
+    """Why the loop should stop after the current step (empty: keep going). Collective.
+
+    A new reason goes in one of the two groups below and in PROGRESS_REASONS."""
+    ts, t = state.train_state, state.cfg.train
+    reasons = []
+    # -- shared counters: identical on every rank -------------------------------------------------
+    if ts.step >= t.train_iters:
+        reasons.append("train_iters reached")
+    if t.exit_interval and ts.step % t.exit_interval == 0 and ts.step > state.run_start_step:
+        reasons.append("exit_interval")
+    # -- per-rank observations: agreed on with one all-reduce -------------------------------------
+    local = {
+        "signal received": signal_seen(state),
+        "exit_duration_in_mins": bool(t.exit_duration_in_mins)
+        and (time.time() - state.start_time) / 60.0 >= t.exit_duration_in_mins,
+        "time limit": state.rank == 0 and time_limit_reached(state),
+        "straggler": state.straggler_stop,
+    }
+    reasons += [name for name, flag in any_rank(local).items() if flag]
+    return reasons
+
+
+def progress_reason(state: GlobalState, reasons: List[str]) -> str:
+    """The one reason recorded for this exit (rank 0).
+
+    For a stop signal Slurm is asked why it came: a cancel is ``cancelled`` (final), a preemption or
+    requeue ``signal``, a time-out ``time_limit``. Where Slurm cannot say (no Slurm, no scontrol in a
+    container), the job's times decide: a signal near the end time is its warning."""
+    reason = next(PROGRESS_REASONS[r] for r in PROGRESS_REASONS if r in reasons)
+    if reason != "signal":
+        return reason
+    env = JobEnvironment.from_env()
+    cause = query.stop_cause(env.job_id, env.restart_count) if env.job_id else None
+    if cause == "cancelled":
+        return "cancelled"
+    if cause in ("requeued", "preempted"):
+        return "signal"
+    if cause == "time_limit":
+        return "time_limit"
+    times = refresh_job_times(state, force=True)
+    if times is not None and not times.shortened and times.end - time.time() <= TIME_LIMIT_WARNING_WINDOW_S:
+        return "time_limit"
+    return "signal"
+
+
+# ---------------------------------------------------------------------------------------------
+# The decision
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_scheduler,
+                               num_floating_point_operations_so_far: float, checkpointing_context: Dict[str, Any],
+                               train_data_iterator) -> bool:
+    """Save on ``checkpoint.save_interval``; on any exit reason save (unless this step is already
+    saved, or nothing was trained yet) and return True. With work left and no cancel, rank 0 then
+    asks the batch script to requeue the job: the checkpoint it resumes from is durable by then."""
+    cfg, step = state.cfg, state.train_state.step
+    reasons = exit_reasons(state)
+    can_save = bool(cfg.checkpoint.save)
+    saved_now = checkpointing_context.get("last_saved_step") == step
+    args = (state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context)
+    if can_save and step > 0 and not saved_now and cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+        save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
+    if not reasons:
+        return False
+    if can_save and step > 0 and checkpointing_context.get("last_saved_step") != step:
+        save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
+    state.exit_reasons = reasons
+    if state.rank == 0:
+        reason = progress_reason(state, reasons)
+        print(f"exiting at iteration {step}: {', '.join(reasons)} (recorded as {reason})", flush=True)
+        if state.progress is not None:
+            state.progress.ending_job(reason, step, step - checkpointing_context.get("last_saved_step", 0))
+        if reason not in FINAL_REASONS:
+            detector = state.straggler_detector
+            avoid = (detector.last_report.flagged_nodes
+                     if reason == "straggler" and detector is not None and detector.last_report is not None else [])
+            if request_requeue(reason, step, exclude_nodes=avoid):
+                print(f"work left at iteration {step}: asked the batch script to requeue the job", flush=True)
+        elif reason == "cancelled":
+            print(f"the job was cancelled (scancel): checkpointed at iteration {step}, not requeueing", flush=True)
+    return True

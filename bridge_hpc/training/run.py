@@ -1,0 +1,133 @@
+"""``python -m bridge_hpc.training.run JOB.toml [--set section.key=value ...]``: the rank entry point.
+
+Every rank of a job runs this: the batch script starts it on the run folder's resolved.toml (paths
+absolute, ``train.exit_signal`` from ``[slurm] signal``), and it works the same on a job file under
+``torchrun``. The job is resolved by :func:`bridge_hpc.launch.jobconfig.load_job_config`, the same
+function ``bridge-submit`` ran, which builds and checks the training
+:class:`~bridge_hpc.training.config.ConfigContainer` once; then ``pretrain`` trains with the forward
+step ``[job] forward_step`` names (default: Bridge's GPT step, :func:`bridge_hpc.training.gpt.forward_step`).
+
+Exit status: 0 when training stopped as planned (done, or checkpointed with a requeue request), 2 for
+bad input (one line naming file and key), 1 for any other failure. A failing rank leaves at once,
+without the collective teardown that would wait for peers stuck in a collective: srun's
+``--kill-on-bad-exit`` (or ft_launcher) then ends the other ranks within seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from typing import Callable, List, Optional
+
+from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
+from bridge_hpc.launch.jobconfig import load_job_config
+from bridge_hpc.training.config import ConfigContainer
+
+#: Exit status of a rank that failed for any reason other than bad input.
+EXIT_FAILED = 1
+
+
+def load_forward_step(spec: str, source: Optional[str] = None) -> Callable:
+    """``[job] forward_step`` -> the function: ``"package.module:function"`` is imported;
+    ``"/abs/path/file.py:function"`` is loaded from the file, with the file's folder on ``sys.path`` so
+    it can import its neighbours. A module that cannot be imported, or has no such function, is a
+    :class:`ConfigError` naming the job file ``source`` and the key (the login node cannot check a
+    module: importing the user's code may need torch)."""
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            folder = os.path.dirname(os.path.abspath(target))
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+            module_name = "bridge_user_" + os.path.splitext(os.path.basename(target))[0]
+            module_spec = importlib.util.spec_from_file_location(module_name, target)
+            if module_spec is None or module_spec.loader is None:
+                raise ImportError(f"cannot load {target}")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {spec!r}: {exc}", path=source,
+                          key="job.forward_step") from exc
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ConfigError(f"{target} has no function {name!r}", path=source, key="job.forward_step")
+    return function
+
+
+def build_config(path: str, overrides: Optional[List[str]] = None) -> ConfigContainer:
+    """The training config of a job file or resolved.toml, as the ranks get it."""
+    return load_job_config(path, overrides or ()).training
+
+
+#: Warnings every rank prints at import on a machine without Apex / Transformer Engine, about
+#: fallbacks that are expected there; they bury the job's own messages in ``logs/*.err``.
+KNOWN_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"The pynvml package is deprecated",
+    r"full scope is deprecated",  # megatron-core 0.16's own default for cuda_graph_scope
+)
+
+
+def quiet_known_warnings() -> None:
+    """Silence :data:`KNOWN_WARNINGS` in this process (the ranks' entry point only: a script that
+    imports bridge_hpc keeps its own warning filters)."""
+    import warnings
+
+    for message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bridge_hpc.training.run", description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="job TOML file or a run folder's resolved.toml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one setting (repeatable); VALUE is a TOML value")
+    args = parser.parse_args(argv)
+    try:
+        job = load_job_config(args.config, args.overrides)
+        quiet_known_warnings()
+        forward_step = load_forward_step(job.job.forward_step, source=args.config)
+        from bridge_hpc.training.pretrain import pretrain
+
+        # pretrain brings torch.distributed up itself, after its signal handler is in place: a
+        # preemption notice during a slow rendezvous is then recorded, not fatal.
+        pretrain(job.training, forward_step)
+    except ConfigError as err:
+        print(f"error: {err.format()}", file=sys.stderr, flush=True)
+        _leave(EXIT_BAD_INPUT)
+    except BaseException as err:  # noqa: BLE001 - any failure ends this rank, and so the job step
+        traceback.print_exc()
+        print(f"error: rank failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        _leave(EXIT_FAILED)
+    _teardown()
+    return 0
+
+
+def _teardown() -> None:
+    """Normal end: every rank got here, so the collective teardown cannot wait on a missing peer."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _leave(status: int) -> None:
+    """Exit now, skipping interpreter and process-group teardown: a peer blocked in a collective
+    would make either wait for the distributed timeout. Output is flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
