@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 STAMP = .setup-done
 
-.PHONY: setup cluster demo test clean-demo
+.PHONY: setup cluster demo test lint clean-demo
 
 # torch 2.13.0 is the CPU build on these machines' disk; installing it first keeps pip from pulling a
 # multi-GB CUDA build for the range in setup.cfg.
@@ -25,6 +25,9 @@ demo: cluster
 
 test: cluster
 	$(PYTHON) -m pytest -q tests
+
+lint: setup
+	$(PYTHON) -m ruff check bridge_hpc tests benchmarks
 
 clean-demo:
 	rm -rf runs/local-tiny

@@ -131,8 +131,8 @@ def test_argv_is_accepted_by_installed_ft_launcher():
     argv = ft_launcher_argv(["-m", "bridge_hpc.training.run", "cfg.toml"], python="python3", nnodes=4, nproc_per_node=8,
                             rdzv_endpoint="node001:31234", rdzv_id="4242", max_restarts=3, term_timeout=60,
                             log_dir="/tmp/ftlogs")
-    assert argv[:3] == ["python3", "-m", ft_launch.WRAPPER_MODULE]
-    args = get_args_parser().parse_args(argv[3:])
+    assert argv[:4] == ["python3", "-m", ft_launch.WRAPPER_MODULE, f"{ft_launch.IGNORE_OPTION}=SIGUSR1"]
+    args = get_args_parser().parse_args(argv[4:])  # the wrapper takes its own option first
     assert (args.nnodes, args.nproc_per_node, args.max_restarts) == ("4", "8", 3)
     assert args.rdzv_endpoint == "node001:31234" and args.rdzv_id == "4242" and args.rdzv_backend == "c10d"
     assert args.module and args.training_script == "bridge_hpc.training.run" and args.training_script_args == ["cfg.toml"]

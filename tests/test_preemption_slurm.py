@@ -145,3 +145,36 @@ def test_two_minute_time_limit_requeues_until_done(slurm_cluster, long_reference
     assert len(runs) >= 2 and set(reasons[:-1]) == {"time_limit"} and reasons[-1] == "done"
     assert "TIMEOUT" not in sacct_runs(job_id)
     assert steps_done(run_dir) == TIME_LIMIT_ITERS
+
+
+def test_plain_scancel_ends_the_job_for_good(slurm_cluster, tmp_path):
+    """A user's cancel is not a preemption: the ranks ask Slurm why SIGTERM came, checkpoint (there is
+    time: KillWait), leave no requeue request, and the job never comes back."""
+    run_dir = tmp_path / "run"
+    job_id = submit(run_dir, ITERS)
+    wait_running_past(job_id, run_dir, 30)
+    subprocess.run(["scancel", job_id], check=True)
+    deadline = time.time() + 120
+    while squeue_state(job_id) is not None and time.time() < deadline:
+        time.sleep(0.5)
+    assert squeue_state(job_id) is None, "the cancelled job is still known to the controller"
+    time.sleep(5)  # a requeue by the batch script would show by now (the requeue is immediate)
+    assert squeue_state(job_id) is None and sacct_runs(job_id) == ["CANCELLED"], sacct_runs(job_id)
+    log = log_text(run_dir, job_id)
+    assert "bridge_hpc: requeueing" not in log and "the job was cancelled" in log, log[-3000:]
+    runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
+    assert len(runs) == 1
+    end = runs[0].last("Ending job")
+    assert end is not None and end.fields["Reason"] == "cancelled", end
+    assert end.fields["Steps lost"] == "0"  # it checkpointed the step it stopped at
+    assert not list((run_dir / "logs").glob("requeue-request.*"))
+
+
+def test_scontrol_requeue_resumes_exactly(slurm_cluster, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = submit(run_dir, ITERS)
+    wait_running_past(job_id, run_dir, 80)
+    subprocess.run(["scontrol", "requeue", job_id], check=True)
+    assert drive(job_id) == "COMPLETED"
+    runs = check_exact(run_dir, reference, job_id, tmp_path)
+    assert len(runs) == 2 and runs[0].last("Ending job").fields["Reason"] == "signal"

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from bridge_hpc.training.run import build_config
-from bridge_hpc.training import checkpointing
+from bridge_hpc.contracts.requeue import read_request
+from bridge_hpc.training import checkpointing, exit_policy
 from bridge_hpc.training import train as train_module
 from bridge_hpc.training.state import DistributedSignalHandler, GlobalState
 
@@ -99,6 +100,9 @@ def slurm_end(state, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setattr(slurm_query, "job_times",
                         lambda job_id: slurm_query.JobTimes(start=end["start"], end=end["t"], limit_s=end["limit"]))
+    # Why Slurm stops the job (scontrol/sacct): None = it runs on (a warning signal); tests set it.
+    end["cause"] = None
+    monkeypatch.setattr(slurm_query, "stop_cause", lambda job_id, restarts: end["cause"])
     return end
 
 
@@ -106,13 +110,14 @@ def test_time_limit_exit_when_a_step_and_a_save_no_longer_fit(state, slurm_end, 
     monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
     state.slowest_step_s, state.last_save_s = 2.0, 3.0
     state.train_state.step = 5
-    slurm_end["t"] = time.time() + train_module.TIME_LIMIT_MARGIN_S + 2.0 + 3.0 + 30  # fits
+    slurm_end["t"] = time.time() + exit_policy.TIME_LIMIT_MARGIN_S + 2.0 + 3.0 + 30  # fits
     assert decide(state)[0] is False
     state.job_times_checked = 0.0  # force the periodic re-read
-    slurm_end["t"] = time.time() + train_module.TIME_LIMIT_MARGIN_S + 2.0 + 3.0 - 1  # does not fit
+    slurm_end["t"] = time.time() + exit_policy.TIME_LIMIT_MARGIN_S + 2.0 + 3.0 - 1  # does not fit
     stop, _ = decide(state)
     assert stop and state.saves == [5] and state.exit_reasons == ["time limit"]
-    assert (tmp_path / "requeue").read_text() == "reason=time_limit\niteration=5\n"
+    request = read_request(str(tmp_path / "requeue"))
+    assert (request.reason, request.iteration) == ("time_limit", 5)
 
 
 def test_signal_is_told_preemption_or_time_limit_by_the_end_time(state, slurm_end, tmp_path, monkeypatch):
@@ -125,13 +130,21 @@ def test_signal_is_told_preemption_or_time_limit_by_the_end_time(state, slurm_en
         # Slurm's warning before the time limit: the end is still start + limit, and near
         slurm_end["start"] = time.time() + 90 - slurm_end["limit"]
         slurm_end["t"] = time.time() + 90
-        assert decide(state)[0] and request.read_text().startswith("reason=time_limit\n")
+        assert decide(state)[0] and read_request(str(request)).reason == "time_limit"
         # preemption: Slurm pulled the end forward to now + GraceTime, long before start + limit
         slurm_end["start"], slurm_end["t"] = time.time() - 60, time.time() + 30
-        assert decide(state, {"last_saved_step": 5})[0] and request.read_text().startswith("reason=signal\n")
+        assert decide(state, {"last_saved_step": 5})[0] and read_request(str(request)).reason == "signal"
         # a signal far from any end (scancel --signal): a preemption-like stop, not a time-out
         slurm_end["t"] = slurm_end["start"] + slurm_end["limit"]
-        assert decide(state, {"last_saved_step": 5})[0] and request.read_text().startswith("reason=signal\n")
+        assert decide(state, {"last_saved_step": 5})[0] and read_request(str(request)).reason == "signal"
+        # Slurm says why: a cancel is final (no request), a requeue or preemption requeues
+        for cause, reason in (("requeued", "signal"), ("preempted", "signal"), ("time_limit", "time_limit")):
+            request.unlink()
+            slurm_end["cause"] = cause
+            assert decide(state, {"last_saved_step": 5})[0] and read_request(str(request)).reason == reason
+        request.unlink()
+        slurm_end["cause"] = "cancelled"
+        assert decide(state, {"last_saved_step": 5})[0] and not request.exists()
     finally:
         state.signal_handler.release()
 
@@ -147,5 +160,19 @@ def test_done_outranks_other_reasons_at_the_last_step(state, tmp_path, monkeypat
     state.cfg.train.exit_interval = 10
     state.train_state.step = 40
     assert decide(state)[0] and set(state.exit_reasons) == {"train_iters reached", "exit_interval"}
-    assert train_module._progress_reason(state, state.exit_reasons) == "done"
+    assert exit_policy.progress_reason(state, state.exit_reasons) == "done"
     assert not (tmp_path / "requeue").exists()
+
+
+def test_time_limit_rule_expects_the_saves_the_progress_log_measured(state, slurm_end):
+    """Before this run has saved, the rule uses the longest recent save of earlier runs, not a guess:
+    a 1-minute job whose saves take 1 s must not stop 50 s early in every allocation."""
+    state.slowest_step_s = 1.0
+    state.train_state.step = 5
+    slurm_end["t"] = time.time() + exit_policy.TIME_LIMIT_MARGIN_S + 1.0 + 5.0
+    assert exit_policy.expected_save_s(state) == exit_policy.FIRST_SAVE_GUESS_S
+    assert decide(state)[0] and state.exit_reasons == ["time limit"]  # the 30 s guess does not fit
+    state.logged_save_s = 1.0  # what earlier runs measured (progress.txt's Save seconds)
+    state.job_times_checked = 0.0
+    state.exit_reasons = []
+    assert decide(state, {"last_saved_step": 5})[0] is False

@@ -72,7 +72,7 @@ def parse_slurm_signal(text: str) -> StopSignal:
     Raises ValueError with a message saying what is accepted."""
     expected = (f"expected [R:|B:]SIGNAL[@seconds] with SIGNAL one of {', '.join(ALLOWED)} "
                 f"(e.g. {DEFAULT_SLURM_SIGNAL})")
-    match = _FORM.fullmatch(text) if isinstance(text, str) else None
+    match = _FORM.fullmatch(text.upper()) if isinstance(text, str) else None  # Slurm ignores case
     if match is None:
         raise ValueError(f"{expected}, got {text!r}")
     flags = match["flags"] or ""

@@ -26,6 +26,7 @@ from typing import Callable, List, Optional
 from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
 from bridge_hpc.launch.jobconfig import load_job_config
 from bridge_hpc.training.config import ConfigContainer
+from bridge_hpc.training.signal_recorder import StopSignalRecorder
 
 #: Exit status of a rank that failed for any reason other than bad input.
 EXIT_FAILED = 1
@@ -93,6 +94,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         job = load_job_config(args.config, args.overrides)
+        if job.training.train.exit_signal_handler:
+            # Before torch is imported: a stop signal during those seconds is recorded, not fatal;
+            # pretrain's own recorder takes it over.
+            StopSignalRecorder(job.training.train.exit_signal).__enter__()
         quiet_known_warnings()
         forward_step = load_forward_step(job.job.forward_step, source=args.config)
         from bridge_hpc.training.pretrain import pretrain

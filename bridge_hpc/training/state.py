@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from bridge_hpc.training.config import ConfigContainer
+from bridge_hpc.training.signal_recorder import StopSignalRecorder
 
 
 @dataclass
@@ -112,40 +113,6 @@ class Timers:
 
     def elapsed_all(self, reset: bool = True) -> Dict[str, float]:
         return {name: timer.elapsed(reset=reset) for name, timer in self._timers.items()}
-
-
-class StopSignalRecorder:
-    """Records that a stop signal arrived; the loop acts on it between steps.
-
-    The handler does nothing but set a flag: anything more (collectives, I/O, locks) inside a
-    signal handler can deadlock. It distributes nothing itself: after each step the exit policy
-    all-reduces the flag (:func:`bridge_hpc.training.exit_policy.exit_reasons`), so every rank sees it
-    at the same iteration and they all stop, save and exit together. ``signals`` are Python names
-    (``train.exit_signal``, from :mod:`bridge_hpc.contracts.signals`).
-    """
-
-    def __init__(self, signals: List[str]):
-        self.signals = [getattr(signal, name) for name in signals]
-        self.received: Optional[int] = None
-        self._previous: Dict[int, Any] = {}
-
-    def __enter__(self) -> "DistributedSignalHandler":
-        # Python delivers signals to the main thread only; elsewhere the default action stays.
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._record)
-        return self
-
-    def _record(self, signum, frame) -> None:
-        self.received = signum
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def release(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
 
 
 #: Megatron Bridge's name for the same thing.

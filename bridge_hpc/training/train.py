@@ -2,7 +2,8 @@
 
 Read top to bottom: one step (zero grads, forward/backward over the micro-batches, optimizer and
 scheduler step, loss reduction), then bookkeeping (counters, evaluation, the step log), then
-:func:`checkpoint_and_decide_exit`, the single place that decides about saving and stopping.
+:func:`checkpoint_and_decide_exit` (:mod:`bridge_hpc.training.exit_policy`), the single place that
+decides about saving and stopping.
 The same code runs on CPU (torch DDP + torch optimizer) and GPU (megatron-core DDP + optimizer);
 the few differences sit in :func:`zero_grads` and :func:`finalize_grads`.
 """
@@ -17,7 +18,6 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from bridge_hpc.training.exit_policy import (  # noqa: F401 - Bridge's names in bridge.training.train
@@ -30,7 +30,6 @@ from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.utils.train_utils import (
-    comm_device,
     num_floating_point_operations,
     prepare_forward_step_func,
     reduce_loss_dicts,
@@ -251,21 +250,18 @@ def _start_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
 def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, scheduler, train_data_iterator,
           valid_data_iterator, global_state: GlobalState, checkpointing_context: Dict[str, Any],
           process_non_loss_data_func: Optional[Callable] = None, non_loss_data_func: Optional[Callable] = None) -> None:
-    """Train from ``global_state.train_state.step`` until an exit reason (see :func:`exit_reasons`)."""
-    cfg = global_state.cfg
-    ts = global_state.train_state
-    timers = global_state.timers
+    """Train from ``global_state.train_state.step`` until an exit reason
+    (:func:`bridge_hpc.training.exit_policy.exit_reasons`)."""
+    cfg, ts, timers = global_state.cfg, global_state.train_state, global_state.timers
     forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
     for chunk in model:
         chunk.train()
-    prof = _start_profiler(global_state)
-    first_step = True
-    # A stop signal during start-up (model build, checkpoint load) is honoured before any step.
     global_state.run_start_step = ts.step
+    # A stop signal during start-up (model build, checkpoint load) is honoured before any step.
     if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                                   checkpointing_context, train_data_iterator):
         return
-
+    prof = _start_profiler(global_state)
     # Fault tolerance (section "step" / heartbeats) and straggler timing around each step; no-ops when off.
     ft = global_state.fault_tolerance or FaultTolerance(None)
     straggler = global_state.straggler_detector or StragglerDetector(None)
@@ -281,21 +277,10 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
         straggler.step_end()
         ft.step_end(ts.step)
         step_time_s = timers("interval-time", log_level=0).elapsed(reset=True)
-        global_state.slowest_step_s = max(global_state.slowest_step_s, step_time_s)
-        global_state.last_step_time = time.time()
 
-        # 2. counters
-        ts.step += 1
-        ts.consumed_train_samples += cfg.train.global_batch_size
-        if skipped_iter:
-            ts.skipped_train_samples += cfg.train.global_batch_size
-        step_flops = num_floating_point_operations(cfg, cfg.train.global_batch_size)
-        ts.floating_point_operations_so_far += step_flops
-
-        if first_step and global_state.progress is not None:
-            global_state.progress.first_step(ts.step)
-        first_step = False
-        if straggler.check(ts.step):  # collective on report steps; the same answer on every rank
+        # 2. counters; the straggler verdict (collective on report steps, the same on every rank)
+        step_flops = _count_step(global_state, step_time_s, skipped_iter)
+        if straggler.check(ts.step):
             global_state.straggler_stop = True
 
         # 3. log, evaluate, housekeeping
@@ -315,3 +300,21 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
             break
     if prof is not None:
         prof.stop()
+
+
+def _count_step(state: GlobalState, step_time_s: float, skipped_iter: int) -> float:
+    """Advance the counters a checkpoint carries and the timings the exit policy reads; the progress
+    log gets ``First step`` after a run's first one. Returns the step's FLOPs."""
+    cfg, ts = state.cfg, state.train_state
+    first_of_run = ts.step == state.run_start_step
+    state.slowest_step_s = max(state.slowest_step_s, step_time_s)
+    state.last_step_time = time.time()
+    ts.step += 1
+    ts.consumed_train_samples += cfg.train.global_batch_size
+    if skipped_iter:
+        ts.skipped_train_samples += cfg.train.global_batch_size
+    step_flops = num_floating_point_operations(cfg, cfg.train.global_batch_size)
+    ts.floating_point_operations_so_far += step_flops
+    if first_of_run and state.progress is not None:
+        state.progress.first_step(ts.step)
+    return step_flops
