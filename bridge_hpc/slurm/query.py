@@ -1,6 +1,8 @@
-"""Ask Slurm about jobs: sacct for history (every requeued run of a job), squeue for live jobs.
+"""Ask Slurm about jobs: sacct for history (every requeued run of a job), squeue for live jobs,
+scontrol for why a running job is being stopped.
 
-Login-node code; the one place that parses these tools' output.
+Both sides use it (``bridge-status``/``bridge-submit`` on the login node; rank 0 for its end time
+and for the cause of a stop signal); it is the one place that parses these tools' output. Stdlib only.
 """
 
 from __future__ import annotations

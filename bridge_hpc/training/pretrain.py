@@ -87,7 +87,10 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
             # in-job restart, whose Restart line gives the cause and the lost time: record "fault".
             ft = state.fault_tolerance
             reason = "fault" if ft is not None and ft.active else "error"
-            state.progress.ending_job(reason, state.train_state.step, state.train_state.step - last_saved)
+            try:  # best effort: the failure may be a full disk, and it is the error worth reporting
+                state.progress.ending_job(reason, state.train_state.step, state.train_state.step - last_saved)
+            except OSError as err:
+                logging.getLogger(__name__).warning("could not record the failure in the progress log: %s", err)
         raise
     finally:
         state.close()
