@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from bridge_test_helpers import free_port  # noqa: E402
 
 from bridge_hpc.launch.ft_launch import FTLaunchTimeouts, ft_launcher_argv  # noqa: E402
 
@@ -96,12 +98,6 @@ def overhead_worker(args) -> None:
 # -- driver ----------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(entry, nproc, timeouts, max_restarts=0, limit=120):
     argv = ft_launcher_argv(entry, python=sys.executable, nnodes=1, nproc_per_node=nproc,
                             rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=f"bench{os.getpid()}",
@@ -142,7 +138,8 @@ def overhead(api: str, sync: bool, step_ms: float, blocks: int, block_steps: int
         r = json.load(open(result))
     on, off = statistics.median(r["on"]), statistics.median(r["off"])
     call = statistics.median(r["calls"])
-    return {"api": r["mode"], "ipc": "sync" if sync else "async", "step_ms_median_ft_on": on * 1e3, "step_ms_median_ft_off": off * 1e3,
+    return {"api": r["mode"], "ipc": "sync" if sync else "async",
+            "step_ms_median_ft_on": on * 1e3, "step_ms_median_ft_off": off * 1e3,
             "overhead_ratio": (on - off) / off, "ft_calls_us_per_step": call * 1e6,
             "ft_calls_fraction_of_step": call / off, "steps_each": len(r["on"]),
             "step_for_1pct_ms": call / 0.01 * 1e3}

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from preemption import drive, steps_done, submit, wait_running_past  # noqa: E402
+from bridge_test_helpers import drive, steps_done, submit, wait_running_past  # noqa: E402
 
 from bridge_hpc.report.progress import parse_progress  # noqa: E402
 

@@ -26,7 +26,8 @@ import toml
 ROOT = Path(__file__).resolve().parent.parent
 RANK = """#!{python}
 import os, time
-path = os.path.join(os.environ["BRIDGE_RUN_DIR"], "started." + os.environ.get("SLURM_JOB_ID", "x") + "." + os.environ["SLURM_PROCID"])
+name = "started." + os.environ.get("SLURM_JOB_ID", "x") + "." + os.environ["SLURM_PROCID"]
+path = os.path.join(os.environ["BRIDGE_RUN_DIR"], name)
 open(path, "w").write(repr(time.time()))
 """
 

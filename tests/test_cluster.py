@@ -8,30 +8,18 @@ import time
 from pathlib import Path
 
 import pytest
+from bridge_test_helpers import sacct_state
 
 from bridge_hpc.cli.cluster import main as cluster_main
-from bridge_hpc.slurm.query import TERMINAL_STATES
-from bridge_hpc.local_slurm.cluster import MARKER, LocalCluster, check_managed, release_requeued
 from bridge_hpc.contracts.errors import ConfigError
-
+from bridge_hpc.local_slurm.cluster import LocalCluster, release_requeued
+from bridge_hpc.local_slurm.conf import MARKER, check_managed
 
 
 def sh(*argv: str, timeout: float = 120) -> str:
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"{' '.join(argv)}: exit {out.returncode}\n{out.stdout}\n{out.stderr}"
     return out.stdout
-
-
-def sacct_state(job_id: str, timeout: float = 30) -> str:
-    """The job's final state from sacct (accounting reaches slurmdbd a moment after the job ends)."""
-    deadline = time.monotonic() + timeout
-    state = ""
-    while time.monotonic() < deadline:
-        state = sh("sacct", "-j", job_id, "-n", "-X", "-o", "State").strip()
-        if state.split() and state.split()[0] in TERMINAL_STATES:
-            return state.split()[0]
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} not finished in sacct after {timeout} s (state {state!r})")
 
 
 def write_script(path: Path, body: str) -> Path:
@@ -178,7 +166,7 @@ def test_down_stops_our_pids_and_up_recovers(slurm_cluster, capsys):
     assert {"mariadbd", "slurmdbd", "slurmctld"} <= set(pids)
     try:
         slurm_cluster.down()
-        for name, pid in pids.items():
+        for pid in pids.values():
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
         assert not slurm_cluster.is_up()

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
+from bridge_test_helpers import free_port
 
 from bridge_hpc.launch import ft_launch
 from bridge_hpc.launch.ft_launch import FTLaunchTimeouts, ft_launcher_argv, shell_join
@@ -31,19 +31,13 @@ STRAGGLER_WORKER = DATA / "straggler_worker.py"
 REPO = Path(__file__).resolve().parent.parent
 
 CHECK = 0.5  # --ft-workload-check-interval of these tests
-MARGIN = 2.0  # allowance on a shared 2-core machine
+MARGIN = 5.0  # generous: detection is judged on a shared, loaded 2-core machine (CI), where a process can stall for seconds
 
 
 def worker_env(**extra) -> Dict[str, str]:
     """The environment of the processes we start: this checkout first on PYTHONPATH (kept, not replaced)."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 import pytest
-from preemption import FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs
+from bridge_test_helpers import FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs, submit_cli
 
-import preemption
 from bridge_hpc.report.progress import RESTART, parse_progress
 
 pytest.importorskip("nvidia_resiliency_ext.fault_tolerance")
@@ -39,7 +38,7 @@ CONFIG = ROOT / "configs" / "local-tiny-ft.toml"
 ITERS = 120
 STEP_TIMEOUT = 3.0
 CHECK = 0.5  # ft.workload_check_interval
-MARGIN = 3.0  # a shared 2-core machine
+MARGIN = 5.0  # generous: detection is judged on a shared, loaded 2-core machine (CI), where a process can stall for seconds
 SAVE_DELAY = 4.0  # > STEP_TIMEOUT: the slow-save job
 LOOSE_STEP_TIMEOUT = 60.0  # the requeue job's configured step timeout, before any is computed
 #: The requeue job's floor under computed timeouts: its steps take ~50 ms, so every computed timeout
@@ -56,11 +55,11 @@ def ft_overrides(run_dir: Path, extra=()) -> list:
 
 
 def submit_ft(run_dir: Path, extra=(), env_extra=None) -> str:
-    args = [sys.executable, "-m", "bridge_hpc.cli.submit", str(CONFIG)]
+    args = [str(CONFIG)]
     for item in ft_overrides(run_dir, extra):
         args += ["--set", item]
     env = dict(os.environ, **(env_extra or {}))
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    proc = submit_cli(*args, cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.split()[2]
 
@@ -107,12 +106,8 @@ def jobs(slurm_cluster, tmp_path_factory):
         "ft.calc_ft_timeouts=true", f"ft.min_computed_timeout_s={COMPUTED_FLOOR}", f"ft.step_timeout={LOOSE_STEP_TIMEOUT}",
         "ft.max_restarts=0", "train.exit_interval=50", "checkpoint.save_interval=20",
         f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'", "env.TEST_HANG='1:57:1'"])
-    old_config = preemption.CONFIG
-    preemption.CONFIG = CONFIG  # same model/data/optimizer; FT stays inactive without ft_launcher
-    try:
-        reference = reference_run(base / "reference", ITERS)
-    finally:
-        preemption.CONFIG = old_config
+    # same model/data/optimizer; FT stays inactive without ft_launcher
+    reference = reference_run(base / "reference", ITERS, config=CONFIG)
     out = {"reference": reference}
     for name, job_id in (("hung", hung), ("killed", killed), ("requeue", requeue)):
         state = drive(job_id, timeout=400)

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from jobs import MINIMAL_TRAINING
+from bridge_test_helpers import MINIMAL_TRAINING
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.launch.jobconfig import load_job_config

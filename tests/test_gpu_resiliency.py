@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from bridge_test_helpers import free_port, losses
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -22,9 +22,7 @@ WORKER = Path(__file__).resolve().parent / "data" / "gpu_resiliency_worker.py"
 
 
 def run_worker(mode: str, out: Path, timeout: float = 300) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     for key in [k for k in env if k.startswith("SLURM_")]:
@@ -33,15 +31,6 @@ def run_worker(mode: str, out: Path, timeout: float = 300) -> dict:
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     return json.loads((out / "result.json").read_text())
-
-
-def losses(run_dir: Path) -> dict:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        assert record["step"] not in out, f"step {record['step']} logged twice"
-        out[record["step"]] = record["loss"]
-    return out
 
 
 def test_nvrx_straggler_backend_reports_kernel_scores(tmp_path):
@@ -66,9 +55,7 @@ def test_nvrx_straggler_flags_the_rank_on_a_shared_gpu(tmp_path):
 
     if nvrx_straggler_module() is None:
         pytest.skip("the installed nvidia-resiliency-ext has no straggler module")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     base = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     hog = subprocess.Popen([sys.executable, str(WORKER), "gpu_hog", str(tmp_path / "hog")],
                            env=dict(base, LOCAL_RANK="1"), start_new_session=True)

@@ -16,9 +16,20 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import assert_bitwise_equal, model_params
-from preemption import (FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs, squeue_state,
-                        steps_done, submit, wait_running_past)
+from bridge_test_helpers import (
+    FAULTY_FORWARD_STEP,
+    assert_bitwise_equal,
+    drive,
+    log_text,
+    losses,
+    model_params,
+    reference_run,
+    sacct_runs,
+    squeue_state,
+    steps_done,
+    submit,
+    wait_running_past,
+)
 
 from bridge_hpc.report.progress import parse_progress
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bridge_hpc.cli.report import main
-from bridge_hpc.report.progress import ProgressLog, parse_progress, parse_time
 from bridge_hpc.report.goodput import COLUMNS, build_report
+from bridge_hpc.report.progress import ProgressLog, parse_progress, parse_time
 
 DATA = Path(__file__).parent / "data" / "progress"
 MEGATRON = DATA / "megatron_lm.txt"

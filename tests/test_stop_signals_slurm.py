@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from preemption import FAULTY_FORWARD_STEP, log_text, sacct_runs, squeue_state, submit
+from bridge_test_helpers import FAULTY_FORWARD_STEP, log_text, sacct_runs, squeue_state, submit
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.signals import ALLOWED, parse_slurm_signal

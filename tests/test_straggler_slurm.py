@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from preemption import FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs, submit
+from bridge_test_helpers import FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs, submit
 
 from bridge_hpc.report.progress import parse_progress
 

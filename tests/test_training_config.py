@@ -7,8 +7,8 @@ import pytest
 import toml
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.training.run import build_config
 from bridge_hpc.training.config import ConfigContainer, MockGPTDatasetConfig
+from bridge_hpc.training.run import build_config
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 

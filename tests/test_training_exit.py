@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from bridge_hpc.training.run import build_config
 from bridge_hpc.contracts.requeue import read_request
 from bridge_hpc.training import checkpointing, exit_policy
 from bridge_hpc.training import train as train_module
+from bridge_hpc.training.run import build_config
 from bridge_hpc.training.state import DistributedSignalHandler, GlobalState
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")

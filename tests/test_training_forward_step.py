@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from functools import partial
 
 import pytest
 import torch
+from bridge_test_helpers import free_port
 
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.utils.train_utils import (
@@ -26,12 +26,6 @@ from bridge_hpc.training.utils.train_utils import (
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +126,7 @@ def single_rank():
     from megatron.core import parallel_state
 
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
@@ -151,9 +145,9 @@ def _tiny_config(tmp_path, *overrides):
 
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)
-    return build_config(str(job), [f"job.run_dir={tmp_path / 'runs' / 'tiny'}", "train.train_iters=2", "train.global_batch_size=4", "train.eval_interval=1",
-                                   "train.eval_iters=1", "checkpoint.save_interval=2",
-                                   "scheduler.lr_warmup_iters=1", *overrides])
+    return build_config(str(job), [f"job.run_dir={tmp_path / 'runs' / 'tiny'}", "train.train_iters=2",
+                                   "train.global_batch_size=4", "train.eval_interval=1", "train.eval_iters=1",
+                                   "checkpoint.save_interval=2", "scheduler.lr_warmup_iters=1", *overrides])
 
 
 @pytest.mark.parametrize("make", [
@@ -302,7 +296,7 @@ def test_train_step_returns_bridge_tuple(single_rank, tmp_path):
 def test_two_ranks(tmp_path):
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
          os.path.abspath(__file__), str(job)],
@@ -318,8 +312,8 @@ def _two_rank_worker(job: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from bridge_hpc.training.run import build_config
     from bridge_hpc.training.pretrain import initialize_distributed, pretrain
+    from bridge_hpc.training.run import build_config
 
     initialize_distributed()
     rank = dist.get_rank()

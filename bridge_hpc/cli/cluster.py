@@ -11,8 +11,8 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from bridge_hpc.local_slurm.cluster import DEFAULT_STATE_DIR, ClusterError, LocalCluster
 from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
+from bridge_hpc.local_slurm.cluster import DEFAULT_STATE_DIR, ClusterError, LocalCluster
 
 EXIT_FAILED = 1
 
@@ -21,7 +21,7 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
     return value

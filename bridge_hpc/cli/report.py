@@ -13,10 +13,11 @@ import sys
 from typing import List, Optional
 
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.contracts.run_folder import RunFolder
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
-from bridge_hpc.report.progress import parse_progress
+from bridge_hpc.contracts.run_folder import RunFolder
 from bridge_hpc.report.goodput import build_report, format_table, plot, to_json
+from bridge_hpc.report.progress import parse_progress
+
 
 def _read_toml(path: str) -> dict:
     """tomllib on Python >= 3.11, the ``toml`` package (an install requirement) before."""
@@ -51,7 +52,8 @@ def find_progress_log(target: str) -> str:
         except (ValueError, OSError, RecursionError) as err:  # tomllib's and toml's decode errors are ValueErrors
             raise ConfigError(f"cannot read: {err}", path=folder.resolved_config) from None
         if isinstance(save, str) and save:
-            candidates.append(RunFolder(target, os.path.join(target, save)).progress_log())  # absolute since resolved.toml records it so
+            # absolute, since resolved.toml records it so (a relative one is taken from the run folder)
+            candidates.append(RunFolder(target, os.path.join(target, save)).progress_log())
     candidates += [folder.progress_log(), os.path.join(target, run_folder.PROGRESS_FILE)]
     for candidate in candidates:
         if os.path.isfile(candidate):

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from bridge_hpc.contracts.run_folder import RunFolder
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
-from bridge_hpc.slurm.query import TERMINAL_STATES, job_runs
+from bridge_hpc.contracts.run_folder import RunFolder
 from bridge_hpc.launch.submit import submitted_job_ids
+from bridge_hpc.slurm.query import TERMINAL_STATES, job_runs
 
 
 def log_paths(run_dir: Path, job_id: str) -> List[Path]:

@@ -60,7 +60,8 @@ def type_name(tp: Any) -> str:
         return f"a list of {type_name(args[0])}s" if args else "a list"
     if origin in (dict, Dict):
         return "a table"
-    return {str: "a string", int: "an integer", bool: "true or false", float: "a number"}.get(tp, getattr(tp, "__name__", str(tp)))
+    names = {str: "a string", int: "an integer", bool: "true or false", float: "a number"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def build_dataclass(cls: type, section: str, body: Any, error: Callable[[str, str], ConfigError]) -> Any:

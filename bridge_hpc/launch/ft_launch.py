@@ -147,7 +147,8 @@ def ft_launcher_argv(
     if not entry:
         raise ValueError("entry must name a script or '-m module'")
     stop_signal = stop_signal or signals.parse_slurm_signal(signals.DEFAULT_SLURM_SIGNAL)
-    argv = [python, "-m", WRAPPER_MODULE, f"{IGNORE_OPTION}={','.join(stop_signal.warning_signals)}"] if python else ["ft_launcher"]
+    ignore = f"{IGNORE_OPTION}={','.join(stop_signal.warning_signals)}"
+    argv = [python, "-m", WRAPPER_MODULE, ignore] if python else ["ft_launcher"]
     argv += [
         f"--nnodes={int(nnodes)}",
         f"--nproc-per-node={int(nproc_per_node)}",

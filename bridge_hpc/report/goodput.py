@@ -269,7 +269,8 @@ def format_table(report: Report) -> str:
         f"runs {t['runs']} (jobs {t['jobs']}), steps {t['steps']}, lost steps {format_value(t['lost_steps'], 'd')}, "
         f"cumulative throughput {format_value(t['cumulative_throughput'], '.1f')} TFLOP/s/GPU",
     ]
-    share = [["training" if t["complete"] else "training or unrecorded", t["training_s"]]] + [[k, v] for k, v in t["lost_s"].items()]
+    training = "training" if t["complete"] else "training or unrecorded"
+    share = [[training, t["training_s"]]] + [[k, v] for k, v in t["lost_s"].items()]
     rows = [[name, f"{sec:.1f}", f"{100 * sec / allocated:.1f}%" if allocated else UNKNOWN] for name, sec in share]
     rows.append(["allocated", f"{allocated:.1f}", "100.0%" if allocated else UNKNOWN])
     lines += _table(["time", "seconds", "share"], rows, [False, True, True])

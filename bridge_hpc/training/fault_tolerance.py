@@ -100,8 +100,8 @@ class FaultTolerance:
         rank: global rank; default ``$RANK`` (torch.distributed's rank once it is up).
         min_iters_for_step_timeout: steps observed before the step timeout is computed.
         checkpoint_allowance_s: heartbeat mode only: the longest save kept alive by :meth:`checkpointing`.
-        min_computed_timeout_s: floor for every computed timeout (default: ``cfg.min_computed_timeout_s``). The calculator multiplies the
-            longest interval seen in one run; a short first run (a quick set-up without a checkpoint
+        min_computed_timeout_s: floor for every computed timeout (default: ``cfg.min_computed_timeout_s``).
+            The calculator multiplies the longest interval seen in one run; a short first run (a quick set-up without a checkpoint
             load, no evaluation between steps) would otherwise leave timeouts that kill the next
             run's longer but healthy phases.
         async_ipc: send section/heartbeat messages from a sender thread, so a step pays a queue put

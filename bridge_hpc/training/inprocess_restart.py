@@ -57,8 +57,9 @@ def check_supported() -> None:
     reason = unsupported_reason()
     if reason is not None:
         try:
-            import nvidia_resiliency_ext  # noqa: F401
             from importlib.metadata import version
+
+            import nvidia_resiliency_ext  # noqa: F401
 
             installed = f" (nvidia-resiliency-ext {version('nvidia-resiliency-ext')})"
         except Exception:  # noqa: BLE001
@@ -73,8 +74,8 @@ def maybe_wrap_for_inprocess_restart(train_fn: Callable, config: Any) -> Tuple[C
     if config is None or not config.enabled:
         return train_fn, None
     check_supported()
-    import torch
     import nvidia_resiliency_ext.inprocess as inprocess
+    import torch
 
     port = int(os.environ["MASTER_PORT"])
     store = torch.distributed.TCPStore(

@@ -7,8 +7,6 @@ loop and to forward-step functions that ask for it, as in Megatron Bridge. Only
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional

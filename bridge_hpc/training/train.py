@@ -36,7 +36,6 @@ from bridge_hpc.training.utils.train_utils import (
     training_log,
 )
 
-
 # ---------------------------------------------------------------------------------------------
 # Forward/backward over the micro-batches of one global batch
 # ---------------------------------------------------------------------------------------------

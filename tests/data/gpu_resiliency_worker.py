@@ -97,16 +97,17 @@ def gpu_hog(out):
 
 
 def train(out, fault):
-    from bridge_hpc.training.run import build_config
     from bridge_hpc.training import gpt
     from bridge_hpc.training.pretrain import pretrain
+    from bridge_hpc.training.run import build_config
 
     overrides = [f"job.run_dir={out}", "train.train_iters=20", "train.eval_interval=0", "logger.log_interval=1",
                  "checkpoint.save_interval=5", "checkpoint.most_recent_k=-1", "logger.log_progress=true",
                  "model.hidden_dropout=0.0", "model.attention_dropout=0.0"]
     if fault:
         overrides += ["inprocess_restart.enabled=true", "inprocess_restart.soft_timeout=30",
-                      "inprocess_restart.hard_timeout=45", "inprocess_restart.heartbeat_timeout=30", "inprocess_restart.heartbeat_interval=5",
+                      "inprocess_restart.hard_timeout=45", "inprocess_restart.heartbeat_timeout=30",
+                      "inprocess_restart.heartbeat_interval=5",
                       "inprocess_restart.barrier_timeout=60", "inprocess_restart.completion_timeout=60"]
     cfg = build_config(os.path.join(ROOT, "tests", "data", "tiny.toml"), overrides)
     faults = []

@@ -1,0 +1,221 @@
+"""What several test modules (and benchmarks/preemption.py) need: one copy each.
+
+* ports and CLI runners: :func:`free_port`, :func:`submit_cli`;
+* Slurm: :func:`squeue_state`, :func:`sacct_runs`, :func:`sacct_state`, and driving real jobs through
+  preemptions on the local cluster (:func:`submit`, :func:`drive`, :func:`wait_running_past`);
+* what a run left behind: :func:`losses`, :func:`steps_done`, :func:`log_text`, :func:`model_params`;
+* the smallest training sections a job config can have (:data:`MINIMAL_TRAINING`).
+
+The preemption runs are the demo's tiny GPT (configs/local-tiny.toml) with 2 ranks; the reference is the
+same config trained in one go by torchrun, so any difference in losses or parameters is the
+interruption's fault. The module's name is unique so that ``import`` finds it whether pytest puts
+``tests/`` or ``benchmarks/`` first on the path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from bridge_hpc.contracts.run_folder import METRICS_FILE, RunFolder
+from bridge_hpc.slurm.query import TERMINAL_STATES
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "local-tiny.toml"
+#: A forward step with faults and delays chosen by environment variables (see its docstring)
+FAULTY_FORWARD_STEP = ROOT / "tests" / "data" / "faulty_forward_step.py"
+
+#: The smallest training sections a job config can have: the login node validates them too.
+MINIMAL_TRAINING = {
+    "train": {"train_iters": 1, "micro_batch_size": 1, "global_batch_size": 1},
+    "optimizer": {"lr": 1e-3},
+}
+MINIMAL_TRAINING_TOML = """
+[train]
+train_iters = 1
+micro_batch_size = 1
+global_batch_size = 1
+
+[optimizer]
+lr = 1e-3
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Ports and command lines
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a rendezvous or MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def submit_cli(*args: str, cwd: Path, env=None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``bridge-submit ARGS`` in ``cwd`` as a user runs it (a fresh interpreter), output captured."""
+    return subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", *args], cwd=cwd, capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm
+# ---------------------------------------------------------------------------------------------
+
+
+def squeue_state(job_id: str) -> Optional[tuple]:
+    """``(state, reason)`` while Slurm's queue holds the job, else None."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True).stdout.strip()
+    return tuple(out.split("|", 1)) if out else None
+
+
+def sacct_runs(job_id: str) -> List[str]:
+    """The state of every run of the job (a requeued job has one line per run), oldest first."""
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "--duplicates", "-o", "State"],
+                         capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def sacct_state(job_id: str, timeout: float = 30) -> str:
+    """The job's final state from sacct, waiting up to ``timeout`` s for it (accounting reaches slurmdbd a
+    moment after the job ends)."""
+    deadline = time.monotonic() + timeout
+    runs: List[str] = []
+    while time.monotonic() < deadline:
+        runs = sacct_runs(job_id)
+        if runs and runs[-1] in TERMINAL_STATES:
+            return runs[-1]
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} not finished in sacct after {timeout} s (states {runs})")
+
+
+def overrides(run_dir: Path, train_iters: int, extra: Sequence[str] = ()) -> List[str]:
+    base = [f"job.run_dir={run_dir}", f"train.train_iters={train_iters}", "logger.log_interval=10",
+            "train.eval_interval=50", "checkpoint.save_interval=25", "checkpoint.most_recent_k=3"]
+    return base + list(extra)
+
+
+def reference_run(run_dir: Path, train_iters: int, config: Path = CONFIG) -> Path:
+    """The uninterrupted run: torchrun, 2 ranks, same config."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+            "-m", "bridge_hpc.training.run", str(config)]
+    for item in overrides(run_dir, train_iters):
+        args += ["--set", item]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("SLURM_JOB_ID", None)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir
+
+
+def submit(run_dir: Path, train_iters: int, extra: Sequence[str] = ()) -> str:
+    """Submit the demo config into ``run_dir``; returns the job id."""
+    args = [str(CONFIG)]
+    for item in overrides(run_dir, train_iters, extra):
+        args += ["--set", item]
+    proc = submit_cli(*args, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.split()[2]
+
+
+def release_when_held(job_id: str) -> None:
+    """Slurm holds a requeued job ~120 s (Reason=BeginTime); a test has no time for that."""
+    from bridge_hpc.local_slurm.cluster import release_requeued
+
+    state = squeue_state(job_id)
+    if state and state[0] == "PENDING" and "BeginTime" in state[1]:
+        release_requeued(job_id)
+
+
+def drive(job_id: str, timeout: float = 900, on_tick: Optional[Callable[[], None]] = None) -> str:
+    """Release requeue holds until the job is done; returns its final state."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = squeue_state(job_id)
+        if state is None:
+            runs = sacct_runs(job_id)
+            if runs and runs[-1] in TERMINAL_STATES:
+                return runs[-1]
+        else:
+            release_when_held(job_id)
+        if on_tick:
+            on_tick()
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id])
+    raise TimeoutError(f"job {job_id} did not finish in {timeout} s")
+
+
+def wait_running_past(job_id: str, run_dir: Path, step: int, timeout: float = 300) -> None:
+    """Until the job runs and has logged ``step`` (releasing a requeue hold on the way)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = squeue_state(job_id)
+        if state is None:
+            raise AssertionError(f"job {job_id} ended before step {step}: {sacct_runs(job_id)}")
+        release_when_held(job_id)
+        if state[0] == "RUNNING" and steps_done(run_dir) >= step:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"job {job_id} did not reach step {step}")
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run left behind
+# ---------------------------------------------------------------------------------------------
+
+
+def _metrics(run_dir: Path) -> List[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    # a line being written right now is incomplete: skip it
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def steps_done(run_dir: Path) -> int:
+    """The newest step in the run's metrics.jsonl (0 before the first)."""
+    return max((r["step"] for r in _metrics(run_dir)), default=0)
+
+
+def losses(run_dir: Path) -> Dict[int, float]:
+    """Step → training loss from metrics.jsonl; a step logged twice fails the test (a resume that
+    repeated or duplicated work)."""
+    out: Dict[int, float] = {}
+    for r in _metrics(run_dir):
+        assert r["step"] not in out, f"step {r['step']} logged twice"
+        out[r["step"]] = r["loss"]
+    return out
+
+
+def log_text(run_dir: Path, job_id: str) -> str:
+    """The job's stdout and stderr logs, joined."""
+    folder = RunFolder(str(run_dir))
+    parts = [Path(p).read_text() for p in (folder.stdout(job_id), folder.stderr(job_id)) if os.path.exists(p)]
+    return "\n".join(parts)
+
+
+def model_params(checkpoint_dir: str, scratch: str) -> dict:
+    """The model tensors of a DCP checkpoint folder, read without a process group."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(scratch, f"{os.path.basename(checkpoint_dir)}_{random.random()}.pt")
+    dcp_to_torch_save(checkpoint_dir, out)
+    state = torch.load(out, weights_only=False)
+    return dict(state["model"])
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    import torch
+
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
