@@ -1,6 +1,7 @@
 """The package's sides and their dependency direction, read from the source (no imports run).
 
 cli -> launch / report / local_slurm -> slurm -> contracts, and training -> slurm -> contracts;
+cli -> data -> the torch-free training config and tokenizer builder (bridge-prepare-data);
 contracts imports nothing of ours; the login side imports no torch at module level; no cycles.
 """
 
@@ -20,11 +21,16 @@ ALLOWED = {
     "launch": {"contracts", "slurm", "training"},
     "report": {"contracts"},
     "local_slurm": {"contracts"},
-    "cli": {"contracts", "slurm", "launch", "report", "local_slurm"},
+    "cli": {"contracts", "slurm", "launch", "report", "local_slurm", "data", "training"},
+    "data": {"contracts", "training"},
 }
 #: Modules the login node imports; each may import torch only inside functions (the ranks' code).
-TORCH_FREE = ("contracts", "launch", "slurm", "report", "local_slurm", "cli", "training.config",
-              "training.signal_recorder")
+TORCH_FREE = ("contracts", "launch", "slurm", "report", "local_slurm", "cli", "data", "training.config",
+              "training.signal_recorder", "training.tokenizers")
+
+
+#: The training modules that data preparation (cli, data) may import: torch-free at module level.
+TORCH_FREE_TRAINING = ("bridge_hpc.training.config", "bridge_hpc.training.tokenizers")
 
 
 def module_name(path: Path) -> str:
@@ -71,6 +77,9 @@ def test_each_side_imports_only_what_its_rules_allow():
                 wrong.append(f"{module} -> {dep}")
             if mine == "launch" and theirs == "training" and dep not in ("bridge_hpc.training.config",):
                 wrong.append(f"{module} -> {dep} (the login side reads only the torch-free training config)")
+            if mine in ("cli", "data") and theirs == "training" and dep not in TORCH_FREE_TRAINING:
+                wrong.append(f"{module} -> {dep} (data preparation reads only the torch-free training config "
+                             "and tokenizer builder)")
     assert not wrong, wrong
 
 
