@@ -12,6 +12,7 @@ instead of resolving them again)::
     RUN/resolved.toml           the job config with profiles, overrides and absolute paths applied
     RUN/jobs.jsonl              one JSON line per submission
     RUN/metrics.jsonl           one JSON line per training step (rank 0)
+    RUN/dataset_cache/          megatron-core's dataset index cache (``[dataset] path_to_cache``; rank 0 builds)
     RUN/logs/<job>_0_log.out    Slurm's stdout / stderr (submitit's names, so submitit finds them)
     RUN/logs/requeue-request.<job>            rank 0 asks the batch script to requeue (requeue.py)
     RUN/logs/.failures-without-progress.<job> the batch script's crash-loop counter
@@ -34,6 +35,7 @@ JOBS_LOG = "jobs.jsonl"
 METRICS_FILE = "metrics.jsonl"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
+DATASET_CACHE_DIR = "dataset_cache"
 
 REQUEUE_REQUEST_PREFIX = "requeue-request."
 FAILURES_PREFIX = ".failures-without-progress."
@@ -80,6 +82,10 @@ class RunFolder:
     @property
     def logs(self) -> str:
         return self._at(LOGS_DIR)
+
+    @property
+    def dataset_cache(self) -> str:
+        return self._at(DATASET_CACHE_DIR)
 
     @property
     def checkpoint_dir(self) -> str:

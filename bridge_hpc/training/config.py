@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from bridge_hpc.contracts import signals
+from bridge_hpc.contracts import run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 
@@ -524,6 +524,8 @@ class DatasetBuildContext:
     test_samples: int
     tokenizer: Optional[Any] = None
     pg_collection: Optional[Any] = None
+    #: The model's vocabulary size: token ids in the data must be below it.
+    vocab_size: Optional[int] = None
 
 
 @dataclass
@@ -550,8 +552,8 @@ class DatasetProvider(DataloaderConfig, abc.ABC):
     Datasets must be map-style (``__len__`` and ``__getitem__``) and deterministic in the index:
     the trainer samples them in order from the number of consumed samples, which is what makes the
     data position part of every checkpoint and resume exact. Samples are dicts of tensors, the
-    shape the forward-step function expects (for :func:`bridge_hpc.training.gpt.forward_step`:
-    ``tokens``, ``labels``, ``loss_mask``, ``position_ids``).
+    shape the forward-step function expects (for :func:`bridge_hpc.training.gpt_step.forward_step`:
+    ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, optionally ``attention_mask``).
     """
 
     @abc.abstractmethod
@@ -584,6 +586,289 @@ class MockGPTDatasetConfig(DatasetProvider):
 
         return split("train", context.train_samples), split("valid", context.valid_samples), split(
             "test", context.test_samples)
+
+
+#: The ``[dataset]`` keys that name indexed datasets; any of them selects :class:`GPTDatasetConfig`.
+GPT_DATASET_PATH_KEYS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+#: Megatron-LM's ``--split`` default, used when ``data_path`` is given without ``split``.
+DEFAULT_SPLIT = "969,30,1"
+
+#: A blend as megatron-core takes it: dataset prefixes and their weights (None: by size).
+Blend = Tuple[List[str], Optional[List[float]]]
+
+#: megatron-core's indexed-dataset ``DType`` codes -> (name, bytes per token); floats are not token ids.
+_INDEX_DTYPES = {1: ("uint8", 1), 2: ("int8", 1), 3: ("int16", 2), 4: ("int32", 4), 5: ("int64", 8),
+                 8: ("uint16", 2)}
+_INDEX_MAGIC = b"MMIDIDX\x00\x00"
+#: magic (9) + version (8) + dtype code (1) + sequence count (8) + document count (8)
+_INDEX_HEADER_BYTES = 34
+
+
+@dataclass(frozen=True)
+class IndexedDatasetHeader:
+    """What an ``.idx`` file says about its ``.bin``: read with ``struct``, no numpy or torch."""
+
+    prefix: str
+    dtype: str
+    itemsize: int
+    sequence_count: int
+    document_count: int
+    bin_bytes: int
+
+
+def _blend_items(value: Union[str, List[Union[str, float]]]) -> List[Union[str, float]]:
+    """A ``data_path`` value as a list: a string is split on whitespace (Megatron-LM's form)."""
+    return value.split() if isinstance(value, str) else list(value)
+
+
+def _as_weight(item: Union[str, float]) -> Optional[float]:
+    if isinstance(item, (int, float)) and not isinstance(item, bool):
+        return float(item)
+    try:
+        return float(item)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_blend(value: Union[str, List[Union[str, float]]], key: str) -> Blend:
+    """``data_path`` (or a per-split path) -> ``(prefixes, weights)``, Megatron-LM's ``--data-path`` rules.
+
+    ``["a", "b"]`` is two datasets weighted by their size (weights None); ``["0.7", "a", "0.3", "b"]``
+    (or ``"0.7 a 0.3 b"``) weights them explicitly: when the first item is a number, every other item
+    is a weight, and each must be a positive number. Prefixes are returned as given (made absolute by
+    :meth:`GPTDatasetConfig.finalize`). A malformed list raises ConfigError naming ``key``.
+    """
+    items = _blend_items(value)
+    _check(len(items) > 0, key, "is empty: give one or more dataset prefixes")
+    if _as_weight(items[0]) is None:
+        bad = [item for item in items if not isinstance(item, str) or not item]
+        _check(not bad, key, f"expected dataset prefixes, got {bad[0]!r} (weights go before every prefix: "
+                              "['0.7', 'a', '0.3', 'b'])" if bad else "")
+        return [str(item) for item in items], None
+    _check(len(items) % 2 == 0, key, f"a weighted blend alternates weight and prefix, got {len(items)} items: "
+                                     f"{items!r}")
+    prefixes, weights = [], []
+    for weight, prefix in zip(items[0::2], items[1::2]):
+        number = _as_weight(weight)
+        _check(number is not None, key, f"blend weight {weight!r} is not a number (expected weight, prefix, "
+                                        "weight, prefix, ...)")
+        _check(number > 0 and number != float("inf"), key, f"blend weight {weight!r} must be a positive number")
+        _check(isinstance(prefix, str) and prefix != "" and _as_weight(prefix) is None, key,
+               f"expected a dataset prefix after weight {weight!r}, got {prefix!r}")
+        prefixes.append(prefix)
+        weights.append(number)
+    return prefixes, weights
+
+
+def parse_split(split: str, key: str = "dataset.split") -> List[float]:
+    """``"969,30,1"`` -> the train/valid/test fractions; up to three non-negative numbers with a positive sum.
+
+    Stricter than megatron-core's own parser, which picks numbers out of any text and would turn
+    ``"90;x"`` or ``"0,0,0"`` into an assertion or a division by zero on every rank.
+    """
+    parts = [p.strip() for p in str(split).split(",")]
+    _check(1 <= len(parts) <= 3, key, f"expected up to three comma-separated weights (train,valid,test) like "
+                                      f"'{DEFAULT_SPLIT}', got {split!r}")
+    numbers = []
+    for part in parts:
+        number = _as_weight(part) if part else None
+        _check(number is not None and number >= 0 and number != float("inf"), key,
+               f"{part!r} is not a non-negative number (expected weights like '{DEFAULT_SPLIT}', got {split!r})")
+        numbers.append(number)
+    total = sum(numbers)
+    _check(total > 0, key, f"the weights add up to 0; expected e.g. '{DEFAULT_SPLIT}', got {split!r}")
+    return [n / total for n in numbers] + [0.0] * (3 - len(numbers))
+
+
+def read_index_header(prefix: str, key: str) -> IndexedDatasetHeader:
+    """Check ``prefix.idx`` / ``prefix.bin`` in O(1) reads; raise ConfigError naming the file and ``key``.
+
+    The ``.idx`` header gives the token dtype and the sequence and document counts, which fix the
+    ``.idx`` size (lengths int32, pointers int64 per sequence, int64 per document boundary). The
+    pointers are the running sum of the sequence lengths times the item size, so the last pointer plus
+    the last length times the item size is what the ``.bin`` size must be: a truncated file, or an
+    ``.idx`` paired with a ``.bin`` of another dtype or dataset, fails here instead of as a numpy error
+    (or silently wrong tokens) on every rank.
+    """
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    for path in (idx, bin_):
+        _check(os.path.isfile(path), key, f"{path} is missing (expected {prefix}.bin and .idx, as written by "
+                                          "bridge-prepare-data)")
+    idx_bytes, bin_bytes = os.path.getsize(idx), os.path.getsize(bin_)
+    import struct
+
+    with open(idx, "rb") as f:
+        head = f.read(_INDEX_HEADER_BYTES)
+        _check(len(head) == _INDEX_HEADER_BYTES, key, f"{idx} is truncated ({idx_bytes} bytes, shorter than the "
+                                                     "index header)")
+        magic, version, code, n, d = struct.unpack("<9sQBQQ", head)
+        _check(magic == _INDEX_MAGIC, key, f"{idx} is not a megatron-core index file (bad magic bytes)")
+        _check(version == 1, key, f"{idx} has index version {version}; this reader knows version 1")
+        _check(code in _INDEX_DTYPES, key, f"{idx} has dtype code {code}, which is not an integer token dtype")
+        dtype, itemsize = _INDEX_DTYPES[code]
+        _check(n > 0 and d >= 2, key, f"{idx} holds no documents")
+        expected = _INDEX_HEADER_BYTES + 12 * n + 8 * d
+        # A multimodal index has one more byte per sequence (its modes), which a GPT dataset ignores.
+        _check(idx_bytes >= expected, key, f"{idx} is truncated: {idx_bytes} bytes, its header "
+                                           f"({n} sequences, {d - 1} documents) needs {expected}")
+        _check(idx_bytes in (expected, expected + n), key,
+               f"{idx} has {idx_bytes} bytes, its header ({n} sequences, {d - 1} documents) says {expected}")
+        f.seek(_INDEX_HEADER_BYTES + 4 * (n - 1))
+        (last_length,) = struct.unpack("<i", f.read(4))
+        f.seek(_INDEX_HEADER_BYTES + 4 * n + 8 * (n - 1))
+        (last_pointer,) = struct.unpack("<q", f.read(8))
+        f.seek(_INDEX_HEADER_BYTES + 12 * n + 8 * (d - 1))
+        (last_boundary,) = struct.unpack("<q", f.read(8))
+    _check(last_boundary == n, key, f"{idx} is inconsistent: its last document ends at sequence {last_boundary}, "
+                                    f"not at its sequence count {n}")
+    want = last_pointer + last_length * itemsize
+    _check(bin_bytes == want, key,
+           f"{bin_} has {bin_bytes} bytes but {idx} describes {want} ({n} sequences of {dtype}): "
+           + ("the .bin is truncated, or " if bin_bytes < want else "")
+           + "the .idx and .bin disagree (dtype or dataset)")
+    return IndexedDatasetHeader(prefix, dtype, itemsize, n, d - 1, bin_bytes)
+
+
+def dataset_config_class(body: Dict[str, Any]) -> type:
+    """The dataset config a ``[dataset]`` table selects: indexed data when it names any, else mock data."""
+    return GPTDatasetConfig if any(body.get(k) is not None for k in GPT_DATASET_PATH_KEYS) else MockGPTDatasetConfig
+
+
+def absolute_dataset_paths(body: Dict[str, Any], base: str) -> Dict[str, Any]:
+    """A copy of a ``[dataset]`` table with every dataset prefix made absolute against ``base``.
+
+    For the launcher: a job file's relative prefixes mean its own folder, and resolved.toml must hold
+    them absolute. Weights stay as they are; a value that does not parse is left for
+    :meth:`GPTDatasetConfig.finalize` to report. (``path_to_cache`` is a run-folder path: the launcher
+    resolves it against the run folder, like ``checkpoint.save``.)
+    """
+    out = dict(body)
+    for key in GPT_DATASET_PATH_KEYS:
+        value = body.get(key)
+        if not isinstance(value, (str, list)):
+            continue
+        items = _blend_items(value)
+        weighted = bool(items) and _as_weight(items[0]) is not None
+        out[key] = [os.path.join(base, os.path.expanduser(item))
+                    if isinstance(item, str) and (not weighted or i % 2 == 1) and _as_weight(item) is None
+                    else item for i, item in enumerate(items)]
+    return out
+
+
+@dataclass
+class GPTDatasetConfig(DatasetProvider):
+    """Megatron indexed datasets (``.bin``/``.idx``) read by megatron-core's ``GPTDataset``, blended and
+    split by its ``BlendedMegatronDatasetBuilder``: Megatron Bridge's ``GPTDatasetConfig``.
+
+    Bridge's class inherits megatron-core's ``GPTDatasetConfig``, whose module imports torch; this one
+    has the same field names (``seq_length`` is Bridge's alias of ``sequence_length``) so the login
+    node can check a job without torch, and :func:`bridge_hpc.training.data.build_gpt_datasets` builds
+    megatron-core's config from it on the ranks. As in Bridge, ``finalize()`` is deferred and turns the
+    CLI-friendly ``data_path`` into megatron-core's ``blend``:
+
+    - ``data_path``: prefixes (``["a", "b"]``, weighted by size) or a weighted blend
+      (``["0.7", "a", "0.3", "b"]``), split into train/valid/test by ``split`` (default
+      ``"969,30,1"``, Megatron-LM's);
+    - or ``train_data_path`` / ``valid_data_path`` / ``test_data_path``, each its own blend
+      (megatron-core's ``blend_per_split``), without ``split``.
+
+    ``path_to_cache`` holds megatron-core's index cache (document, sample and shuffle indices, blend
+    indices), built by rank 0 and then read by the other ranks; ``bridge-submit`` puts it in the run
+    folder. ``seq_length = None`` takes ``model.seq_length``. ``skip_getting_attention_mask_from_dataset``
+    (Bridge's, default true) leaves the causal mask to the attention kernel; ``reset_attention_mask``
+    needs the dataset's per-document mask and so always gets it.
+    """
+
+    random_seed: int = 1234
+    seq_length: Optional[int] = None
+    data_path: Optional[Union[str, List[Union[str, float]]]] = None
+    train_data_path: Optional[Union[str, List[Union[str, float]]]] = None
+    valid_data_path: Optional[Union[str, List[Union[str, float]]]] = None
+    test_data_path: Optional[Union[str, List[Union[str, float]]]] = None
+    split: Optional[str] = None
+    path_to_cache: Optional[str] = None
+    mmap_bin_files: bool = True
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    skip_getting_attention_mask_from_dataset: bool = True
+    num_dataset_builder_threads: int = 1
+    mid_level_dataset_surplus: float = 0.005
+    blend: Optional[Blend] = field(default=None, init=False)
+    blend_per_split: Optional[List[Optional[Blend]]] = field(default=None, init=False)
+
+    def finalize(self) -> None:
+        super().finalize()
+        per_split = {k: getattr(self, k) for k in GPT_DATASET_PATH_KEYS[1:] if getattr(self, k) is not None}
+        _check(self.data_path is not None or per_split, "dataset.data_path",
+               "must be set (or train_data_path / valid_data_path / test_data_path)")
+        _check(self.data_path is None or not per_split, f"dataset.{next(iter(per_split), 'train_data_path')}",
+               "use either dataset.data_path (with dataset.split) or per-split paths, not both")
+        if self.data_path is not None:
+            if self.split is None:
+                self.split = DEFAULT_SPLIT
+            self.blend = self._checked_blend(self.data_path, "dataset.data_path")
+            self._check_split_documents()
+        else:
+            _check(self.split is None, "dataset.split",
+                   "is for dataset.data_path; per-split paths are not split again (remove it)")
+            self.blend_per_split = [
+                self._checked_blend(value, f"dataset.{key}") if value is not None else None
+                for key, value in ((k, getattr(self, k)) for k in GPT_DATASET_PATH_KEYS[1:])
+            ]
+        if self.path_to_cache is not None:
+            self.path_to_cache = os.path.abspath(os.path.expanduser(self.path_to_cache))
+        _check(self.seq_length is None or self.seq_length > 0, "dataset.seq_length", "must be > 0")
+        _check(self.num_dataset_builder_threads >= 1, "dataset.num_dataset_builder_threads", "must be >= 1")
+        _check(self.mid_level_dataset_surplus >= 0, "dataset.mid_level_dataset_surplus", "must be >= 0")
+
+    @staticmethod
+    def _checked_blend(value: Union[str, List[Union[str, float]]], key: str) -> Blend:
+        prefixes, weights = parse_blend(value, key)
+        prefixes = [os.path.abspath(os.path.expanduser(p)) for p in prefixes]
+        for prefix in prefixes:
+            read_index_header(prefix, key)
+        return prefixes, weights
+
+    def _check_split_documents(self) -> None:
+        """Every split that ``split`` gives a share must get at least one document of every dataset.
+
+        megatron-core splits each dataset by document with ``round(fraction * documents)``; a split
+        left with no document makes its GPTDataset loop forever looking for tokens, on every rank. So
+        a dataset of few documents with a small valid or test share is refused here, naming both.
+        """
+        fractions = parse_split(self.split)
+        bounds, start = [], 0.0
+        for fraction in fractions:
+            bounds.append((start, start + fraction) if fraction > 0 else None)
+            start += fraction
+        for prefix in self.blend[0]:
+            documents = read_index_header(prefix, "dataset.data_path").sequence_count
+            for name, bound in zip(("train", "valid", "test"), bounds):
+                if bound is not None:
+                    _check(round(bound[1] * documents) > round(bound[0] * documents), "dataset.split",
+                           f"{self.split!r} gives the {name} split none of the {documents} documents of {prefix} "
+                           f"(megatron-core splits by document); give it more documents or set its share to 0")
+
+    @property
+    def create_attention_mask(self) -> bool:
+        """Whether samples carry megatron's attention mask: only when it says more than "causal"."""
+        return self.reset_attention_mask or not self.skip_getting_attention_mask_from_dataset
+
+    def prefixes(self) -> List[Tuple[str, str]]:
+        """``(prefix, key)`` of every dataset the config reads, in order, each once."""
+        out: List[Tuple[str, str]] = []
+        named = [("dataset.data_path", self.blend)] if self.blend else [
+            (f"dataset.{k}", b) for k, b in zip(GPT_DATASET_PATH_KEYS[1:], self.blend_per_split or []) if b]
+        for key, (paths, _) in named:
+            out.extend((p, key) for p in paths if p not in [q for q, _ in out])
+        return out
+
+    def build_datasets(self, context: DatasetBuildContext):
+        from bridge_hpc.training.data import build_gpt_datasets
+
+        return build_gpt_datasets(self, context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -656,7 +941,8 @@ class ConfigContainer:
                                   path=source, key=name)
             if not isinstance(body, dict):
                 raise ConfigError(f"expected a table [{name}], got {type(body).__name__}", path=source, key=name)
-            kwargs[name] = build_dataclass(SECTIONS[name], name, body, error)
+            section_cls = dataset_config_class(body) if name == "dataset" else SECTIONS[name]
+            kwargs[name] = build_dataclass(section_cls, name, body, error)
         for name in ("train", "model", "optimizer", "scheduler", "dataset", "logger", "checkpoint"):
             kwargs.setdefault(name, build_dataclass(SECTIONS[name], name, {}, error))
         tokenizer = kwargs.get("tokenizer")
@@ -666,6 +952,7 @@ class ConfigContainer:
         cfg = cls(**kwargs)
         try:
             cfg.finalize_sections()
+            cfg.check_data_needs()
         except ConfigError as err:
             raise ConfigError(err.message, path=source, key=err.key) from None
         return cfg
@@ -683,6 +970,14 @@ class ConfigContainer:
             section.finalize()
 
     # -- cross-section checks -----------------------------------------------------------------
+    def check_data_needs(self) -> None:
+        """Indexed data needs a tokenizer (megatron-core's GPTDataset takes its end-of-document and pad
+        ids from it, and it sizes the vocabulary): checked at submission, not minutes later on the ranks."""
+        if isinstance(self.dataset, GPTDatasetConfig):
+            _check(self.tokenizer is not None, "tokenizer.tokenizer_type",
+                   "dataset.data_path needs a [tokenizer] section: the one the data was prepared with "
+                   "(e.g. tokenizer_type = \"ByteLevelTokenizer\")")
+
     def validate(self, world_size: Optional[int] = None) -> None:
         """Check that the (finalized) sections agree with each other and with the world; fills the
         fields that depend on it (data-parallel size, decay and warm-up iterations).
@@ -698,6 +993,8 @@ class ConfigContainer:
         _check(t.global_batch_size % (t.micro_batch_size * self.data_parallel_size) == 0, "train.global_batch_size",
                f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) "
                f"x data-parallel size ({self.data_parallel_size})")
+        if isinstance(self.dataset, GPTDatasetConfig):
+            self._validate_gpt_dataset()
         seq_length = getattr(self.dataset, "seq_length", None)
         _check(seq_length is None or seq_length == m.seq_length, "dataset.seq_length",
                f"{seq_length} differs from model.seq_length ({m.seq_length})")
@@ -726,6 +1023,30 @@ class ConfigContainer:
                "is set but checkpoint.save (the folder) is not")
         _check(t.eval_interval in (None, 0) or (t.eval_iters or 0) > 0, "train.eval_iters",
                "must be > 0 when train.eval_interval is set")
+
+    def _validate_gpt_dataset(self) -> None:
+        """Fill the indexed-data fields that come from other sections and check them against those."""
+        d = self.dataset
+        self.check_data_needs()
+        if d.seq_length is None:
+            d.seq_length = self.model.seq_length
+        if d.path_to_cache is None and self.checkpoint.save:
+            # bridge-submit sets path_to_cache (RUN/dataset_cache). A config built in Python gets the
+            # same place when its checkpoints are in the run folder's default spot; the cache's file
+            # names are hashes of what they index, so a folder shared by runs is safe.
+            d.path_to_cache = os.path.join(os.path.dirname(os.path.abspath(self.checkpoint.save)),
+                                           run_folder.DATASET_CACHE_DIR)
+        if self.train.train_iters > 0 and not self.train.skip_train:
+            if d.blend is not None:
+                _check(parse_split(d.split)[0] > 0, "dataset.split",
+                       f"{d.split!r} gives the train split no data, and train.train_iters is {self.train.train_iters}")
+            else:
+                _check(bool(d.blend_per_split and d.blend_per_split[0]), "dataset.train_data_path",
+                       f"must be set: train.train_iters is {self.train.train_iters}")
+        # Transformer Engine's causal attention ignores an explicit mask, so per-document masks would
+        # silently not apply.
+        _check(not d.reset_attention_mask or self.model.transformer_impl == "local", "dataset.reset_attention_mask",
+               "needs model.transformer_impl = \"local\" (Transformer Engine's causal attention ignores the mask)")
 
     def to_dict(self) -> Dict[str, Any]:
         """The resolved configuration as plain data (saved in every checkpoint)."""

@@ -3,22 +3,40 @@
 The data position is one number, the count of consumed samples: datasets are map-style and
 deterministic in the index, and the sampler walks global sample indices in order from that count,
 each data-parallel rank taking its slice of every micro-batch. Restoring the count from a
-checkpoint therefore restores the exact next batch on every rank.
+checkpoint therefore restores the exact next batch on every rank. megatron-core's GPTDataset and
+BlendedDataset are of that kind (their document, sample, shuffle and blend indices are fixed by the
+config's seed and sizes), so indexed data and blends resume exactly as mock data does.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Iterator, Optional, Sequence
+import json
+import os
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bridge_hpc.contracts import signals
-from bridge_hpc.training.config import DataloaderConfig, DatasetBuildContext, DatasetProvider
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.training.config import (
+    DataloaderConfig,
+    DatasetBuildContext,
+    DatasetProvider,
+    GPTDatasetConfig,
+    read_index_header,
+)
 
-__all__ = ["MockGPTDataset", "DatasetProvider", "DatasetBuildContext", "SampleIterator", "build_data_iterator"]
+__all__ = ["MockGPTDataset", "DatasetProvider", "DatasetBuildContext", "SampleIterator", "build_data_iterator",
+           "build_datasets", "build_gpt_datasets", "check_token_ids"]
+
+#: In ``path_to_cache``: the largest token id of each ``.bin`` already scanned, keyed by path, size and
+#: modification time, so a requeued job does not read its whole corpus again.
+TOKEN_SCAN_FILE = "max_token_ids.json"
+#: Tokens per read when scanning a ``.bin`` (64 MiB of int32): bounded memory, large sequential reads.
+_SCAN_CHUNK = 1 << 24
 
 _SPLITS = {"train": 0, "valid": 1, "test": 2}
 
@@ -134,11 +152,143 @@ def build_data_iterator(dataset: Optional[Dataset], consumed_samples: int, micro
                           stop_signals)
 
 
-def build_datasets(provider: DatasetProvider, cfg) -> tuple:
-    """Ask the dataset provider for ``(train, valid, test)`` sized for the whole run."""
+def build_datasets(provider: DatasetProvider, cfg, tokenizer: Optional[Any] = None) -> tuple:
+    """Ask the dataset provider for ``(train, valid, test)`` sized for the whole run.
+
+    ``tokenizer``: the run's, from :func:`bridge_hpc.training.tokenizers.build_tokenizer_for` (which
+    indexed data needs). A collective when torch.distributed is up: every rank must call it.
+    """
     t = cfg.train
     train_samples = t.train_iters * t.global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     valid_samples = evals * (t.eval_iters or 0) * t.global_batch_size
     test_samples = (t.eval_iters or 0) * t.global_batch_size
-    return provider.build_datasets(DatasetBuildContext(train_samples, valid_samples, test_samples))
+    return provider.build_datasets(DatasetBuildContext(train_samples, valid_samples, test_samples,
+                                                       tokenizer=tokenizer, vocab_size=cfg.model.vocab_size))
+
+
+# ---------------------------------------------------------------------------------------------
+# Indexed data: megatron-core's GPTDataset through its BlendedMegatronDatasetBuilder
+# ---------------------------------------------------------------------------------------------
+
+
+def build_gpt_datasets(config: GPTDatasetConfig, context: DatasetBuildContext) -> tuple:
+    """``(train, valid, test)`` of megatron-core ``GPTDataset`` / ``BlendedDataset`` for ``config``.
+
+    ``config`` must have been validated (``seq_length`` and ``path_to_cache`` filled). First the token
+    ids are checked against the model's vocabulary (:func:`check_token_ids`), then megatron-core's
+    builder runs on every rank: with torch.distributed up it builds each dataset on rank 0 first
+    (writing the index cache), waits at a barrier, and the other ranks then load those indices.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MCoreGPTDatasetConfig
+
+    if context.tokenizer is None:
+        raise ValueError("GPTDatasetConfig needs the run's tokenizer: build it with "
+                         "bridge_hpc.training.tokenizers.build_tokenizer_for(cfg) and pass it to build_datasets")
+    if context.vocab_size is not None:
+        check_token_ids(config.prefixes(), context.vocab_size, config.path_to_cache)
+    mcore_config = MCoreGPTDatasetConfig(
+        random_seed=config.random_seed, sequence_length=config.seq_length, blend=config.blend,
+        blend_per_split=config.blend_per_split, split=config.split, path_to_cache=config.path_to_cache,
+        mmap_bin_files=config.mmap_bin_files, tokenizer=context.tokenizer,
+        reset_position_ids=config.reset_position_ids, reset_attention_mask=config.reset_attention_mask,
+        eod_mask_loss=config.eod_mask_loss, create_attention_mask=config.create_attention_mask,
+        num_dataset_builder_threads=config.num_dataset_builder_threads,
+        mid_level_dataset_surplus=config.mid_level_dataset_surplus,
+    )
+    sizes = [context.train_samples, context.valid_samples, context.test_samples]
+    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, mcore_config).build()
+    return train, valid, test
+
+
+def check_token_ids(prefixes: Sequence[Tuple[str, str]], vocab_size: int, cache_dir: Optional[str]) -> None:
+    """Raise a ConfigError naming the ``.bin`` (and the config key) whose token ids reach ``vocab_size``.
+
+    ``prefixes``: ``(prefix, config key)`` pairs. A dataset prepared with another tokenizer would
+    otherwise index past the embedding table (a CUDA assert, or on CPU an IndexError) at some step, or
+    train quietly on garbage. The scan reads every ``.bin`` once, in chunks, shared across the ranks
+    (each reads every world-size-th chunk; one all-reduce takes the maxima), so it costs a fraction of
+    one read of the corpus; each file's maximum is kept in ``cache_dir`` (:data:`TOKEN_SCAN_FILE`), so
+    a restart rescans only files that changed. Every rank raises the same error, so all exit with the
+    bad-input status together. Collective when torch.distributed is up.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    headers = [(read_index_header(prefix, key), key) for prefix, key in prefixes]
+    stamps = [_stamp(h.prefix + ".bin") for h, _ in headers]
+    # Rank 0 alone reads the cache and tells the others, so all ranks agree on what to scan.
+    known = _load_scan_cache(cache_dir) if rank == 0 else {}
+    cached: List[Optional[int]] = []
+    for (header, _), stamp in zip(headers, stamps):
+        entry = known.get(header.prefix + ".bin")
+        fresh = isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("max_id"), int)
+        cached.append(entry["max_id"] if fresh else None)
+    if distributed:
+        shared = [cached]
+        dist.broadcast_object_list(shared, src=0)
+        cached = shared[0]
+    todo = [i for i, value in enumerate(cached) if value is None]
+    maxima = [-1 if value is None else value for value in cached]
+    if todo:
+        local = _scan_max_ids([headers[i][0] for i in todo], rank, world)
+        if distributed:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            reduced = torch.tensor(local, dtype=torch.int64, device=device)
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+            local = reduced.cpu().tolist()
+        for i, value in zip(todo, local):
+            maxima[i] = int(value)
+        if rank == 0 and cache_dir:
+            for i in todo:
+                path = headers[i][0].prefix + ".bin"
+                known[path] = {"stamp": stamps[i], "max_id": maxima[i]}
+            _save_scan_cache(cache_dir, known)
+    for (header, key), max_id in zip(headers, maxima):
+        if max_id >= vocab_size:
+            raise ConfigError(f"token id {max_id} in {header.prefix}.bin is outside the model's vocabulary "
+                              f"(size {vocab_size}): the data was made with another tokenizer than [tokenizer]",
+                              path=header.prefix + ".bin", key=key)
+
+
+def _stamp(path: str) -> List[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _scan_max_ids(headers: Sequence[Any], rank: int, world: int) -> List[int]:
+    """This rank's share of the maxima: chunk ``c`` (counted over all files) belongs to rank ``c % world``."""
+    out, chunk = [], 0
+    for header in headers:
+        tokens = np.memmap(header.prefix + ".bin", dtype=np.dtype(header.dtype), mode="r")
+        best = -1
+        for start in range(0, len(tokens), _SCAN_CHUNK):
+            if chunk % world == rank:
+                best = max(best, int(tokens[start:start + _SCAN_CHUNK].max()))
+            chunk += 1
+        del tokens
+        out.append(best)
+    return out
+
+
+def _load_scan_cache(cache_dir: Optional[str]) -> Dict[str, Any]:
+    if not cache_dir:
+        return {}
+    try:
+        with open(os.path.join(cache_dir, TOKEN_SCAN_FILE)) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # no cache yet, or a damaged one: scan again
+
+
+def _save_scan_cache(cache_dir: str, known: Dict[str, Any]) -> None:
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, TOKEN_SCAN_FILE)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(known, f, indent=1)
+    os.replace(tmp, path)

@@ -1,19 +1,18 @@
-"""The GPT model (megatron-core ``GPTModel``), its SDPA core attention and a Bridge-style forward step.
+"""The GPT model (megatron-core ``GPTModel``) and its SDPA core attention.
 
 megatron-core's local ``DotProductAttention`` asks ``torch.cuda`` for a buffer and cannot run on
 CPU; :class:`SDPACoreAttention` replaces it in the layer spec with
 ``torch.nn.functional.scaled_dot_product_attention``, which runs everywhere and on an H100 is faster
 and leaner than the unfused local kernel (see the project notes). Transformer Engine's spec is used
 only when asked for (``model.transformer_impl``), importable, and on CUDA; otherwise the local spec
-with SDPA.
+with SDPA. The forward step lives in :mod:`bridge_hpc.training.gpt_step` (re-exported here).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
-from functools import partial
-from typing import Dict, Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +23,19 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bridge_hpc.training.config import GPTModelConfig
-from bridge_hpc.training.state import GlobalState
+from bridge_hpc.training.gpt_step import forward_step, get_batch
+from bridge_hpc.training.losses import masked_next_token_loss, masked_token_loss
 
 
 class SDPACoreAttention(MegatronModule):
     """Core attention via ``scaled_dot_product_attention``: [s, b, heads, dim] in, [s, b, heads·dim] out.
 
     Constructor and forward take megatron-core's core-attention arguments, so it drops into
-    ``self_attention.submodules.core_attention``. Causal masking uses SDPA's ``is_causal``; an
-    explicit megatron mask (True = masked out) is inverted for SDPA. Grouped-query attention uses
-    SDPA's ``enable_gqa``.
+    ``self_attention.submodules.core_attention``. Without a mask, causal masking uses SDPA's
+    ``is_causal``; an explicit megatron mask (True = masked out) is inverted for SDPA and used whatever
+    the mask type, because a given mask can say more than "causal" (indexed data with
+    ``reset_attention_mask`` masks across document boundaries). Grouped-query attention uses SDPA's
+    ``enable_gqa``.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -52,7 +54,7 @@ class SDPACoreAttention(MegatronModule):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, dim]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         mask = None
-        if attention_mask is not None and mask_type != AttnMaskType.causal:
+        if attention_mask is not None:
             mask = ~attention_mask.bool()
         if attention_bias is not None:
             bias = attention_bias.to(q.dtype)
@@ -116,36 +118,7 @@ def gpt_model_provider(cfg: GPTModelConfig, pre_process: bool = True, post_proce
     return model
 
 
-# ---------------------------------------------------------------------------------------------
-# Forward step (the Megatron Bridge gpt_step shape)
-# ---------------------------------------------------------------------------------------------
-
-
-def get_batch(data_iterator: Iterable) -> Dict[str, torch.Tensor]:
-    """Next micro-batch, on the current device."""
-    batch = next(data_iterator)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
-
-
-def masked_next_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Sum of per-token losses under the mask, the token count, and the ``[sum, count]`` report.
-
-    The 3-tuple lets the loop average per token across micro-batches and data-parallel ranks.
-    """
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.float().view(-1)
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
-    return loss, num_tokens, {"lm loss": report}
-
-
-def forward_step(state: GlobalState, data_iterator: Iterable, model, return_schedule_plan: bool = False):
-    """Bridge's GPT forward step: read a batch, run the model with labels, return the loss function."""
-    timer = state.timers("batch-generator", log_level=2)
-    timer.start()
-    batch = get_batch(data_iterator)
-    timer.stop()
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(masked_next_token_loss, batch["loss_mask"])
+# The forward step and its loss moved to gpt_step and losses (Bridge's modules); these names stay
+# importable from here, where job files and forward steps written before found them.
+__all__ = ["SDPACoreAttention", "transformer_config", "gpt_model_provider", "padded_vocab_size", "forward_step",
+           "get_batch", "masked_next_token_loss", "masked_token_loss"]

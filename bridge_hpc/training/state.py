@@ -137,6 +137,9 @@ class GlobalState:
         self.start_time = time.time()
         self.rank = 0
         self.world_size = 1
+        #: The run's tokenizer (megatron-core's, built from ``[tokenizer]``), None without one; as Bridge's
+        #: ``state.tokenizer``, for forward steps that decode or need special ids.
+        self.tokenizer = None
         #: This run's start, end and time limit as Slurm reports them (``slurm_query.JobTimes``; rank 0
         #: only, None when unknown). See ``bridge_hpc.training.train.time_limit_reached``.
         self.job_times = None

@@ -163,3 +163,19 @@ def apply_tokenizer_vocab_size(cfg: ConfigContainer, tokenizer: Any) -> int:
                           f"({tokenizer.vocab_size}); leave model.vocab_size unset to follow the tokenizer",
                           key="model.vocab_size")
     return cfg.model.vocab_size
+
+
+def build_tokenizer_for(cfg: ConfigContainer) -> Optional[Any]:
+    """The run's tokenizer, with ``cfg.model.vocab_size`` set from it; None without ``[tokenizer]``.
+
+    Called once on every rank before the model is built (the embedding's size depends on it) and
+    before :meth:`ConfigContainer.validate` (which gives mock data the model's vocabulary). The
+    tokenizer then goes to the datasets: megatron-core's GPTDataset reads its end-of-document and
+    pad ids. Indexed data without a tokenizer is a ConfigError naming ``tokenizer.tokenizer_type``.
+    """
+    if cfg.tokenizer is None:
+        cfg.check_data_needs()
+        return None
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    apply_tokenizer_vocab_size(cfg, tokenizer)
+    return tokenizer
