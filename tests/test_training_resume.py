@@ -16,11 +16,11 @@ import sys
 import time
 
 import pytest
-from jobs import assert_bitwise_equal, model_params
 import torch
+from jobs import assert_bitwise_equal, model_params
 
-from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint
 from bridge_hpc.report.progress import parse_events
+from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint
 from bridge_hpc.training.metrics import read_metrics
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
@@ -73,15 +73,15 @@ def test_straight_run_outputs(straight):
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(first)
     assert metrics[40]["loss"] < metrics[1]["loss"]  # it learns
     ckpts = os.path.join(run_dir, "checkpoints")
-    assert sorted(os.listdir(ckpts)) == ["iter_0000030", "iter_0000040", TRACKER, "progress.txt"]  # most_recent_k=2
+    assert sorted(os.listdir(ckpts)) == [".lock", "iter_0000030", "iter_0000040", TRACKER, "progress.txt"]  # k=2
     events = [(e.name, e.fields.get("Iteration"), e.fields.get("Reason")) for e in parse_events(
         os.path.join(ckpts, "progress.txt"))]
     assert events == [("Starting job", None, None), ("First step", "1", None)] + [
         ("Saved checkpoint", str(i), None) for i in (10, 20, 30, 40)] + [("Ending job", "40", "done")]
     assert open(os.path.join(ckpts, TRACKER)).read().strip() == "40"
     assert sorted(os.listdir(os.path.join(ckpts, "iter_0000040"))) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "rank_00000.pt", "rank_00001.pt", "run_config.json",
-        "train_state.pt"]
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "rank_00000.pt", "rank_00001.pt",
+        "run_config.json", "train_state.pt"]
     tb = os.path.join(run_dir, "tb")  # relative training paths live in the run folder
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
 
@@ -118,9 +118,9 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
     ckpts = os.path.join(_run_dir(job), "checkpoints")
     rng = random.Random(7)
     last = 0
-    for attempt in range(4):
-        proc = subprocess.Popen(_torchrun(job, "checkpoint.save_interval=1"), cwd=os.path.dirname(str(job)), start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _attempt in range(4):
+        proc = subprocess.Popen(_torchrun(job, "checkpoint.save_interval=1"), cwd=os.path.dirname(str(job)),
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while time.time() < deadline:  # wait for this attempt's first own checkpoint
             try:
@@ -194,19 +194,23 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
 
 
 def test_latest_checkpoint_ignores_incomplete_folders(tmp_path):
-    """The newest complete ``iter_*`` folder wins, whatever the tracker says; half-written
-    (``.tmp``), half-deleted (``.del``) or unmarked folders never do."""
+    """The tracker's checkpoint when it names a complete one (also an older one: Megatron's
+    rollback), else the newest complete ``iter_*`` folder; half-written (``.tmp``), half-deleted
+    (``.del``) or unmarked folders never. Complete here: format 1, ``train_state.pt`` without a
+    manifest."""
     root = tmp_path / "ckpt"
     for name, complete in (("iter_0000005", True), ("iter_0000006", True), ("iter_0000007", False),
                            ("iter_0000008.tmp", True), ("iter_0000009.del", True)):
         (root / name).mkdir(parents=True)
         if complete:
-            (root / name / "train_state.pt").write_bytes(b"x")
+            torch.save({"format_version": 1, "iteration": int(name[5:12])}, str(root / name / "train_state.pt"))
+            torch.save({"world_size": 1}, str(root / name / "rank_00000.pt"))
+            (root / name / ".metadata").write_bytes(b"x")
     assert find_latest_checkpoint(str(root)) == str(root / "iter_0000006")  # no tracker: scan
     (root / TRACKER).write_text("6\n")
     assert find_latest_checkpoint(str(root)) == str(root / "iter_0000006")
-    (root / TRACKER).write_text("5\n")  # killed between the rename of iter_6 and the tracker update
-    assert find_latest_checkpoint(str(root)) == str(root / "iter_0000006")
+    (root / TRACKER).write_text("5\n")  # a rollback, or killed between the rename of iter_6 and the tracker update
+    assert find_latest_checkpoint(str(root)) == str(root / "iter_0000005")
     (root / TRACKER).write_text("7\n")
     assert find_latest_checkpoint(str(root)) == str(root / "iter_0000006")  # tracker names an incomplete one
     (root / TRACKER).write_text("garbage")

@@ -7,7 +7,8 @@ The format is Megatron-LM's (described in ``shared/notes/progress-log.md``)::
 Users already have tools that parse it, some by position (Megatron itself reads the FLOPs of a
 ``Saved checkpoint`` line as the 8th tab-separated token), so bridge_hpc keeps the standard events and
 fields exactly where Megatron puts them and only *appends*: extra fields go after the standard ones,
-extra events (``Loaded checkpoint``, ``First step``, ``Ending job``, ``Restart``) use the same
+extra events (``Loaded checkpoint``, ``First step``, ``Ending job``, ``Restart``, ``Checkpoint
+fallback``) use the same
 ``Key: value`` style.  These extra events are what make goodput computable: why a run ended, and the
 time spent on start-up, checkpoint load and save and on steps that were lost.
 
@@ -30,6 +31,7 @@ LOADED_CHECKPOINT = "Loaded checkpoint"
 FIRST_STEP = "First step"
 ENDING_JOB = "Ending job"
 RESTART = "Restart"
+CHECKPOINT_FALLBACK = "Checkpoint fallback"
 
 SAVE_EVENTS = (SAVED_CHECKPOINT, SAVING_ASYNC)
 
@@ -299,6 +301,13 @@ class ProgressLog:
         :meth:`starting_job`. ``lost_s`` = seconds from the fault to now (detection and teardown),
         which the report charges to the run that failed."""
         self._write(RESTART, [("Cause", cause), ("Lost seconds", f"{lost_s:.1f}")])
+
+    def checkpoint_fallback(self, damaged: str, moved_to: str, reason: str, using: str) -> None:
+        """The newest checkpoint failed verification or loading: it was moved aside to ``moved_to`` and
+        the run loads ``using`` instead (a folder name, or "none"). Recorded so that a person reading the
+        log sees why the run resumed further back than the tracker said."""
+        self._write(CHECKPOINT_FALLBACK, [("Damaged", damaged), ("Moved to", moved_to), ("Reason", reason),
+                                          ("Using", using)])
 
     # -- plumbing ----------------------------------------------------------------------------------
 

@@ -1,22 +1,38 @@
-"""Crash-safe checkpoints: a folder per iteration that is either complete or invisible.
+"""Crash-safe checkpoints: a folder per iteration that is either complete or invisible, verified before
+it is loaded.
 
 Layout under ``checkpoint.save``::
 
-    latest_checkpointed_iteration.txt   # the newest complete iteration, replaced atomically
+    latest_checkpointed_iteration.txt   # the iteration to resume from (Megatron's tracker), replaced atomically
+    .lock                               # flock'ed by rank 0 of the job training into this folder
     iter_0000020/
         .metadata, __0_0.distcp, ...    # model + optimizer (torch.distributed.checkpoint format)
-        train_state.pt                  # train_state, scheduler, iteration (rank 0), written last
         rank_00000.pt, rank_00001.pt    # per rank: python/numpy/torch RNG states, data position
         run_config.json                 # the resolved configuration
+        train_state.pt                  # train_state, scheduler, iteration (rank 0)
+        manifest.json                   # every other file with its size in bytes; written last
+    iter_0000010.damaged/               # a checkpoint that failed verification or loading, set aside
 
 Write protocol (what makes a SIGKILL at any instant harmless): every rank writes into
-``iter_XXXXXXX.tmp``; each rank fsyncs the files it wrote; after a barrier rank 0 writes
-``train_state.pt`` (fsynced), fsyncs the folder, renames it to ``iter_XXXXXXX``, fsyncs the parent,
-and only then replaces the tracker (write temp, fsync, rename, fsync parent). Loading takes the
-newest complete ``iter_*`` folder, which is the tracker's unless the tracker is missing, broken, or
-one rename behind. Old checkpoints beyond
-``most_recent_k`` are renamed to ``*.del`` before deletion, so a half-deleted folder never looks
-complete.
+``iter_XXXXXXX.tmp`` and fsyncs the files it wrote; after the ranks agree that all writes succeeded,
+rank 0 writes ``train_state.pt``, then ``manifest.json`` (both fsynced), fsyncs the folder, renames it
+to ``iter_XXXXXXX``, fsyncs the parent, and only then replaces the tracker (write temp, fsync, rename,
+fsync parent). A ``.tmp`` folder is never loaded; old checkpoints beyond ``most_recent_k`` are renamed
+to ``*.del`` before deletion, so a half-deleted folder never looks complete either.
+
+A failed write on any rank (a full disk, a quota, an I/O error) is agreed on by all ranks at the end
+of each phase of the save, so every rank raises :class:`CheckpointSaveError` with the cause within
+seconds instead of the healthy ranks waiting forever in the next collective for the failed one.
+
+Load: rank 0 picks the checkpoint and every other rank follows it (one broadcast), so all ranks enter
+the collective load of the same folder. The tracker is obeyed when it names a complete checkpoint,
+also an older one than the newest (a user rolling back after a loss spike, as in Megatron); when it
+is missing, unreadable or names no complete checkpoint, the newest complete one is used. Before
+loading, rank 0 checks the folder against its manifest (:func:`verify_checkpoint`: sizes only,
+cheap); a damaged one, or one whose load fails on any rank, is renamed to ``*.damaged`` (never
+deleted), reported on stderr and in progress.txt (``Checkpoint fallback``), and the next older
+complete checkpoint is tried. Folders of format 1 (no manifest) are still read; for them only the
+presence and non-emptiness of the files can be checked.
 
 Back ends: without CUDA the model and optimizer go through ``torch.distributed.checkpoint``
 (torch-native DDP and optimizer); on CUDA through megatron-core's ``dist_checkpointing`` with
@@ -25,31 +41,59 @@ megatron's DDP and optimizer. Everything else is shared.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import glob
+import io
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from bridge_hpc.contracts import run_folder
+from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training.state import GlobalState
 
 logger = logging.getLogger(__name__)
 
 TRACKER = run_folder.TRACKER_FILE
-#: Written last into a checkpoint folder; its presence marks the folder complete. (Not ``common.pt``:
-#: megatron-core's dist_checkpointing writes a file of that name itself.)
+#: Written by rank 0 once every rank's files are durable (not ``common.pt``: megatron-core's
+#: dist_checkpointing writes a file of that name itself).
 COMMON_FILE = "train_state.pt"
+#: Written last into a checkpoint folder (format 2): every other file of the folder with its size.
+#: Its presence marks the folder complete; the sizes let a load find a truncated or missing file
+#: before any rank reads it.
+MANIFEST_FILE = "manifest.json"
+#: Suffix of a checkpoint folder set aside because it failed verification or loading.
+DAMAGED_SUFFIX = ".damaged"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: A save failure with less free space than this on the file system is reported as a full disk even
+#: when the OSError itself was lost on the way (megatron's writers and torch's zip writer replace it).
+_NEARLY_FULL_BYTES = 1 << 20
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed on some rank; raised on every rank with the same one-line message."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """No checkpoint under ``checkpoint.load`` can be loaded, although some exist (all damaged)."""
+
+
+class CheckpointFolderInUse(RuntimeError):
+    """Another process holds the checkpoint folder's lock: two jobs would write the same checkpoints."""
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -70,25 +114,38 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def _write_durable(path: str, data: bytes) -> None:
+    """Write, flush and fsync ``path``. An OSError is raised again with ``path`` as its filename: the
+    one from ``write`` names no file, and "no space left on device" alone does not say where."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, path) from err
+
+
 def _torch_save_durable(obj: Any, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    # Serialized in memory first: torch.save straight into a file that hits a full disk reports
+    # "unexpected pos 704 vs 598" (its zip writer) instead of the OSError.
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    _write_durable(path, buffer.getvalue())
 
 
 def _write_tracker(root: str, iteration: int) -> None:
     tmp = os.path.join(root, TRACKER + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _write_durable(tmp, f"{iteration}\n".encode())
     os.replace(tmp, os.path.join(root, TRACKER))
     _fsync_path(root)
 
 
 def _is_complete(path: str) -> bool:
-    return _ITER_RE.match(os.path.basename(path)) is not None and os.path.isfile(os.path.join(path, COMMON_FILE))
+    """Named like a checkpoint and renamed from ``.tmp`` (it has a manifest, or, format 1, a
+    ``train_state.pt``). Complete is not the same as loadable: see :func:`verify_checkpoint`."""
+    return _ITER_RE.match(os.path.basename(path)) is not None and (
+        os.path.isfile(os.path.join(path, MANIFEST_FILE)) or os.path.isfile(os.path.join(path, COMMON_FILE)))
 
 
 def complete_iterations(root: str) -> List[int]:
@@ -103,31 +160,138 @@ def complete_iterations(root: str) -> List[int]:
     return sorted(found)
 
 
-def _read_tracker(root: str) -> Optional[int]:
+def _read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
+    """(iteration, None) or (None, why the tracker cannot be used)."""
+    path = os.path.join(root, TRACKER)
     try:
-        with open(os.path.join(root, TRACKER)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
+        with open(path) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None, f"{TRACKER} is missing"
+    except (OSError, UnicodeDecodeError) as err:
+        return None, f"{TRACKER} is unreadable ({err})"
+    try:
+        return int(text), None
+    except ValueError:
+        return None, f"{TRACKER} holds {text[:40]!r}, not an iteration"
 
 
-def find_latest_checkpoint(root: str) -> Optional[str]:
-    """The newest complete checkpoint folder under ``root``, or None.
+def _load_order(root: str) -> Tuple[List[str], Optional[int], Optional[str]]:
+    """The complete checkpoint folders to try, best first, the tracker's iteration (None: unusable),
+    and a warning about the tracker (or None).
 
-    Normally the one the tracker names. A folder is complete once renamed from ``.tmp`` (its
-    ``train_state.pt`` is written after every rank's files are durable), so a complete folder
-    newer than the tracker (a kill between rename and tracker update) is used too, as is the scan
-    when the tracker is missing, unreadable or names a folder that is gone.
+    A tracker naming a complete checkpoint is obeyed and only older ones are fallbacks (Megatron's
+    rule: a user rolls back by writing an older iteration into it; a kill between a save's rename
+    and its tracker update also leaves the tracker one checkpoint behind, which is as good).
+    Otherwise every complete checkpoint is a candidate, newest first.
     """
     iterations = complete_iterations(root)
-    if not iterations:
+    tracked, problem = _read_tracker(root)
+    if tracked is not None and tracked in iterations:
+        newer = [i for i in iterations if i > tracked]
+        if newer:
+            logger.info("%s names iteration %d: newer checkpoints %s are ignored", TRACKER, tracked, newer)
+        chosen = [tracked] + [i for i in reversed(iterations) if i < tracked]
+        return [iteration_dir(root, i) for i in chosen], tracked, None
+    if tracked is not None:
+        problem = f"{TRACKER} names iteration {tracked}, which has no complete checkpoint"
+    warning = None
+    if iterations and problem:
+        warning = f"{problem} in {root}; using the newest complete checkpoint"
+    return [iteration_dir(root, i) for i in reversed(iterations)], tracked, warning
+
+
+def verify_checkpoint(path: str, world_size: Optional[int] = None) -> Optional[str]:
+    """None if the checkpoint folder ``path`` looks loadable, else one line naming the damaged file.
+
+    Format 2: every file in the manifest is there with the size the manifest gives. Format 1 (no
+    manifest): ``train_state.pt`` loads, ``.metadata`` is not empty, and every rank of the world size
+    that saved it has its non-empty ``rank_*.pt``. Only sizes are checked, no shard is read, so a
+    shard corrupted at its full size passes here and fails in the load (which falls back as well).
+    ``world_size``: this run's; a different one than the checkpoint's is a resharding, not damage.
+    """
+    name = os.path.basename(os.path.normpath(path))
+    if not os.path.isdir(path):
+        return f"{name} missing"
+    manifest_path = os.path.join(path, MANIFEST_FILE)
+    if not os.path.exists(manifest_path):
+        return _verify_format_1(path, name)
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files = {str(rel): int(size) for rel, size in manifest["files"].items()}
+        saved_iteration = int(manifest["iteration"])
+        saved_world = int(manifest["world_size"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{name}/{MANIFEST_FILE} unreadable ({type(err).__name__}: {err})"
+    match = _ITER_RE.match(name)
+    if match and int(match.group(1)) != saved_iteration:
+        return f"{name}/{MANIFEST_FILE} is of iteration {saved_iteration}"
+    for rel, size in sorted(files.items()):
+        try:
+            actual = os.stat(os.path.join(path, rel)).st_size
+        except FileNotFoundError:
+            return f"{name}/{rel} missing"
+        except OSError as err:
+            return f"{name}/{rel} unreadable ({err.strerror})"
+        if actual != size:
+            return f"{name}/{rel}: {actual} bytes, manifest says {size}"
+    if world_size is None or world_size == saved_world:  # else resharding: rank states do not carry over
+        for rank in range(saved_world):
+            if f"rank_{rank:05d}.pt" not in files:
+                return f"{name}/{MANIFEST_FILE} lists no rank_{rank:05d}.pt"
+    return None
+
+
+def _verify_format_1(path: str, name: str) -> Optional[str]:
+    common = os.path.join(path, COMMON_FILE)
+    if not os.path.exists(common):
+        return f"{name}/{MANIFEST_FILE} missing"
+    try:
+        version = int(torch.load(common, weights_only=False).get("format_version", 1))
+    except Exception as err:  # noqa: BLE001 - any failure to read it makes the folder unusable
+        return f"{name}/{COMMON_FILE} unreadable ({type(err).__name__})"
+    if version >= 2:  # written with a manifest, which is gone
+        return f"{name}/{MANIFEST_FILE} missing"
+    for required in (".metadata", "rank_00000.pt"):
+        problem = _empty_or_missing(path, name, required)
+        if problem:
+            return problem
+    try:
+        saved_world = int(torch.load(os.path.join(path, "rank_00000.pt"), weights_only=False)["world_size"])
+    except Exception as err:  # noqa: BLE001
+        return f"{name}/rank_00000.pt unreadable ({type(err).__name__})"
+    for rank in range(1, saved_world):
+        problem = _empty_or_missing(path, name, f"rank_{rank:05d}.pt")
+        if problem:
+            return problem
+    return None
+
+
+def _empty_or_missing(path: str, name: str, rel: str) -> Optional[str]:
+    try:
+        size = os.stat(os.path.join(path, rel)).st_size
+    except FileNotFoundError:
+        return f"{name}/{rel} missing"
+    except OSError as err:
+        return f"{name}/{rel} unreadable ({err.strerror})"
+    return f"{name}/{rel} is empty" if size == 0 else None
+
+
+def find_latest_checkpoint(root: str, world_size: Optional[int] = None) -> Optional[str]:
+    """The checkpoint folder a run resuming from ``root`` loads (if it loads), or None. Read-only.
+
+    The tracker's if it names a complete checkpoint that verifies, else the newest older (or, with
+    an unusable tracker, newest) complete one that verifies. :func:`load_checkpoint` picks the same
+    folder, and in addition sets damaged ones aside.
+    """
+    if not root or not os.path.isdir(root):
         return None
-    newest = iterations[-1]
-    tracked = _read_tracker(root)
-    if tracked != newest:
-        logger.warning("checkpoint tracker in %s says %s; newest complete checkpoint is iteration %d",
-                       root, tracked, newest)
-    return iteration_dir(root, newest)
+    order, _, _ = _load_order(root)
+    for path in order:
+        if verify_checkpoint(path, world_size) is None:
+            return path
+    return None
 
 
 def _resolve_checkpoint_dir(path: str) -> Optional[str]:
@@ -137,13 +301,125 @@ def _resolve_checkpoint_dir(path: str) -> Optional[str]:
     return find_latest_checkpoint(path)
 
 
+def _set_aside(path: str) -> str:
+    """Rename ``path`` to ``path.damaged`` (``.damaged.1``, ... if taken); returns the new path."""
+    target = path + DAMAGED_SUFFIX
+    count = 0
+    while os.path.exists(target):
+        count += 1
+        target = f"{path}{DAMAGED_SUFFIX}.{count}"
+    os.replace(path, target)
+    _fsync_path(os.path.dirname(path) or ".")
+    return target
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (collective)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather_errors(error: Optional[str]) -> List[Tuple[int, str]]:
+    """Every rank's error (None: it succeeded), as (rank, error) pairs of the ranks that failed
+    (collective). It doubles as the barrier between the phases of a save."""
+    if not dist.is_initialized():
+        return [] if error is None else [(0, error)]
+    errors: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return [(rank, e) for rank, e in enumerate(errors) if e is not None]
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Lock on the checkpoint folder
+# ---------------------------------------------------------------------------------------------
+
+#: Lock file path -> open descriptor holding its flock, for the life of this process's training. An
+#: in-process restart re-enters pretrain in the same process; a second ``open`` + ``flock`` there
+#: would conflict with the first descriptor, so the held one is reused.
+_held_locks: Dict[str, int] = {}
+#: How long a taken lock is retried before the folder counts as in use: the flock belongs to the open
+#: file, which forked children of the previous holder (DataLoader workers) share until they notice
+#: its death and exit, seconds after it; an in-job restart must not take that for another job.
+_LOCK_GRACE_S = 10.0
+
+
+def lock_checkpoint_folder(root: str) -> None:
+    """Rank 0 takes an exclusive ``flock`` on ``root/.lock`` for as long as this process trains; if
+    another process holds it, every rank raises :class:`CheckpointFolderInUse` naming the holder
+    (collective). Two jobs saving into one folder would overwrite each other's checkpoints and
+    tracker. The kernel drops the lock when the holder dies, so a requeued job or an in-job restart
+    (new processes) is never locked out by its dead predecessor."""
+    error = None
+    if _rank() == 0:
+        try:
+            error = _try_lock(root)
+        except OSError as err:  # rank 0 must still reach the broadcast, or the others wait in it
+            error = f"cannot lock checkpoint folder {root}: {err}"
+    error = _from_rank0(error)
+    if error is not None:
+        raise CheckpointFolderInUse(error)
+
+
+def _try_lock(root: str) -> Optional[str]:
+    os.makedirs(root, exist_ok=True)
+    path = os.path.realpath(os.path.join(root, run_folder.CHECKPOINT_LOCK))
+    if path in _held_locks:
+        return None
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + _LOCK_GRACE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)  # e.g. a Lustre mount without flock support: train unlocked rather than not at all
+                logger.warning("cannot lock %s (%s): two jobs on this checkpoint folder would not be stopped",
+                               path, err)
+                return None
+            if time.monotonic() >= deadline:
+                holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "unknown holder"
+                os.close(fd)
+                return (f"checkpoint folder {root} is in use by another job (lock {path} held by {holder}); "
+                        f"two jobs must not train into the same checkpoint folder")
+            time.sleep(0.5)
+    env = JobEnvironment.from_env()
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {env.hostname}, Slurm job {env.job_id or 'none'}\n".encode(), 0)
+    except OSError as err:  # the lock is held all the same; only the note for the next job is lost
+        logger.warning("could not write the holder into %s: %s", path, err)
+    _held_locks[path] = fd
+    return None
+
+
+def release_checkpoint_folder(root: str) -> None:
+    """Drop this process's lock on ``root`` (no-op where it holds none)."""
+    path = os.path.realpath(os.path.join(root, run_folder.CHECKPOINT_LOCK))
+    fd = _held_locks.pop(path, None)
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor releases the flock
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +444,40 @@ def _without_empty_extra_state(model_sd: Dict[str, Any]) -> Dict[str, Any]:
     return {key: value for key, value in model_sd.items() if value is not None}
 
 
+def _dcp_writer(path: str):
+    """DCP's file writer, with a full disk reported as an OSError naming the file. DCP gathers a
+    rank's write error to every rank by pickling it, which drops the chained OSError that torch's zip
+    writer raises its "unexpected pos" RuntimeError from; an OSError's errno and filename survive."""
+    import torch.distributed.checkpoint as dcp
+
+    class _Writer(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            try:
+                return super().write_data(plan, planner)
+            except Exception as exc:
+                raise _naming_file(exc, _newest(glob.glob(os.path.join(path, f"__{_rank()}_*.distcp"))) or path) from exc
+
+        def finish(self, metadata, results):
+            try:
+                return super().finish(metadata, results)
+            except Exception as exc:
+                raise _naming_file(exc, os.path.join(path, ".metadata")) from exc
+
+    return _Writer(path, sync_files=True)
+
+
+def _newest(paths: List[str]) -> Optional[str]:
+    existing = [p for p in paths if os.path.exists(p)]
+    return max(existing, key=os.path.getmtime) if existing else None
+
+
+def _naming_file(exc: BaseException, path: str) -> BaseException:
+    space = _space_error(exc)
+    if space is None:
+        return exc
+    return OSError(space.errno, os.strerror(space.errno), space.filename or path)
+
+
 def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool) -> None:
     if _uses_megatron_dist(model):
         from megatron.core import dist_checkpointing
@@ -184,7 +494,7 @@ def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool) -> 
     state = {"model": _without_empty_extra_state(model_sd)}
     if save_optim:
         state["optimizer"] = optim_sd
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+    dcp.save(state, storage_writer=_dcp_writer(path))
 
 
 def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool) -> None:
@@ -245,82 +555,180 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _space_error(exc: BaseException) -> Optional[OSError]:
+    """The ENOSPC / EDQUOT OSError behind ``exc`` (its causes, contexts, and the per-rank failures
+    of a torch.distributed.checkpoint CheckpointException), or None."""
+    todo, seen = [exc], set()
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _SPACE_ERRNOS:
+            return current
+        todo += [current.__cause__, current.__context__]
+        if isinstance(current, CheckpointException):
+            todo += [failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values()]
+    return None
+
+
+def _free_bytes(path: str) -> Optional[int]:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path or ".")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _describe_save_error(exc: BaseException, folder: str) -> str:
+    """One line: the cause of a failed save, naming the file where known."""
+    space = _space_error(exc)
+    if space is not None:
+        return f"{os.strerror(space.errno).lower()} writing {space.filename or folder}"
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, failure = next(iter(exc.failures.items()))
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        what = f"{type(inner).__name__} on rank {rank}: {inner}"
+    else:
+        what = f"{type(exc).__name__}: {exc}"
+    free = _free_bytes(folder)
+    if free is not None and free < _NEARLY_FULL_BYTES:
+        return f"no space left on device writing {folder} ({free} bytes free; {_one_line(what, 200)})"
+    return _one_line(what)
+
+
 def save_checkpoint(state: GlobalState, model, optimizer, scheduler, train_data_iterator=None) -> str:
     """Save iteration ``state.train_state.step`` under ``checkpoint.save``; returns the folder.
 
-    Collective: every rank must call it at the same iteration.
+    Collective: every rank must call it at the same iteration. A failure on any rank raises
+    :class:`CheckpointSaveError` on every rank; the previous checkpoints are untouched then.
     """
     cfg = state.cfg.checkpoint
     root = cfg.save
     iteration = state.train_state.step
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
-    rank = _rank()
+    rank, world_size = _rank(), _world_size()
     start = time.perf_counter()
 
-    if rank == 0:
+    def prepare() -> None:
         os.makedirs(root, exist_ok=True)
         for stale in glob.glob(os.path.join(root, "iter_*.tmp")) + glob.glob(os.path.join(root, "iter_*.del")):
             shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
 
-    _save_model_and_optimizer(model, optimizer, tmp, cfg.save_optim)
-    per_rank = {"rank": rank, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-    if cfg.save_rng:
-        per_rank["rng"] = _rng_state()
-    if train_data_iterator is not None and hasattr(train_data_iterator, "state_dict"):
-        per_rank["data"] = train_data_iterator.state_dict()
-    _torch_save_durable(per_rank, os.path.join(tmp, f"rank_{rank:05d}.pt"))
-    if rank == 0:
+    def write() -> None:
+        _save_model_and_optimizer(model, optimizer, tmp, cfg.save_optim)  # collective
+        per_rank = {"rank": rank, "world_size": world_size}
+        if cfg.save_rng:
+            per_rank["rng"] = _rng_state()
+        if train_data_iterator is not None and hasattr(train_data_iterator, "state_dict"):
+            per_rank["data"] = train_data_iterator.state_dict()
+        _torch_save_durable(per_rank, os.path.join(tmp, f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            config = json.dumps(state.cfg.to_dict(), indent=2, default=str)
+            _write_durable(os.path.join(tmp, "run_config.json"), config.encode())
+            # Files of the model/optimizer writer that belong to no rank in particular (e.g. .metadata).
+            for path in glob.glob(os.path.join(tmp, "*")) + glob.glob(os.path.join(tmp, ".*")):
+                if os.path.isfile(path) and not re.match(r"^(__\d+_\d+\.distcp|rank_\d+\.pt)$", os.path.basename(path)):
+                    _fsync_path(path)
+        for path in glob.glob(os.path.join(tmp, f"__{rank}_*.distcp")):
+            _fsync_path(path)
+
+    def commit() -> None:
+        # Every rank's files are durable (the phase before ended with all ranks agreeing so).
         common = {
             "format_version": FORMAT_VERSION,
             "iteration": iteration,
             "train_state": state.train_state.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
         }
-        ft = getattr(state, "fault_tolerance", None)
+        ft = state.fault_tolerance
         if ft is not None:  # computed FT timeouts travel with the checkpoint (see fault_tolerance.py)
             common["fault_tolerance"] = ft.state_dict()
-        config_path = os.path.join(tmp, "run_config.json")
-        with open(config_path, "w") as f:
-            json.dump(state.cfg.to_dict(), f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        # Files of the model/optimizer writer that belong to no rank in particular (e.g. .metadata).
-        for path in glob.glob(os.path.join(tmp, "*")) + glob.glob(os.path.join(tmp, ".*")):
-            if os.path.isfile(path) and not re.match(r"^(__\d+_\d+\.distcp|rank_\d+\.pt)$", os.path.basename(path)):
-                _fsync_path(path)
-    for path in glob.glob(os.path.join(tmp, f"__{rank}_*.distcp")):
-        _fsync_path(path)
-    _barrier()
-    if rank == 0:
-        # train_state.pt is written last, once every rank's files are durable: its presence is what
-        # marks a folder as complete (for the scan that backs up the tracker).
         _torch_save_durable(common, os.path.join(tmp, COMMON_FILE))
-
-    if rank == 0:
+        _write_manifest(tmp, iteration, world_size)
         _fsync_path(tmp)
-        if os.path.isdir(final):  # re-saving an iteration (e.g. after a resume): swap it whole
-            os.replace(final, final + ".del")
+        if os.path.isdir(final):  # re-saving an iteration (after a rollback or a resume): swap it whole
+            problem = verify_checkpoint(final, world_size)
+            if problem is None:
+                os.replace(final, final + ".del")
+            else:  # never delete a damaged checkpoint: someone may want to look at it
+                logger.warning("%s is damaged (%s): set aside as %s", final, problem, _set_aside(final))
         os.replace(tmp, final)
         _fsync_path(root)
         _write_tracker(root, iteration)
+
+    _save_phase(prepare if rank == 0 else None, iteration, tmp)
+    _save_phase(write, iteration, tmp)
+    _save_phase(commit if rank == 0 else None, iteration, tmp)
+    if rank == 0:
         shutil.rmtree(final + ".del", ignore_errors=True)
-        _remove_old_checkpoints(root, cfg.most_recent_k)
+        try:
+            _remove_old_checkpoints(root, cfg.most_recent_k, iteration, world_size)
+        except OSError as err:  # the new checkpoint is complete; an old one left behind harms nothing
+            logger.warning("could not remove old checkpoints in %s: %s", root, err)
         logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - start)
         print(f"saved checkpoint at iteration {iteration} to {final} ({time.perf_counter() - start:.2f}s)", flush=True)
-    _barrier()
     return final
 
 
-def _remove_old_checkpoints(root: str, keep: int) -> None:
+def _save_phase(step, iteration: int, tmp: str) -> None:
+    """Run this rank's part of a save phase (``step`` None: nothing to do here), then agree with all
+    ranks on whether every part succeeded (collective). On a failure anywhere, every rank raises
+    :class:`CheckpointSaveError` with the first failure's cause, after rank 0 removed the ``.tmp``
+    folder; a rank that raised alone would leave the others waiting in the next collective."""
+    error, local = None, None
+    if step is not None:
+        try:
+            step()
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            local = exc
+            error = _describe_save_error(exc, tmp)
+    failures = _gather_errors(error)
+    if not failures:
+        return
+    failed_rank, cause = failures[0]
+    message = (f"checkpoint save of iteration {iteration} failed on rank {failed_rank}: {cause}; "
+               f"{os.path.basename(tmp)} removed, earlier checkpoints in {os.path.dirname(tmp)} are kept")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    _barrier()  # the cause in one line, before any rank's traceback
+    raise CheckpointSaveError(message) from local
+
+
+def _write_manifest(folder: str, iteration: int, world_size: int) -> None:
+    files = {}
+    for directory, _, names in os.walk(folder):
+        for file_name in names:
+            rel = os.path.relpath(os.path.join(directory, file_name), folder)
+            if rel != MANIFEST_FILE:
+                files[rel] = os.stat(os.path.join(directory, file_name)).st_size
+    manifest = {"format_version": FORMAT_VERSION, "iteration": iteration, "world_size": world_size,
+                "files": dict(sorted(files.items()))}
+    _write_durable(os.path.join(folder, MANIFEST_FILE), json.dumps(manifest, indent=1).encode())
+
+
+def _remove_old_checkpoints(root: str, keep: int, newest: int, world_size: int) -> None:
+    """Delete complete checkpoints beyond the ``keep`` newest up to iteration ``newest`` (the one just
+    saved). Newer ones (left from before a rollback) are not counted and not deleted, ``*.damaged``
+    folders never; and if none of the kept ones verifies, the newest older one that does is kept."""
     if keep <= 0:
         return
-    for iteration in complete_iterations(root)[:-keep]:
-        doomed = iteration_dir(root, iteration)
-        os.replace(doomed, doomed + ".del")
-        shutil.rmtree(doomed + ".del", ignore_errors=True)
+    candidates = [i for i in complete_iterations(root) if i <= newest]
+    doomed, kept = candidates[:-keep], candidates[-keep:]
+    if doomed and all(verify_checkpoint(iteration_dir(root, i), world_size) is not None for i in kept):
+        for i in reversed(doomed):
+            if verify_checkpoint(iteration_dir(root, i), world_size) is None:
+                doomed.remove(i)
+                break
+    for i in doomed:
+        path = iteration_dir(root, i)
+        os.replace(path, path + ".del")
+        shutil.rmtree(path + ".del", ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,18 +736,116 @@ def _remove_old_checkpoints(root: str, keep: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional[Dict[str, Any]]:
-    """Restore from the newest complete checkpoint in ``checkpoint.load``; returns this rank's data
-    state (``{"consumed_samples": ...}``) or None when nothing was loaded.
+class _Chooser:
+    """Rank 0's choice of the checkpoint to load, and the setting aside of damaged ones.
 
-    Falls back to ``checkpoint.pretrained_checkpoint`` for model weights only (a fresh run that
-    starts from pretrained weights). RNG states are restored last, after everything that might
-    draw random numbers, so the next step draws exactly what it drew in the original run.
+    ``progress``: the run's progress log (``state.progress``) or None; each damaged folder becomes a
+    ``Checkpoint fallback`` event once the folder used instead (or none) is known.
+    """
+
+    def __init__(self, root: str, world_size: int, progress):
+        self.root, self.world_size, self.progress = root, world_size, progress
+        self.pending: List[Tuple[str, str, str]] = []  # (folder, set aside as, reason)
+        self.skipped: set = set()  # folders that could not be renamed: not tried again
+        self.set_aside: set = set()  # folders found damaged, by their original path
+
+    def damaged(self, path: str, reason: str) -> None:
+        reason = _one_line(reason)
+        self.set_aside.add(path)
+        try:
+            aside = os.path.basename(_set_aside(path))
+        except OSError as err:
+            aside = f"not moved: {err}"
+            self.skipped.add(path)
+        name = os.path.basename(path)
+        logger.warning("checkpoint %s is damaged (%s); set aside as %s", path, reason, aside)
+        print(f"warning: checkpoint {path} is damaged: {reason}; set aside as {aside}", file=sys.stderr, flush=True)
+        self.pending.append((name, aside, reason))
+
+    def decide(self) -> Tuple[str, Optional[str]]:
+        """:meth:`next`, with an unexpected error turned into ``("fail", message)``: rank 0 must reach
+        the broadcast of its decision, or the other ranks would wait in it."""
+        try:
+            return self.next()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, which all raise it
+            return "fail", f"cannot choose a checkpoint under {self.root}: {type(exc).__name__}: {exc}"
+
+    def next(self) -> Tuple[str, Optional[str]]:
+        """``("load", path)``, ``("none", None)`` (nothing here: start fresh) or ``("fail", message)``."""
+        order, tracked, warning = _load_order(self.root)
+        if warning and (tracked is None or iteration_dir(self.root, tracked) not in self.set_aside):
+            logger.warning(warning)  # (not when the tracker names a folder this chooser set aside)
+        for path in order:
+            if path in self.skipped:
+                continue
+            reason = verify_checkpoint(path, self.world_size)
+            if reason is None:
+                self._report(os.path.basename(path))
+                if self.pending:  # the tracker named a folder set aside: name the one used instead
+                    try:
+                        _write_tracker(self.root, int(os.path.basename(path)[len("iter_"):]))
+                    except OSError as err:
+                        logger.warning("could not update %s: %s", TRACKER, err)
+                return "load", path
+            self.damaged(path, reason)
+        self._report("none")
+        damaged = sorted(glob.glob(os.path.join(glob.escape(self.root), f"iter_*{DAMAGED_SUFFIX}*")))
+        if not damaged and not self.skipped:
+            return "none", None
+        names = ", ".join(os.path.basename(p) for p in damaged + sorted(self.skipped))
+        return "fail", (f"no loadable checkpoint under {self.root}: every one is damaged ({names}); "
+                        f"not starting from scratch over them: move them out of the folder to do so")
+
+    def _report(self, used: str) -> None:
+        for name, aside, reason in self.pending:
+            if self.progress is not None:
+                try:
+                    self.progress.checkpoint_fallback(name, aside, reason, used)
+                except OSError as err:
+                    logger.warning("could not record the checkpoint fallback in the progress log: %s", err)
+        self.pending = []
+
+
+def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional[Dict[str, Any]]:
+    """Restore from the checkpoint in ``checkpoint.load`` that the tracker names, else the newest
+    complete one; returns this rank's data state (``{"consumed_samples": ...}``) or None when
+    nothing was loaded. Collective.
+
+    A checkpoint that fails verification or loading is set aside and the next older one tried; if
+    only damaged ones exist, :class:`CheckpointLoadError`. Falls back to
+    ``checkpoint.pretrained_checkpoint`` for model weights only (a fresh run that starts from
+    pretrained weights). RNG states are restored last, after everything that might draw random
+    numbers, so the next step draws exactly what it drew in the original run.
     """
     cfg = state.cfg.checkpoint
     rank = _rank()
-    path = find_latest_checkpoint(cfg.load) if cfg.load else None
-    if path is None:
+    path = None
+    loaded: Optional[Tuple[Dict[str, Any], Optional[Dict[str, Any]]]] = None
+    start = time.perf_counter()
+    if cfg.load:
+        chooser = _Chooser(cfg.load, _world_size(), state.progress) if rank == 0 else None
+        while True:
+            decision, value = _from_rank0(chooser.decide() if chooser is not None else None)
+            if decision == "fail":
+                raise CheckpointLoadError(value)
+            if decision == "none":
+                break
+            path = value
+            start = time.perf_counter()
+            error = None
+            try:
+                loaded = _read_checkpoint(model, optimizer, path, cfg.load_optim and not cfg.finetune, rank)
+            except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+                error = _describe_load_error(exc)
+            failures = _gather_errors(error)  # every rank learns of a failure on any rank
+            if not failures:
+                break
+            if chooser is not None:
+                failed_rank, cause = failures[0]
+                chooser.damaged(path, f"load failed on rank {failed_rank}: {cause}")
+            path, loaded = None, None
+
+    if path is None or loaded is None:
         if cfg.load and cfg.exit_on_missing_checkpoint:
             raise FileNotFoundError(f"no complete checkpoint under {cfg.load}")
         if cfg.pretrained_checkpoint:
@@ -353,17 +859,13 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
             print(f"no checkpoint found under {cfg.load!r}: starting from scratch", flush=True)
         return None
 
-    start = time.perf_counter()
+    common, per_rank = loaded
     finetune = cfg.finetune
-    _load_model_and_optimizer(model, optimizer, path, load_optim=cfg.load_optim and not finetune)
-    common = torch.load(os.path.join(path, COMMON_FILE), weights_only=False)
     state.checkpoint_extra = {key: common[key] for key in ("fault_tolerance",) if key in common}
     if not finetune:
         state.train_state.load_state_dict(common["train_state"])
         if scheduler is not None and common.get("scheduler") is not None:
             scheduler.load_state_dict(common["scheduler"])
-    rank_file = os.path.join(path, f"rank_{rank:05d}.pt")
-    per_rank = torch.load(rank_file, weights_only=False) if os.path.exists(rank_file) else None
     if per_rank is None and rank == 0:
         print(f"warning: {path} has no state for rank {rank} (world size changed?); RNG not restored", flush=True)
     if rank == 0:
@@ -374,3 +876,21 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
     if cfg.load_rng and "rng" in per_rank:
         _set_rng_state(per_rank["rng"])
     return per_rank.get("data")
+
+
+def _read_checkpoint(model, optimizer, path: str, load_optim: bool,
+                     rank: int) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """Load model and optimizer in place (collective) and read the shared and this rank's state."""
+    _load_model_and_optimizer(model, optimizer, path, load_optim=load_optim)
+    common = torch.load(os.path.join(path, COMMON_FILE), weights_only=False)
+    rank_file = os.path.join(path, f"rank_{rank:05d}.pt")
+    per_rank = torch.load(rank_file, weights_only=False) if os.path.exists(rank_file) else None
+    return common, per_rank
+
+
+def _describe_load_error(exc: BaseException) -> str:
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, failure = next(iter(exc.failures.items()))
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return _one_line(f"{type(inner).__name__} (rank {rank} of the reader): {inner}")
+    return _one_line(f"{type(exc).__name__}: {exc}")

@@ -24,8 +24,8 @@ from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.report.progress import ProgressLog, longest_recent_save_s
+from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training import checkpointing
 from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig
 from bridge_hpc.training.data import build_data_iterator, build_datasets
@@ -33,8 +33,8 @@ from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.gpt import gpt_model_provider
 from bridge_hpc.training.state import GlobalState, StopSignalRecorder
 from bridge_hpc.training.straggler import StragglerDetector
+from bridge_hpc.training.tokenizers import build_tokenizer_for
 from bridge_hpc.training.train import evaluate_and_print_results, train
-
 
 
 def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
@@ -94,13 +94,22 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
         raise
     finally:
         state.close()
+        if cfg.checkpoint.save:
+            checkpointing.release_checkpoint_folder(cfg.checkpoint.save)
 
 
 def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpointing_context: dict) -> None:
     cfg = state.cfg
     env = initialize_distributed(cfg.dist, store=state.restart_store)
     state.rank, state.world_size = dist.get_rank(), dist.get_world_size()
+    # The tokenizer sets the model's vocabulary size (when [model] leaves it to the tokenizer), so it is
+    # built before validation (mock data copies model.vocab_size there) and before the model.
+    state.tokenizer = build_tokenizer_for(cfg)
     cfg.validate(state.world_size)
+    if cfg.checkpoint.save:
+        # Before anything writes into the folder (FT state, progress log, checkpoints): a second job
+        # training into the same folder fails here, on every rank, naming the job that holds it.
+        checkpointing.lock_checkpoint_folder(cfg.checkpoint.save)
     # Fault tolerance reports "setup" from here (before the model build and checkpoint load, which
     # its setup timeout must cover); straggler detection agrees on its node map (collective).
     ft = state.fault_tolerance = FaultTolerance(cfg.ft, checkpoint_dir=cfg.checkpoint.save)
@@ -149,7 +158,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
             raise RuntimeError(f"checkpoint data position {data_state} disagrees with train_state "
                                f"consumed_train_samples={ts.consumed_train_samples}")
 
-    train_ds, valid_ds, _ = build_datasets(cfg.dataset, cfg)
+    train_ds, valid_ds, _ = build_datasets(cfg.dataset, cfg, state.tokenizer)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mbs = cfg.train.micro_batch_size
     stop = cfg.train.exit_signal
