@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 from bridge_test_helpers import drive, log_text, sacct_runs, submit

@@ -6,6 +6,7 @@ one message naming the file and the key, no traceback, nothing written.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -16,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import toml
+from jobs import MINIMAL_TRAINING, MINIMAL_TRAINING_TOML
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.launch.jobconfig import load_job_config
 from bridge_hpc.launch.render import render_script
-from jobs import MINIMAL_TRAINING, MINIMAL_TRAINING_TOML
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,6 +103,19 @@ BAD_INPUTS = [
      "does not exist"),
     ("forward_step bad module", '[job]\nforward_step = "my-pkg/steps:forward_step"\n', "job.forward_step",
      "'path/to/file.py:function'"),
+    # issue 9: what the fuzz test (tests/test_config_fuzz.py) found
+    ("a variable bash expands at start-up", '[env]\nBASH_ENV = "$(touch /tmp/x)"\n', "env.BASH_ENV", "may not set it"),
+    ("a variable the script computes with", '[env]\nSLURM_RESTART_COUNT = "a[$(touch /tmp/x)]"\n',
+     "env.SLURM_RESTART_COUNT", "may not set it"),
+    ("bridge_hpc's own variable", '[env]\nBRIDGE_CONFIG = "/tmp/x.toml"\n', "env.BRIDGE_CONFIG", "may not set it"),
+    ("not a number", '[optimizer]\nlr = nan\n', "optimizer.lr", "finite"),
+    ("beyond 64 bits", '[train]\ntrain_iters = 18446744073709551616\n', "train.train_iters", "64-bit"),
+    ("an sbatch pattern in the run folder", '[job]\nrun_dir = "runs/100%j"\n', "job.run_dir", "'%'"),
+    ("nested too deeply", '[train]\nx = ' + "[" * 20 + "]" * 20 + "\n", "train.x", "nested too deeply"),
+    ("an invisible character in a key", '[train]\n"train_iters\u200b" = 1\n', "train.'train_iters\\u200b'",
+     "invisible"),
+    ("a table where a value goes", '[cluster]\nmax_time = { a = 1 }\n', "cluster.max_time",
+     "expected a string"),
 ]
 
 
@@ -130,7 +144,10 @@ def test_forward_step_file_is_written_absolute_and_loads_on_the_ranks(tmp_path: 
     from bridge_hpc.training.run import load_forward_step  # the rank side (imports no torch itself)
 
     assert load_forward_step(cfg.job.forward_step)(None, None, None) == "mine"
-    assert load_forward_step("bridge_hpc.training.gpt:forward_step").__module__ == "bridge_hpc.training.gpt"
+    import importlib
+
+    gpt = importlib.import_module("bridge_hpc.training.gpt")  # (it may re-export the step from another module)
+    assert load_forward_step("bridge_hpc.training.gpt:forward_step") is gpt.forward_step
     with pytest.raises(ConfigError, match="has no function 'other'") as err:
         load_forward_step(f"{tmp_path / 'steps' / 'mine.py'}:other", source="job.toml")
     assert err.value.key == "job.forward_step" and err.value.path == "job.toml"
@@ -295,3 +312,172 @@ def test_templates_ship_in_a_non_editable_install(tmp_path: Path):
     out = subprocess.run([sys.executable, "-c", code, str(target)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=local-tiny")
+
+
+# --------------------------------------------------------------------------- the run folder at submission
+# Real submits (not --dry-run) against stand-ins for Slurm's tools: nothing here reaches a real Slurm.
+
+
+def slurm_shims(folder: Path) -> Path:
+    """``sbatch`` records its call and answers with the next job id (4242, 4243, ...); ``squeue``
+    records its call and prints what the test wrote to ``squeue.out``; ``srun`` does nothing."""
+    folder.mkdir(parents=True)
+    (folder / "sbatch").write_text(
+        '#!/bin/bash\nhere=$(dirname "$0")\necho "$@" >> "$here/sbatch.calls"\n'
+        'id=$(cat "$here/next_id" 2>/dev/null || echo 4242)\necho $((id + 1)) > "$here/next_id"\n'
+        'echo "Submitted batch job $id"\n')
+    (folder / "squeue").write_text('#!/bin/bash\nhere=$(dirname "$0")\necho "$@" >> "$here/squeue.calls"\n'
+                                   'cat "$here/squeue.out" 2>/dev/null\nexit 0\n')
+    (folder / "srun").write_text("#!/bin/bash\nexit 0\n")  # submitit looks for it before it submits
+    for tool in ("sbatch", "squeue", "srun"):
+        (folder / tool).chmod(0o755)
+    return folder
+
+
+def calls(shims: Path, tool: str) -> list:
+    path = shims / f"{tool}.calls"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def folder_bytes(folder: Path) -> dict:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path):
+    """A folder on a read-only file system: a tmpfs mounted here, then remounted read-only (as root,
+    permissions would not stop a write; a read-only mount does)."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode != 0:
+            pytest.skip("cannot remount a tmpfs read-only here")
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.mark.parametrize("where", ["/etc/passwd/x", "/proc/bridge-test/run", "read-only", "read-only/sub/run", "a-file/x"])
+def test_unwritable_run_dir_exits_2_naming_it(tmp_path: Path, where: str, request):
+    """A real submit whose run folder cannot be made or written: one message naming job.run_dir and the
+    file, exit 2, no traceback, no 'is Slurm installed?' hint, nothing submitted."""
+    if where.startswith("read-only"):
+        ro = request.getfixturevalue("read_only_dir")
+        run_dir = str(ro) + where[len("read-only"):]
+    elif where.startswith("a-file"):
+        (tmp_path / "a-file").write_text("not a folder\n")
+        run_dir = str(tmp_path / where)
+    else:
+        run_dir = where
+    shims = slurm_shims(tmp_path / "shims")
+    write(tmp_path / "job.toml", f'[job]\nrun_dir = "{run_dir}"\n' + MINIMAL_TRAINING_TOML)
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}")
+    result = submit_cli("job.toml", cwd=tmp_path, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "Slurm installed" not in result.stderr
+    assert result.stderr.count("\n") == 1 and "job.toml" in result.stderr
+    assert "key 'job.run_dir'" in result.stderr and run_dir in result.stderr
+    assert calls(shims, "sbatch") == []
+
+
+def test_the_slurm_hint_is_given_only_when_sbatch_is_missing(tmp_path: Path):
+    write(tmp_path / "job.toml", MINIMAL_TRAINING_TOML)
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    env = dict(os.environ, PATH=str(empty))
+    result = submit_cli("job.toml", cwd=tmp_path, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "is Slurm installed?" in result.stderr and "sbatch" in result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing written for a submit that cannot happen
+    # a path problem is not a missing Slurm, even without sbatch: the run folder is checked first
+    result = submit_cli("job.toml", "--set", "job.run_dir=/proc/bridge-test/run", cwd=tmp_path, env=env)
+    assert result.returncode == 2 and "key 'job.run_dir'" in result.stderr
+    assert "Slurm installed" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_dry_run_names_an_unset_secret(tmp_path: Path):
+    """--dry-run checks what a real submit checks: a from_shell secret the shell does not have."""
+    write(tmp_path / "job.toml", '[env]\nAPI_KEY = { from_shell = "BRIDGE_TEST_UNSET_SECRET" }\n' + MINIMAL_TRAINING_TOML)
+    env = {k: v for k, v in os.environ.items() if k != "BRIDGE_TEST_UNSET_SECRET"}
+    result = submit_cli("job.toml", "--dry-run", cwd=tmp_path, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "key 'env.API_KEY'" in result.stderr and "BRIDGE_TEST_UNSET_SECRET" in result.stderr
+    assert "job.toml" in result.stderr and result.stderr.count("\n") == 1 and result.stdout == ""
+    # set, it is named in the script and its value is written nowhere
+    result = submit_cli("job.toml", "--dry-run", cwd=tmp_path, env=dict(env, BRIDGE_TEST_UNSET_SECRET="v4lue-$(x)"))
+    assert result.returncode == 0, result.stderr
+    assert "v4lue" not in result.stdout and 'export API_KEY="${BRIDGE_TEST_UNSET_SECRET}"' in result.stdout
+
+
+def test_a_secret_declared_in_a_profile_is_blamed_on_the_profile(tmp_path: Path):
+    write(tmp_path / "p.toml", '[env]\nTOKEN = { from_shell = "BRIDGE_TEST_UNSET_SECRET" }\n')
+    write(tmp_path / "job.toml", 'extends = "p.toml"\n' + MINIMAL_TRAINING_TOML)
+    env = {k: v for k, v in os.environ.items() if k != "BRIDGE_TEST_UNSET_SECRET"}
+    result = submit_cli("job.toml", "--dry-run", cwd=tmp_path, env=env)
+    assert result.returncode == 2 and "p.toml: key 'env.TOKEN'" in result.stderr
+
+
+def test_a_busy_run_folder_is_refused_with_the_job_id(tmp_path: Path):
+    """While a job of the run folder is pending or running, another submit is refused naming it, and
+    nothing in the folder changes; --force submits anyway; a finished job lets the next one in."""
+    shims = slurm_shims(tmp_path / "shims")
+    write(tmp_path / "job.toml", MINIMAL_TRAINING_TOML)
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}")
+    run_dir = tmp_path / "runs" / "job"
+    first = submit_cli("job.toml", cwd=tmp_path, env=env)
+    assert first.returncode == 0 and first.stdout.startswith("Submitted job 4242"), first.stdout + first.stderr
+    assert [json.loads(line)["job_id"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()] == ["4242"]
+
+    for state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "SUSPENDED"):
+        (shims / "squeue.out").write_text(f"4242|4242|{state}\n")
+        before = folder_bytes(run_dir)
+        busy = submit_cli("job.toml", cwd=tmp_path, env=env)
+        assert busy.returncode == 2, busy.stdout + busy.stderr
+        assert "Traceback" not in busy.stderr and busy.stderr.count("\n") == 1
+        assert "key 'job.run_dir'" in busy.stderr and "4242" in busy.stderr and state in busy.stderr
+        assert str(run_dir) in busy.stderr and "--force" in busy.stderr
+        assert folder_bytes(run_dir) == before  # job.sbatch, resolved.toml, jobs.jsonl untouched
+        assert len(calls(shims, "sbatch")) == 1
+    assert calls(shims, "squeue")[-1].split()[:3] == ["-h", "-j", "4242"]
+
+    # a different config aimed at the busy folder is refused too, and --dry-run never asks Slurm
+    asked = len(calls(shims, "squeue"))
+    assert submit_cli("job.toml", "--set", "train.train_iters=2", cwd=tmp_path, env=env).returncode == 2
+    assert submit_cli("job.toml", "--dry-run", cwd=tmp_path, env=env).returncode == 0
+    assert len(calls(shims, "squeue")) == asked + 1
+
+    forced = submit_cli("job.toml", "--force", cwd=tmp_path, env=env)
+    assert forced.returncode == 0 and forced.stdout.startswith("Submitted job 4243"), forced.stdout + forced.stderr
+    # both live now (an array task counts for its array): the refusal names the newest
+    (shims / "squeue.out").write_text("4242|4242|RUNNING\n4243|4243_1|PENDING\n")
+    busy = submit_cli("job.toml", cwd=tmp_path, env=env)
+    assert busy.returncode == 2 and "4243" in busy.stderr and "1 more" in busy.stderr
+    assert calls(shims, "squeue")[-1].split()[:3] == ["-h", "-j", "4242,4243"]
+    # finished (or forgotten by the controller): the folder is free again, and resumes
+    (shims / "squeue.out").write_text("4242|4242|COMPLETED\n4243|4243|CANCELLED by 0\n")
+    again = submit_cli("job.toml", cwd=tmp_path, env=env)
+    assert again.returncode == 0 and again.stdout.startswith("Submitted job 4244"), again.stderr
+    (shims / "squeue.out").write_text("")
+    assert submit_cli("job.toml", cwd=tmp_path, env=env).returncode == 0
+    assert not list(run_dir.glob("job.sbatch.*"))  # the same job: one script
+
+
+def test_two_submits_at_the_same_time_submit_one_job(tmp_path: Path):
+    """Two bridge-submit of one config started together: the run folder is locked from the check to the
+    record in jobs.jsonl, so the second sees the first's job and is refused (sbatch takes a second here)."""
+    shims = slurm_shims(tmp_path / "shims")
+    sbatch = (shims / "sbatch").read_text()
+    (shims / "sbatch").write_text(sbatch.replace('echo "$@"', 'sleep 1\necho "$@"'))
+    (shims / "squeue.out").write_text("4242|4242|PENDING\n")
+    write(tmp_path / "job.toml", MINIMAL_TRAINING_TOML)
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}")
+    (tmp_path / "runs" / "job").mkdir(parents=True)  # both find the folder there already
+    procs = [subprocess.Popen([sys.executable, "-m", "bridge_hpc.cli.submit", "job.toml"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=60), p.stdout.read(), p.stderr.read()) for p in procs]
+    assert sorted(code for code, _, _ in results) == [0, 2], results
+    refused = next(err for code, _, err in results if code == 2)
+    assert "job 4242" in refused and "key 'job.run_dir'" in refused
+    assert len(calls(shims, "sbatch")) == 1

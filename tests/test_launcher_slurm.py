@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -24,8 +25,11 @@ pytestmark = pytest.mark.slurm
 
 RECORDER = """\
 #!{python}
-# Stands in for the interpreter: records what one rank saw, then exits 0.
+# Stands in for the interpreter of the ranks: records what one rank saw, then exits 0. The batch
+# script's other uses of the interpreter (the requeue reader) get the real one.
 import json, os, sys
+if sys.argv[1:4] != ["-u", "-m", "bridge_hpc.training.run"]:
+    os.execv("{python}", ["{python}", *sys.argv[1:]])
 run_dir = os.environ["BRIDGE_RUN_DIR"]
 os.makedirs(os.path.join(run_dir, "ranks"), exist_ok=True)
 keys = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURMD_NODENAME", "SLURM_NODEID", "SLURM_JOB_NAME",
@@ -86,7 +90,7 @@ def test_two_ranks_on_one_node_run_and_the_run_folder_is_complete(slurm_cluster,
     assert resolved["job"]["run_dir"] == str(run_dir) and resolved["slurm"]["ntasks_per_node"] == 2
     log = (run_dir / "logs" / f"{job_id}_0_log.out").read_text()
     assert f"bridge_hpc: job {job_id} restart 0" in log
-    assert [json.loads(l)["job_id"] for l in (run_dir / "jobs.jsonl").read_text().splitlines()] == [job_id]
+    assert [json.loads(line)["job_id"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()] == [job_id]
     # submitit tracks the job through sacct
     import submitit
 
@@ -138,6 +142,82 @@ def test_a_different_job_is_refused_in_an_existing_run_folder(slurm_cluster, tmp
     assert again.returncode == 0, again.stderr
     assert len((run_dir / "jobs.jsonl").read_text().splitlines()) == 2
     assert not list(run_dir.glob("job.sbatch.*"))
+
+
+def live_state(job_id: str) -> str:
+    """squeue's state of a job ("" once the controller has forgotten it)."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def wait_for_state(job_id: str, wanted, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = live_state(job_id)
+        if state in wanted or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
+
+
+SLEEPER = """#!/bin/bash
+# Stands in for the interpreter of the ranks: a rank that runs until the job is cancelled, then
+# stops cleanly as a real one does (so the batch script does not retry it as a failure).
+[ "$1 $2 $3" = "-u -m bridge_hpc.training.run" ] || exec {python} "$@"
+trap 'exit 0' TERM
+sleep 600 &
+wait
+"""
+
+
+def test_a_run_folder_in_use_refuses_a_second_job(slurm_cluster, tmp_path: Path):
+    """Two submits of one config into one run folder: while the first job is pending or running the
+    second is refused with its id (exit 2, nothing in the folder rewritten); --force submits anyway;
+    once the jobs are over the folder takes the next one (which resumes there)."""
+    sleeper = tmp_path / "sleeper"
+    sleeper.write_text(SLEEPER.format(python=sys.executable))
+    sleeper.chmod(0o755)
+    make_job(tmp_path, job={"name": f"busy-{uuid.uuid4().hex[:8]}", "python": str(sleeper)},
+             slurm={"extra": {"hold": True}})  # held: pending until released
+    run_dir = tmp_path / "runs" / "busy"
+    ids = []
+    try:
+        first = submit_cli("job.toml", "--set", f"job.run_dir={run_dir}", cwd=tmp_path)
+        assert first.returncode == 0, first.stdout + first.stderr
+        ids.append(job_id_of(first.stdout))
+        assert wait_for_state(ids[0], {"PENDING"}) == "PENDING"
+        script = (run_dir / "job.sbatch").read_bytes()
+        before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+        second = submit_cli("job.toml", "--set", f"job.run_dir={run_dir}", cwd=tmp_path)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert "Traceback" not in second.stderr and second.stderr.count("\n") == 1
+        assert "key 'job.run_dir'" in second.stderr and f"job {ids[0]}" in second.stderr
+        assert "PENDING" in second.stderr and "--force" in second.stderr and str(run_dir) in second.stderr
+        assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+        assert (run_dir / "job.sbatch").read_bytes() == script
+
+        # running (when the node is free: another session's jobs may keep it pending) is no different
+        subprocess.run(["scontrol", "release", ids[0]], check=True, capture_output=True)
+        state = wait_for_state(ids[0], {"RUNNING"}, timeout=30)
+        third = submit_cli("job.toml", "--set", f"job.run_dir={run_dir}", cwd=tmp_path)
+        assert third.returncode == 2 and f"job {ids[0]}" in third.stderr and state in third.stderr, third.stderr
+        assert (run_dir / "job.sbatch").read_bytes() == script
+
+        forced = submit_cli("job.toml", "--set", f"job.run_dir={run_dir}", "--force", cwd=tmp_path)
+        assert forced.returncode == 0, forced.stdout + forced.stderr
+        ids.append(job_id_of(forced.stdout))
+        assert ids[1] != ids[0]
+        assert [json.loads(line)["job_id"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()] == ids
+
+        subprocess.run(["scancel", *ids], check=True, capture_output=True)
+        for job_id in ids:
+            assert wait_for_state(job_id, {"", "CANCELLED"}) in ("", "CANCELLED")
+        after = submit_cli("job.toml", "--set", f"job.run_dir={run_dir}", cwd=tmp_path)
+        assert after.returncode == 0, after.stdout + after.stderr
+        ids.append(job_id_of(after.stdout))
+    finally:
+        if ids:
+            subprocess.run(["scancel", *ids], capture_output=True)
 
 
 def test_dry_run_submits_nothing(slurm_cluster, tmp_path: Path):

@@ -12,6 +12,7 @@ No torch here: this module runs on the login node.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,6 +20,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import toml
+
+try:  # TOML 1.0 as the standard library reads it (Python >= 3.11); the toml package before
+    import tomllib as _tomllib
+except ImportError:  # pragma: no cover - Python 3.10
+    _tomllib = None
 
 from bridge_hpc.contracts import run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
@@ -36,8 +42,29 @@ _TIME_RE = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<h>[0-9]{1,3}):(?P<m>[0-9]{2}):
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SBATCH_OPTION_RE = re.compile(r"[a-z][a-z0-9-]*")
 _KEY_PART_RE = re.compile(r"[A-Za-z0-9_-]+")
+#: Characters sbatch reads as patterns in the names of the log files, which live in the run folder.
+_LOG_PATTERN_CHARS = re.compile(r"[%\\]")
+#: [env] names a job may not set: what Slurm sets for each job and the batch script and the ranks
+#: read (an exported SLURM_RESTART_COUNT of ``a[$(cmd)]`` would run cmd in the script's arithmetic),
+#: bridge_hpc's own BRIDGE_* variables, and the shell's start-up and parsing variables (BASH_ENV,
+#: ENV, SHELLOPTS, PS4, ... are expanded or sourced by every bash the job starts).
+_RESERVED_ENV_RE = re.compile(
+    r"SLURM_(JOB|ARRAY|STEP|TASK)[A-Z0-9_]*|SLURMD_[A-Z0-9_]*|BRIDGE_[A-Za-z0-9_]*|BASH_[A-Za-z0-9_]*"
+    r"|SLURM_(RESTART_COUNT|PROCID|LOCALID|NODEID|NNODES|NODELIST|NTASKS|NPROCS|CLUSTER_NAME|SUBMIT_DIR|SUBMIT_HOST)"
+    r"|ENV|SHELLOPTS|BASHOPTS|IFS|PS1|PS2|PS3|PS4|PROMPT_COMMAND|GLOBIGNORE"
+)
+#: What no key, value or file name may contain: C0 and C1 control characters (newlines among them),
+#: Unicode's line and paragraph separators, and lone surrogates (undecodable bytes of a file name).
+_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 #: The largest job file or profile read (a profile pointing at /proc/kcore must not be read whole).
 MAX_CONFIG_BYTES = 1 << 20
+#: How deeply tables and arrays may nest (the checks below walk them; no job config needs more).
+MAX_DEPTH = 16
+#: How many files one job may read through ``extends`` (profiles that extend each other several
+#: times over would otherwise be read exponentially often).
+MAX_PROFILES = 32
+#: TOML integers are 64-bit signed; the readers return larger ones without complaint.
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 def parse_time_limit(value: str) -> int:
@@ -60,7 +87,8 @@ class JobSection:
     """What the run is called and where everything it writes goes."""
 
     name: str = ""
-    run_dir: str = ""  # default: runs/<name>, relative to the directory bridge-submit runs in
+    # default: runs/<name> ('%' and '\\' in the name become '_'), relative to the directory bridge-submit runs in
+    run_dir: str = ""
     python: str = "python3"  # interpreter on the compute nodes (after [setup] ran)
     description: str = ""
     # The forward step every rank trains with, Megatron Bridge's signature
@@ -162,6 +190,14 @@ class JobConfig:
     training: ConfigContainer
     raw: Dict[str, Any]
     stop_signal: signals.StopSignal
+    #: Which file set which key (the job file, a profile, a --set), for errors found after loading.
+    where: Optional["_Where"] = field(default=None, repr=False, compare=False)
+
+    def error(self, key: str, message: str) -> ConfigError:
+        """A ConfigError naming ``key`` and the file that set it."""
+        if self.where is not None:
+            return self.where.error(key, message)
+        return ConfigError(message, path=str(self.path), key=key)
 
     @property
     def run_dir(self) -> Path:
@@ -187,7 +223,17 @@ class JobConfig:
 
 
 def _control_chars(text: str) -> bool:
-    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+    return bool(_CONTROL_RE.search(text))
+
+
+_NO_CONTROL = "must not contain newlines or control characters"
+_KEY_NOT_PRINTABLE = "a key must not contain newlines, control characters or invisible ones"
+
+
+def _bad_key(key: str) -> bool:
+    """Keys are shown in messages: one with newlines, control, format (bidi overrides, zero-width)
+    or space characters other than ' ' is named by its repr and refused (no known key has any)."""
+    return not key.isprintable()
 
 
 def _expanduser(text: str) -> Path:
@@ -198,17 +244,77 @@ def _expanduser(text: str) -> Path:
         raise ValueError(f"{text!r}: no such user's home folder") from None
 
 
+def _resolve(path: Path) -> Path:
+    """``path.resolve()``; ValueError (not RuntimeError or OSError) for a symlink loop or a name the
+    file system refuses (too long, ...)."""
+    try:
+        return path.resolve()
+    except RuntimeError:
+        raise ValueError(f"{str(path)!r}: symbolic links loop") from None
+    except OSError as err:
+        raise ValueError(f"{str(path)!r}: {err.strerror or err}") from None
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``; ValueError for an error other than "no such file" (name too long, ...)."""
+    try:
+        return path.is_file()
+    except OSError as err:
+        raise ValueError(f"{str(path)!r}: {err.strerror or err}") from None
+
+
+def _too_deep(value: Any, limit: int = MAX_DEPTH, prefix: str = "") -> Optional[str]:
+    """The dotted key under which tables and arrays in ``value`` nest more than ``limit`` levels
+    (``prefix`` when it is ``value`` itself or an array in it), else None. Walked without recursion."""
+    stack: List[Tuple[Any, int, str]] = [(value, 0, prefix)]
+    while stack:
+        item, depth, dotted = stack.pop()
+        if isinstance(item, dict):
+            children = [(v, f"{dotted}.{k}" if dotted else str(k)) for k, v in item.items()]
+        elif isinstance(item, list):
+            children = [(v, dotted) for v in item]
+        else:
+            continue
+        if depth >= limit:
+            return dotted
+        stack.extend((child, depth + 1, key) for child, key in children)
+    return None
+
+
+class TomlError(ValueError):
+    """Text that is not TOML; the message says where (line and column) and what is wrong."""
+
+
+def parse_toml(text: str) -> Dict[str, Any]:
+    """TOML text to a dict: tomllib (TOML 1.0) where Python has it, else the toml package, whose
+    reader misreads valid input (escapes in table names, ``}`` in strings of inline tables).
+    Raises TomlError, or RecursionError for arrays or tables nested thousands deep."""
+    if _tomllib is not None:
+        try:
+            return _tomllib.loads(text)
+        except _tomllib.TOMLDecodeError as err:
+            raise TomlError(str(err)) from None
+    try:  # pragma: no cover - Python 3.10
+        return toml.loads(text)
+    except toml.TomlDecodeError as err:  # pragma: no cover
+        raise TomlError(f"{err.msg} (at line {err.lineno}, column {err.colno})") from None
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError) as err:  # pragma: no cover
+        raise TomlError(str(err)) from None
+
+
 def _read_toml(path: Path, referenced_by: Optional[Tuple[Path, str]] = None) -> Dict[str, Any]:
-    """Parse one TOML file. A file reached through ``extends`` blames that key of the file that named
-    it (``referenced_by``), whatever is wrong with it."""
+    """Parse one TOML file. A file reached through ``extends`` that cannot be read or parsed blames
+    that key of the file that named it (``referenced_by``); tables nested too deeply are named in the
+    file that holds them."""
     def error(message: str) -> ConfigError:
         if referenced_by:
             return ConfigError(f"{str(path)!r}: {message}", path=str(referenced_by[0]), key=referenced_by[1])
         return ConfigError(message, path=str(path))
 
     if _control_chars(str(path)):
-        raise ConfigError("a file name must not contain newlines or control characters", path=repr(str(path)),
-                          key=referenced_by[1] if referenced_by else None)
+        if referenced_by:
+            raise ConfigError(f"{str(path)!r}: a file name {_NO_CONTROL}", path=str(referenced_by[0]), key=referenced_by[1])
+        raise ConfigError(f"a file name {_NO_CONTROL}", path=repr(str(path)))
     try:
         if not path.is_file():
             raise error("file does not exist" if not path.exists() else "not a regular file")
@@ -225,13 +331,16 @@ def _read_toml(path: Path, referenced_by: Optional[Tuple[Path, str]] = None) -> 
     if "\0" in text:
         raise error("not a text file (contains NUL bytes)")
     try:
-        return toml.loads(text)
-    except toml.TomlDecodeError as err:
-        raise error(f"not valid TOML at line {err.lineno}, column {err.colno}: {err.msg}") from None
-    except RecursionError:
-        raise error("tables or arrays nested too deeply") from None
-    except (ValueError, TypeError, IndexError) as err:  # the toml package's own failures on odd input
+        doc = parse_toml(text)
+    except TomlError as err:
         raise error(f"not valid TOML: {err}") from None
+    except RecursionError:
+        raise error(f"tables or arrays nested too deeply (more than {MAX_DEPTH} levels)") from None
+    deep = _too_deep(doc)
+    if deep is not None:
+        raise ConfigError(f"tables or arrays nested too deeply (more than {MAX_DEPTH} levels)", path=str(path),
+                          key=deep or None)
+    return doc
 
 
 def deep_merge(base: Dict[str, Any], override: Dict[str, Any]) -> Dict[str, Any]:
@@ -246,12 +355,18 @@ def deep_merge(base: Dict[str, Any], override: Dict[str, Any]) -> Dict[str, Any]
 
 
 def _load_with_profiles(path: Path, chain: Tuple[Path, ...] = (),
-                        referenced_by: Optional[Tuple[Path, str]] = None) -> Tuple[Dict[str, Any], Dict[Tuple[str, ...], Path]]:
+                        referenced_by: Optional[Tuple[Path, str]] = None,
+                        read: Optional[List[Path]] = None) -> Tuple[Dict[str, Any], Dict[Tuple[str, ...], Path]]:
     """Read ``path`` after the profiles it ``extends`` (in order); later values win.
 
     Returns the merged document and, for every leaf key, the file it came from, so that an error in
-    an inherited key names the profile, not the job file.
+    an inherited key names the profile, not the job file. ``read`` counts the files read so far.
     """
+    read = [] if read is None else read
+    read.append(path)
+    if len(read) > MAX_PROFILES:
+        raise ConfigError(f"more than {MAX_PROFILES} files read through extends (profiles that extend each other "
+                          "over and over?)", path=str(referenced_by[0] if referenced_by else path), key="extends")
     doc = _read_toml(path, referenced_by)
     extends = doc.pop("extends", [])
     if isinstance(extends, str):
@@ -262,16 +377,20 @@ def _load_with_profiles(path: Path, chain: Tuple[Path, ...] = (),
     origin: Dict[Tuple[str, ...], Path] = {}
     for rel in extends:
         if _control_chars(rel):
-            raise ConfigError("a file name must not contain newlines or control characters", path=str(path), key="extends")
+            raise ConfigError(f"{rel!r}: a file name {_NO_CONTROL}", path=str(path), key="extends")
+        if not rel.strip():
+            raise ConfigError("expected a file name, got an empty string", path=str(path), key="extends")
         try:
-            parent = (path.parent / _expanduser(rel)).resolve()
-        except (ValueError, OSError) as err:
+            parent = _resolve(path.parent / _expanduser(rel))
+            is_file = _is_file(parent)
+        except ValueError as err:
             raise ConfigError(f"profile {rel!r}: {err}", path=str(path), key="extends") from None
         if parent in chain or parent == path:
             raise ConfigError(f"profiles extend each other in a cycle through {str(parent)!r}", path=str(path), key="extends")
-        if not parent.is_file():
-            raise ConfigError(f"profile {rel!r} not found (looked for {str(parent)!r})", path=str(path), key="extends")
-        pdoc, porigin = _load_with_profiles(parent, chain + (path,), (path, "extends"))
+        if not is_file:
+            what = "not found" if not os.path.lexists(parent) else "is not a regular file"
+            raise ConfigError(f"profile {rel!r} {what} (looked for {str(parent)!r})", path=str(path), key="extends")
+        pdoc, porigin = _load_with_profiles(parent, chain + (path,), (path, "extends"), read)
         merged = deep_merge(merged, pdoc)
         origin.update(porigin)
     merged = deep_merge(merged, doc)
@@ -295,18 +414,23 @@ def parse_override(text: str) -> Tuple[List[str], Any]:
     is one (numbers, booleans, quoted strings, arrays), else taken as a plain string."""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected section.key=value")
-    if _control_chars(text.split("=", 1)[0]):
-        raise ConfigError(f"--set {text!r}: a key must not contain newlines or control characters")
     key, raw = text.split("=", 1)
+    if _control_chars(key) or _bad_key(key.strip()):
+        raise ConfigError(f"--set {text!r}: {_KEY_NOT_PRINTABLE}", key=repr(key.strip()))
     parts = key.strip().split(".")
     if len(parts) < 2 or not all(_KEY_PART_RE.fullmatch(p) for p in parts):
-        raise ConfigError(f"--set {text!r}: expected a dotted key such as train.train_iters")
+        raise ConfigError(f"--set {text!r}: expected a dotted key of letters, digits, '_' and '-' "
+                          "such as train.train_iters", key=key.strip())
+    if len(parts) > MAX_DEPTH:
+        raise ConfigError(f"--set {key.strip()}: more than {MAX_DEPTH} levels of keys", key=key.strip())
     try:
-        value = toml.loads(f"v = {raw}")["v"]
+        value = parse_toml(f"v = {raw}")["v"]
     except RecursionError:
         raise ConfigError(f"--set {key.strip()}: the value is nested too deeply", key=key.strip()) from None
-    except (toml.TomlDecodeError, ValueError, TypeError, IndexError, KeyError):
+    except (TomlError, KeyError):
         value = raw
+    if _too_deep(value, MAX_DEPTH - len(parts)) is not None:
+        raise ConfigError(f"--set {key.strip()}: the value is nested too deeply", key=key.strip())
     if isinstance(value, (datetime.date, datetime.time)):
         value = raw  # slurm.time=02:00:00 means the string, not a TOML time of day
     return parts, value
@@ -323,31 +447,55 @@ class _Where:
     origin: Dict[Tuple[str, ...], Path]
     overridden: Tuple[Tuple[str, ...], ...]
 
-    def file_of(self, dotted: str) -> str:
-        parts = tuple(dotted.split("."))
-        for n in range(len(parts), 0, -1):
+    def file_of(self, dotted: str, parts: Optional[Tuple[str, ...]] = None) -> str:
+        """The file that set ``dotted`` (``parts``: the same key path, where a key holds a dot)."""
+        parts = parts if parts is not None else tuple(dotted.split("."))
+        for n in range(len(parts), 0, -1):  # the key itself, or a table above it set as a whole
             if parts[:n] in self.overridden:
                 return f"{self.path} (--set {'.'.join(parts[:n])})"
             if parts[:n] in self.origin:
                 return str(self.origin[parts[:n]])
+        for keypath in self.overridden:  # a table that a --set (which came last) put keys into
+            if keypath[:len(parts)] == parts:
+                return f"{self.path} (--set {'.'.join(keypath)})"
+        for keypath, origin in self.origin.items():  # a table, or a key that holds a dot
+            joined = ".".join(keypath)
+            if keypath[:len(parts)] == parts or joined == dotted or joined.startswith(dotted + "."):
+                return str(origin)
+        # A key missing from its table: whoever set what is in the nearest table above it; where a
+        # --set and files both did, the --set, which came last.
+        for n in range(len(parts) - 1, 0, -1):
+            for keypath in self.overridden:
+                if keypath[:n] == parts[:n]:
+                    return f"{self.path} (--set {'.'.join(keypath)})"
+            for keypath, origin in self.origin.items():
+                if keypath[:n] == parts[:n]:
+                    return str(origin)
         return str(self.path)
 
-    def error(self, dotted: str, message: str) -> ConfigError:
-        return ConfigError(message, path=self.file_of(dotted), key=dotted)
+    def error(self, dotted: str, message: str, parts: Optional[Tuple[str, ...]] = None) -> ConfigError:
+        return ConfigError(message, path=self.file_of(dotted, parts), key=dotted)
 
 
-def _no_control_chars(value: Any, dotted: str, where: _Where) -> None:
-    """Newlines would end an ``#SBATCH`` line and start a shell line: refuse them outright."""
+def _no_control_chars(value: Any, parts: Tuple[str, ...], where: _Where) -> None:
+    """Newlines would end an ``#SBATCH`` line and start a shell line: refuse them outright. Integers
+    beyond TOML's 64 bits (the readers take them; nothing downstream can) and numbers that are not
+    finite (nan compares false with every bound a check sets) are refused here too."""
+    dotted = ".".join(parts)
     if isinstance(value, str) and _control_chars(value):
-        raise where.error(dotted, "must not contain newlines or control characters")
+        raise where.error(dotted, _NO_CONTROL, parts)
+    if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]:
+        raise where.error(dotted, f"expected a 64-bit integer, got {value}", parts)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise where.error(dotted, f"expected a finite number, got {value}", parts)
     if isinstance(value, list):
         for v in value:
-            _no_control_chars(v, dotted, where)
+            _no_control_chars(v, parts, where)
     if isinstance(value, dict):
         for k, v in value.items():
-            if _control_chars(k):
-                raise where.error(f"{dotted}.{k!r}", "a key must not contain newlines or control characters")
-            _no_control_chars(v, f"{dotted}.{k}", where)
+            if _bad_key(k):
+                raise where.error(f"{dotted}.{k!r}", _KEY_NOT_PRINTABLE, parts + (k,))
+            _no_control_chars(v, parts + (k,), where)
 
 
 def _build_env(data: Any, where: _Where) -> List[EnvVar]:
@@ -357,16 +505,20 @@ def _build_env(data: Any, where: _Where) -> List[EnvVar]:
     for name, value in data.items():
         if not _ENV_NAME_RE.fullmatch(name):
             raise where.error(f"env.{name}", "not a valid environment variable name")
+        if _RESERVED_ENV_RE.fullmatch(name):
+            raise where.error(f"env.{name}", "set by Slurm, bridge_hpc or the shell for every job; a job may not set it")
         if isinstance(value, dict):
             unknown = set(value) - {"from_shell"}
             if unknown or not isinstance(value.get("from_shell"), str) or not _ENV_NAME_RE.fullmatch(value["from_shell"]):
-                raise where.error(f"env.{name}", "expected a string, or { from_shell = \"VARIABLE\" } naming a variable of the submitting shell")
+                raise where.error(f"env.{name}", "expected a string, or { from_shell = \"VARIABLE\" } naming a variable "
+                                  "of the submitting shell")
             out.append(EnvVar(name=name, from_shell=value["from_shell"]))
         elif isinstance(value, (str, int, float, bool)):
             text = str(value).lower() if isinstance(value, bool) else str(value)
             out.append(EnvVar(name=name, value=text))
         else:
-            raise where.error(f"env.{name}", f"expected a string, number, boolean or {{ from_shell = \"VARIABLE\" }}, got {value!r}")
+            raise where.error(f"env.{name}", "expected a string, number, boolean or { from_shell = \"VARIABLE\" }, "
+                              f"got {value!r}")
     return out
 
 
@@ -382,7 +534,8 @@ def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> None:
     except ValueError as err:
         raise where.error("slurm.signal", str(err)) from None
     if stop.seconds is not None and stop.seconds >= limit:
-        raise where.error("slurm.signal", f"the warning ({stop.seconds} s before the end) must come after the job starts: slurm.time is {s.time}")
+        raise where.error("slurm.signal", f"the warning ({stop.seconds} s before the end) must come after the job starts: "
+                          f"slurm.time is {s.time}")
     for key in ("nodes", "ntasks_per_node"):
         if getattr(s, key) < 1:
             raise where.error(f"slurm.{key}", "must be at least 1")
@@ -390,19 +543,27 @@ def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> None:
         value = getattr(s, key)
         if value is not None and value < 0:
             raise where.error(f"slurm.{key}", "must not be negative")
+    for key in ("nodes", "ntasks_per_node", "cpus_per_task", "gpus_per_node", "max_restarts", "retries_without_progress"):
+        value = getattr(s, key)
+        if value is not None and value > _SLURM_INT_MAX:
+            raise where.error(f"slurm.{key}", f"must be at most {_SLURM_INT_MAX}, got {value}")
     for key in s.extra:
         if not _SBATCH_OPTION_RE.fullmatch(key):
             raise where.error(f"slurm.extra.{key}", "expected a long sbatch option name such as 'reservation'")
         if key in _OWNED_OPTIONS:
-            raise where.error(f"slurm.extra.{key}", f"set by bridge_hpc itself{'' if key not in _FIELD_OPTIONS else f'; use slurm.{_FIELD_OPTIONS[key]}'}")
+            use = f"; use slurm.{_FIELD_OPTIONS[key]}" if key in _FIELD_OPTIONS else ""
+            raise where.error(f"slurm.extra.{key}", f"set by bridge_hpc itself{use}")
     # Contradictions against the cluster profile.
     if c.partitions and s.partition is not None and s.partition not in c.partitions:
-        raise where.error("slurm.partition", f"{s.partition!r} is not a partition of cluster {c.name or '(profile)'}: {', '.join(c.partitions)}{did_you_mean(s.partition, c.partitions)}")
+        raise where.error("slurm.partition", f"{s.partition!r} is not a partition of cluster {c.name or '(profile)'}: "
+                          f"{', '.join(c.partitions)}{did_you_mean(s.partition, c.partitions)}")
     if c.gpus_per_node is not None and s.gpus_per_node > c.gpus_per_node:
         have = "has no GPUs" if c.gpus_per_node == 0 else f"has {c.gpus_per_node} GPUs per node"
-        raise where.error("slurm.gpus_per_node", f"asks for {s.gpus_per_node} GPUs per node but the cluster profile (cluster.gpus_per_node) {have}")
+        raise where.error("slurm.gpus_per_node", f"asks for {s.gpus_per_node} GPUs per node but the cluster profile "
+                          f"(cluster.gpus_per_node) {have}")
     if c.cpus_per_node is not None and s.ntasks_per_node * (s.cpus_per_task or 1) > c.cpus_per_node:
-        raise where.error("slurm.ntasks_per_node", f"{s.ntasks_per_node} tasks x {s.cpus_per_task or 1} CPUs exceed the {c.cpus_per_node} CPUs per node of the cluster profile")
+        raise where.error("slurm.ntasks_per_node", f"{s.ntasks_per_node} tasks x {s.cpus_per_task or 1} CPUs exceed the "
+                          f"{c.cpus_per_node} CPUs per node of the cluster profile")
     if c.max_time is not None:
         try:
             max_s = parse_time_limit(c.max_time)
@@ -411,6 +572,9 @@ def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> None:
         if limit > max_s:
             raise where.error("slurm.time", f"{s.time} exceeds the cluster's maximum {c.max_time}")
 
+
+#: Slurm keeps counts in 32 bits (and the batch script compares restarts in bash arithmetic).
+_SLURM_INT_MAX = (1 << 31) - 1
 
 # sbatch options the template writes itself; slurm.extra may not set them.
 _FIELD_OPTIONS = {
@@ -429,11 +593,14 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     on the resolved.toml it wrote (whose paths are absolute already, so they resolve to themselves)."""
     path = Path(path)
     if _control_chars(str(path)):
-        raise ConfigError("a file name must not contain newlines or control characters", path=repr(str(path)))
+        raise ConfigError(f"a file name {_NO_CONTROL}", path=repr(str(path)))
     doc, origin = _load_with_profiles(path.absolute())
     overridden = []
     for item in overrides:
-        parts, value = parse_override(item)
+        try:
+            parts, value = parse_override(item)
+        except ConfigError as err:
+            raise ConfigError(err.message, path=f"{path} (--set)", key=err.key) from None
         patch: Any = value
         for part in reversed(parts):
             patch = {part: patch}
@@ -443,13 +610,13 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
 
     known = LAUNCHER_SECTIONS + tuple(TRAINING_SECTIONS)
     for key, value in doc.items():
-        if _control_chars(key):
-            raise where.error(repr(key), "a key must not contain newlines or control characters")
+        if _bad_key(key):
+            raise where.error(repr(key), _KEY_NOT_PRINTABLE, (key,))
         if key not in known:
             raise where.error(key, f"unknown section{did_you_mean(key, known)}; known sections: {', '.join(known)}")
         if not isinstance(value, dict):
             raise where.error(key, f"expected a table [{key}], got {value!r}")
-        _no_control_chars(value, key, where)
+        _no_control_chars(value, (key,), where)
 
     job = build_dataclass(JobSection, "job", doc.get("job", {}), where.error)
     if not job.name:
@@ -466,10 +633,22 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
 
     base = cwd or Path.cwd()
     try:
-        run_dir = _expanduser(job.run_dir or f"runs/{job.name}")
+        run_dir = _expanduser(job.run_dir or f"runs/{_LOG_PATTERN_CHARS.sub('_', job.name)}")
     except ValueError as err:
         raise where.error("job.run_dir", str(err)) from None
-    job.run_dir = str(run_dir if run_dir.is_absolute() else (base / run_dir).resolve())
+    if not str(job.run_dir or "x").strip():
+        raise where.error("job.run_dir", "expected a folder name, got an empty string")
+    given = job.run_dir
+    try:
+        job.run_dir = str(run_dir if run_dir.is_absolute() else _resolve(base / run_dir))
+    except ValueError as err:
+        raise where.error("job.run_dir", str(err)) from None
+    if _LOG_PATTERN_CHARS.search(job.run_dir):
+        # sbatch reads the log file names (--output, in the run folder) as patterns: %j is the job id,
+        # and a backslash turns every pattern off (and is dropped), so logs would land elsewhere.
+        what = repr(given) if given else f"the folder bridge-submit runs in: {job.run_dir!r}"
+        raise where.error("job.run_dir", "expected a folder name without '%' or '\\' (sbatch reads them as patterns "
+                          f"in the names of the log files it writes there), got {what}")
     job.forward_step = _resolve_forward_step(job.forward_step, base, where)
     resolved = dict(doc)
     resolved["job"] = dict(doc.get("job", {}), name=job.name, run_dir=job.run_dir)
@@ -483,7 +662,7 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         raise (where.error(err.key, err.message) if err.key else err) from None
     return JobConfig(
         path=path, job=job, slurm=slurm, env=env, container=container, setup=setup,
-        cluster=cluster, training=container_cfg, raw=resolved, stop_signal=stop_signal,
+        cluster=cluster, training=container_cfg, raw=resolved, stop_signal=stop_signal, where=where,
     )
 
 
@@ -541,8 +720,12 @@ def _resolve_forward_step(spec: str, base: Path, where: "_Where") -> str:
             path = _expanduser(target)
         except ValueError as err:
             raise where.error("job.forward_step", str(err)) from None
-        path = path if path.is_absolute() else (base / path).resolve()
-        if not path.is_file():
+        try:
+            path = path if path.is_absolute() else _resolve(base / path)
+            exists = _is_file(path)
+        except ValueError as err:
+            raise where.error("job.forward_step", str(err)) from None
+        if not exists:
             raise where.error("job.forward_step", f"{expected}; the file {path} does not exist")
         return f"{path}:{function}"
     if not _DOTTED.fullmatch(target):
@@ -555,9 +738,8 @@ def check_secrets_present(cfg: JobConfig, environ: Optional[Dict[str, str]] = No
     environ = os.environ if environ is None else environ
     for var in cfg.secrets():
         if var.from_shell not in environ:
-            raise ConfigError(
-                f"names the submitting shell's variable {var.from_shell}, which is not set", path=str(cfg.path), key=f"env.{var.name}"
-            )
+            raise cfg.error(f"env.{var.name}", f"names the submitting shell's variable {var.from_shell}, which is not set "
+                            f"(export {var.from_shell} before submitting; its value is never written to the script)")
 
 
 def dump_resolved(cfg: JobConfig) -> str:

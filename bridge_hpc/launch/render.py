@@ -24,12 +24,12 @@ from bridge_hpc.contracts.errors import EXIT_BAD_INPUT
 from bridge_hpc.contracts.requeue import REQUEUE_FILE_ENV
 from bridge_hpc.launch.jobconfig import JobConfig
 
-_PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+_PLAIN = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 
 
 def sbatch_arg(value: object) -> str:
     text = str(value)
-    if _PLAIN.match(text):
+    if _PLAIN.fullmatch(text):  # fullmatch: "$" would also match before a final newline
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 

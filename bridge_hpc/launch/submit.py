@@ -7,21 +7,24 @@ from its templates instead and hands submitit the text (``TemplateExecutor``), s
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import submitit
-import toml
 
-from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.launch.jobconfig import JobConfig, check_secrets_present, dump_resolved
 from bridge_hpc.contracts import run_folder
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.launch.jobconfig import JobConfig, check_secrets_present, dump_resolved, parse_toml
 from bridge_hpc.launch.render import render_script
+from bridge_hpc.slurm.query import unfinished_jobs
 
 
 class TemplateExecutor(submitit.SlurmExecutor):
@@ -50,16 +53,105 @@ class Submission:
     resolved_path: Path
     stdout: Path
     job: Optional[submitit.Job] = None
+    warning: Optional[str] = None  # something the user should know about a job that was submitted
 
 
 def _atomic_write(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file, fsynced, renamed); an OSError names
+    ``path``, not the temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise OSError(err.errno, err.strerror, str(path)) from None
+        raise
+
+
+def _run_dir_error(cfg: JobConfig, err: OSError) -> ConfigError:
+    what = "it exists and is not a folder" if isinstance(err, FileExistsError) else (err.strerror or str(err))
+    where = f" ({err.filename})" if err.filename and str(err.filename) != cfg.job.run_dir else ""
+    return cfg.error("job.run_dir", f"cannot create or write the run folder {cfg.job.run_dir}: {what}{where}; "
+                     "expected a folder this user can create and write")
+
+
+class SlurmNotFound(Exception):
+    """Slurm's client tools are not on PATH: not bad input, a machine without Slurm."""
+
+
+#: What submitting needs on PATH: sbatch, and srun, which submitit looks for before it submits.
+SLURM_TOOLS = ("sbatch", "srun")
+
+
+def make_run_dir(cfg: JobConfig) -> List[Path]:
+    """Create the run folder (and its parents) or say, naming ``job.run_dir``, why it cannot be:
+    a parent that is a file (``/etc/passwd/x``), a read-only file system, ``/proc``, no permission.
+    Returns the folders it created, outermost first."""
+    path = Path(cfg.job.run_dir)
+    created: List[Path] = []
+    try:
+        missing = path
+        while not os.path.lexists(missing) and missing != missing.parent:
+            created.insert(0, missing)
+            missing = missing.parent
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _run_dir_error(cfg, err) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise cfg.error("job.run_dir", f"cannot write the run folder {path}: "
+                        f"{'read-only file system' if _read_only(path) else 'permission denied'}; "
+                        "expected a folder this user can write")
+    return created
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the run folder itself (flock on the directory: no file of its own),
+    so that two bridge-submit of one folder check and submit one after the other. Where the file
+    system has no locks (some network file systems), go on without."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+def check_not_busy(cfg: JobConfig) -> None:
+    """Refuse a run folder that a job submitted from it is still using: one that Slurm has not
+    finished (pending, running, requeued, completing, suspended). Two jobs of one folder would train
+    into the same checkpoints and logs at once. Slurm is asked once, about the folder's jobs.jsonl."""
+    live: Dict[str, str] = unfinished_jobs(submitted_job_ids(cfg.run_dir))
+    if live:
+        job_id, state = next(reversed(live.items()))
+        others = f" (and {len(live) - 1} more)" if len(live) > 1 else ""
+        raise cfg.error("job.run_dir", f"run folder {cfg.job.run_dir} is in use by job {job_id}{others}, which is "
+                        f"{state}; wait for it to end or cancel it (scancel {job_id}), or pass --force to submit "
+                        "anyway (both jobs would then use this folder)")
 
 
 def prepare_run_dir(cfg: JobConfig, script: str, resolved: str, force: bool = False) -> None:
@@ -73,59 +165,95 @@ def prepare_run_dir(cfg: JobConfig, script: str, resolved: str, force: bool = Fa
     folder = cfg.run_folder
     files = {"resolved": Path(folder.resolved_config), "script": Path(folder.job_script)}
     same_job = False
-    if files["resolved"].exists():
-        try:
-            same_job = toml.loads(files["resolved"].read_text()) == toml.loads(resolved)
-        except toml.TomlDecodeError:
-            same_job = False
-        if not same_job and not force:
-            raise ConfigError(
-                f"run folder {cfg.job.run_dir} already holds a different job (see its resolved.toml); "
-                "choose another job.run_dir, or pass --force to submit anyway (the old files are kept)",
-                path=str(cfg.path), key="job.run_dir",
-            )
-    for key, text in (("resolved", resolved), ("script", script)):
-        path = files[key]
-        if path.exists():
-            if key == "resolved" and same_job:
-                continue
-            if path.read_text() == text:
-                continue
-            n = 1
-            while path.with_name(f"{path.name}.{n}").exists():
-                n += 1
-            path.rename(path.with_name(f"{path.name}.{n}"))
-        _atomic_write(path, text)
-    Path(folder.logs).mkdir(parents=True, exist_ok=True)
+    try:
+        if files["resolved"].exists():
+            try:
+                same_job = _parse_resolved(files["resolved"].read_text()) == _parse_resolved(resolved)
+            except ValueError:
+                same_job = False
+            if not same_job and not force:
+                raise cfg.error(
+                    "job.run_dir",
+                    f"run folder {cfg.job.run_dir} already holds a different job (see its resolved.toml); "
+                    "choose another job.run_dir, or pass --force to submit anyway (the old files are kept)",
+                )
+        for key, text in (("resolved", resolved), ("script", script)):
+            path = files[key]
+            if path.exists():
+                if key == "resolved" and same_job:
+                    continue
+                if path.read_text(errors="replace") == text:
+                    continue
+                n = 1
+                while path.with_name(f"{path.name}.{n}").exists():
+                    n += 1
+                path.rename(path.with_name(f"{path.name}.{n}"))
+            _atomic_write(path, text)
+        Path(folder.logs).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _run_dir_error(cfg, err) from None
+
+
+def _parse_resolved(text: str) -> dict:
+    """A resolved.toml's content for comparison (ValueError when it is not TOML)."""
+    try:
+        return parse_toml(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def submit(cfg: JobConfig, force: bool = False) -> Submission:
-    """Render, write the run folder, submit. Raises ConfigError before anything is written."""
+    """Render, write the run folder, submit. Raises ConfigError before anything is submitted; when it
+    refuses, nothing in the run folder has changed (at most the folder itself was created)."""
     check_secrets_present(cfg)
     script = render_script(cfg)
     resolved = dump_resolved(cfg)
-    prepare_run_dir(cfg, script, resolved, force=force)
-    folder = cfg.run_folder
-    executor = TemplateExecutor(folder=Path(folder.logs), script=script, num_tasks=cfg.num_tasks)
-    job = executor.submit_script()
-    record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": str(cfg.path)}
-    with open(folder.jobs_log, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    created = make_run_dir(cfg)
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+    if missing:
+        for folder in reversed(created):  # leave no trace of a submit that cannot happen
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise SlurmNotFound(f"{' and '.join(missing)} not found on PATH")
+    with _locked(Path(cfg.job.run_dir)):
+        if not force:
+            check_not_busy(cfg)
+        prepare_run_dir(cfg, script, resolved, force=force)
+        folder = cfg.run_folder
+        executor = TemplateExecutor(folder=Path(folder.logs), script=script, num_tasks=cfg.num_tasks)
+        try:
+            job = executor.submit_script()
+        except OSError as err:
+            # sbatch missing (FileNotFoundError naming it) is the caller's to explain; anything else
+            # here is submitit writing its submission file into the run folder's logs/.
+            if err.filename and str(err.filename).startswith(cfg.job.run_dir):
+                raise _run_dir_error(cfg, err) from None
+            raise
+        record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": str(cfg.path)}
+        warning = None
+        try:
+            with open(folder.jobs_log, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:  # the job is submitted: say what is missing rather than fail
+            warning = (f"job {job.job_id} was submitted, but {folder.jobs_log} could not be written "
+                       f"({err.strerror or err}): bridge-status and the next bridge-submit will not know it")
     return Submission(
         job_id=job.job_id, run_dir=cfg.run_dir, script_path=Path(folder.job_script),
-        resolved_path=Path(folder.resolved_config), stdout=Path(str(job.paths.stdout)), job=job,
+        resolved_path=Path(folder.resolved_config), stdout=Path(str(job.paths.stdout)), job=job, warning=warning,
     )
 
 
 def submitted_job_ids(run_dir: Path) -> List[str]:
     """Job ids submitted into a run folder, oldest first (from its jobs.jsonl)."""
     path = Path(run_folder.RunFolder(str(run_dir)).jobs_log)
-    if not path.exists():
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
         return []
     ids = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             ids.append(str(json.loads(line)["job_id"]))
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, TypeError, IndexError):
             continue
     return ids

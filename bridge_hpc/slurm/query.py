@@ -7,9 +7,10 @@ and for the cause of a stop signal); it is the one place that parses these tools
 
 from __future__ import annotations
 
+import re
 import subprocess
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                    "DEADLINE", "PREEMPTED"}
@@ -62,6 +63,40 @@ def live_state(job_id: str) -> Optional[tuple]:
         return None
     state, _, reason = out.strip().splitlines()[0].partition("|")
     return state, reason
+
+
+_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")
+
+
+def job_finished(state: str) -> bool:
+    """Whether a Slurm job state (``squeue %T``, ``sacct State``) is final: COMPLETED, FAILED,
+    CANCELLED (``CANCELLED by 0``), TIMEOUT, ...; PENDING, RUNNING, REQUEUED, COMPLETING,
+    SUSPENDED, ... are not."""
+    word = (state.split() or [""])[0].rstrip("+")
+    return word in TERMINAL_STATES or word in ("REVOKED", "SPECIAL_EXIT_DONE")
+
+
+def unfinished_jobs(job_ids: Sequence[str]) -> Dict[str, str]:
+    """``{job id: state}`` for those of ``job_ids`` that Slurm has not finished (pending, running,
+    requeued, completing, suspended, ...), in the order of ``job_ids``, from one ``squeue`` call.
+    A job the controller no longer knows is finished; so is every job when Slurm cannot be asked.
+    An array job counts while any of its tasks does (``%F``: the array's id). Words that are not job
+    ids are left out (one would make squeue refuse the whole list)."""
+    wanted = list(dict.fromkeys(str(j) for j in job_ids if _JOB_ID.fullmatch(str(j))))
+    if not wanted:
+        return {}
+    out = _run(["squeue", "-h", "-j", ",".join(wanted), "-o", "%F|%i|%T"]) or ""
+    found: Dict[str, str] = {}
+    for line in out.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 3 or job_finished(fields[2]):
+            continue
+        array_id, job_id, state = fields
+        for candidate in (job_id, array_id, job_id.split("_")[0]):
+            if candidate in wanted:
+                found.setdefault(candidate, state)
+                break
+    return {job_id: found[job_id] for job_id in wanted if job_id in found}  # in the order asked
 
 
 @dataclass
