@@ -16,13 +16,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from typing import Callable, Optional
 
 import pytest
+from bridge_test_helpers import free_port
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import parse_events
@@ -36,12 +36,6 @@ SETTINGS = ("train.train_iters=6", "checkpoint.save_interval=2", "checkpoint.mos
             "logger.log_progress=true")
 #: A run takes about 8 s here; a run still going after this is hanging.
 RUN_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _job(directory) -> str:
@@ -70,7 +64,7 @@ class Result:
 
 def _run(job: str, *overrides: str, timeout: float = RUN_TIMEOUT_S) -> Result:
     """torchrun with 2 ranks in its own session; on timeout the session is killed and the test fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "bridge_hpc.training.run", job]
     for item in overrides:
         cmd += ["--set", item]

@@ -428,3 +428,30 @@ def test_sdpa_attention_honours_an_explicit_mask_under_causal_type():
 
 if __name__ == "__main__":
     _two_rank_main(sys.argv[1])
+
+
+def test_submission_records_input_paths_absolute_and_the_cache_in_the_run_folder(tmp_path, corpus):
+    """A job submitted from the corpus folder with relative prefixes: resolved.toml (what the ranks
+    read) holds them absolute, and the index cache defaults to the run folder's dataset_cache."""
+    import toml
+    from bridge_test_helpers import MINIMAL_TRAINING, submit_cli
+
+    from bridge_hpc.contracts.run_folder import DATASET_CACHE_DIR
+    from bridge_hpc.launch.jobconfig import load_job_config
+
+    prefixes = sorted(corpus)
+    folder = Path(prefixes[0]).parent
+    relative = ["0.5", os.path.basename(prefixes[0]), "0.5", os.path.basename(prefixes[1])]
+    doc = {"job": {"name": "text", "run_dir": str(tmp_path / "run")}, "slurm": {"time": "00:05:00"},
+           **MINIMAL_TRAINING, "model": {"seq_length": SEQ},
+           "dataset": {"data_path": relative, "split": "80,20,0", "seq_length": SEQ}, "tokenizer": BYTE_LEVEL}
+    job = folder / "job-text.toml"
+    job.write_text(toml.dumps(doc))
+    result = submit_cli(str(job), "--dry-run", cwd=folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    resolved = load_job_config(job, cwd=folder).raw  # what bridge-submit writes to resolved.toml
+    assert resolved["dataset"]["data_path"] == ["0.5", prefixes[0], "0.5", prefixes[1]]
+    assert resolved["dataset"]["path_to_cache"] == str(tmp_path / "run" / DATASET_CACHE_DIR)
+    # the same job from another folder: the relative prefixes name nothing there, and the check says which key
+    elsewhere = submit_cli(str(job), "--dry-run", "--set", f"job.run_dir={tmp_path / 'run2'}", cwd=tmp_path)
+    assert elsewhere.returncode == 2 and "dataset.data_path" in elsewhere.stderr, elsewhere.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import toml
-from jobs import MINIMAL_TRAINING, MINIMAL_TRAINING_TOML
+from bridge_test_helpers import MINIMAL_TRAINING, MINIMAL_TRAINING_TOML, submit_cli
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.launch.jobconfig import load_job_config
@@ -30,13 +30,6 @@ def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text))
     return path
-
-
-def submit_cli(*args: str, cwd: Path, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "bridge_hpc.cli.submit", *args], cwd=cwd, capture_output=True, text=True,
-        env=env, timeout=60,
-    )
 
 
 @pytest.fixture

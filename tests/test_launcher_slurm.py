@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import toml
-from jobs import MINIMAL_TRAINING
+from bridge_test_helpers import MINIMAL_TRAINING, sacct_runs, sacct_state, submit_cli
 
 pytestmark = pytest.mark.slurm
 
@@ -40,11 +40,6 @@ with open(os.path.join(run_dir, "ranks", os.environ["SLURM_PROCID"] + ".json"), 
 """
 
 
-def submit_cli(*args: str, cwd: Path, env=None, timeout=180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", *args], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=timeout)
-
-
 def make_job(tmp_path: Path, **sections) -> Path:
     recorder = tmp_path / "recorder"
     recorder.write_text(RECORDER.format(python=sys.executable))
@@ -60,11 +55,6 @@ def make_job(tmp_path: Path, **sections) -> Path:
 
 def ranks(run_dir: Path) -> list:
     return [json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("*.json"))]
-
-
-def sacct_state(job_id: str) -> str:
-    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True)
-    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
 
 
 def job_id_of(stdout: str) -> str:
@@ -218,6 +208,46 @@ def test_a_run_folder_in_use_refuses_a_second_job(slurm_cluster, tmp_path: Path)
     finally:
         if ids:
             subprocess.run(["scancel", *ids], capture_output=True)
+
+
+CRASHER = """#!/bin/bash
+# Stands in for the interpreter of the ranks: a rank that dies on the cancel's SIGTERM with a failure
+# status instead of stopping cleanly (a crash in its handler, a container runtime killing it).
+[ "$1 $2 $3" = "-u -m bridge_hpc.training.run" ] || exec {python} "$@"
+echo started > "$BRIDGE_RUN_DIR/rank.$SLURM_PROCID"
+trap 'exit 1' TERM
+sleep 600 &
+wait
+"""
+
+
+def test_a_cancel_is_final_even_when_the_ranks_fail_on_it(slurm_cluster, tmp_path: Path):
+    """Plain scancel while ranks that fail on SIGTERM run: the batch script's retry-on-failure path
+    must not requeue a job the user cancelled (it asks Slurm why the job stops, as the ranks do)."""
+    crasher = tmp_path / "crasher"
+    crasher.write_text(CRASHER.format(python=sys.executable))
+    crasher.chmod(0o755)
+    make_job(tmp_path, job={"name": f"cancel-{uuid.uuid4().hex[:8]}", "python": str(crasher)},
+             slurm={"retries_without_progress": 5})
+    run_dir = tmp_path / "runs" / "cancelled"
+    result = submit_cli("job.toml", "--set", f"job.run_dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = job_id_of(result.stdout)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "rank.1").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (run_dir / "rank.1").exists(), "the ranks did not start"
+        subprocess.run(["scancel", job_id], check=True, capture_output=True)
+        assert sacct_state(job_id, timeout=60) == "CANCELLED"
+        time.sleep(3)  # a requeue would show up as a pending job or a REQUEUED run by now
+        assert live_state(job_id) in ("", "CANCELLED"), live_state(job_id)
+        runs = sacct_runs(job_id)
+        assert runs and all(r == "CANCELLED" for r in runs), runs
+        log = (run_dir / "logs" / f"{job_id}_0_log.out").read_text()
+        assert "not requeueing" in log and "cancelled" in log and f"requeueing {job_id} (restart" not in log, log
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
 
 
 def test_dry_run_submits_nothing(slurm_cluster, tmp_path: Path):

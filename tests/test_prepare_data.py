@@ -23,8 +23,7 @@ from typing import Dict, List
 
 import pytest
 import toml
-from bridge_test_helpers import submit_cli
-from jobs import MINIMAL_TRAINING, MINIMAL_TRAINING_TOML
+from bridge_test_helpers import MINIMAL_TRAINING, MINIMAL_TRAINING_TOML, submit_cli
 
 from bridge_hpc.cli.prepare_data import main
 from bridge_hpc.contracts.errors import ConfigError

@@ -10,26 +10,19 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from jobs import assert_bitwise_equal, model_params
+from bridge_test_helpers import assert_bitwise_equal, free_port, model_params
 
 from bridge_hpc.report.progress import parse_events
 from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint
 from bridge_hpc.training.metrics import read_metrics
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _job(directory) -> str:
@@ -40,7 +33,7 @@ def _job(directory) -> str:
 
 
 def _torchrun(job: str, *overrides: str) -> list:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "bridge_hpc.training.run", job]
     for item in overrides:
         cmd += ["--set", item]
@@ -164,7 +157,7 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
     """Launched the way srun does (SLURM_* variables, no torchrun): SIGTERM reaches rank 1 only;
     both ranks stop after the same step, a checkpoint of that step is saved, exit status 0."""
     job = _job(tmp_path / "signal")
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in (0, 1):
         env = {k: v for k, v in os.environ.items()

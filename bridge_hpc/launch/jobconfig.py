@@ -30,7 +30,7 @@ from bridge_hpc.contracts import run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
-from bridge_hpc.training.config import ConfigContainer
+from bridge_hpc.training.config import ConfigContainer, GPTDatasetConfig, absolute_dataset_paths, dataset_config_class
 
 # The launcher's sections; every other known section (bridge_hpc.training.config.SECTIONS, named
 # after Megatron Bridge's ConfigContainer fields) is carried to the ranks.
@@ -78,7 +78,7 @@ def parse_time_limit(value: str) -> int:
 # --------------------------------------------------------------------------- the launcher's sections
 
 
-DEFAULT_FORWARD_STEP = "bridge_hpc.training.gpt:forward_step"
+DEFAULT_FORWARD_STEP = "bridge_hpc.training.gpt_step:forward_step"
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -654,7 +654,7 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     resolved["job"] = dict(doc.get("job", {}), name=job.name, run_dir=job.run_dir)
     if job.forward_step != DEFAULT_FORWARD_STEP:
         resolved["job"]["forward_step"] = job.forward_step
-    training = _resolved_training_sections(doc, job.run_dir, stop_signal, where)
+    training = _resolved_training_sections(doc, job.run_dir, base, stop_signal, where)
     resolved.update(training)
     try:
         container_cfg = ConfigContainer.from_sections(training, source=str(path))
@@ -676,12 +676,41 @@ _RUN_FOLDER_PATHS = (
 )
 
 
-def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, stop_signal: signals.StopSignal,
+#: Training inputs given as paths: relative ones mean the folder bridge-submit runs in, as for
+#: ``job.run_dir`` and ``job.forward_step``. (Dataset prefixes: :func:`absolute_dataset_paths`.)
+_INPUT_PATHS = (
+    ("tokenizer", "tokenizer_model"),
+    ("tokenizer", "vocab_file"),
+    ("tokenizer", "merge_file"),
+)
+
+
+def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, stop_signal: signals.StopSignal,
                                 where: "_Where") -> Dict[str, Dict[str, Any]]:
-    """The ranks' sections as resolved.toml records them: every path absolute (relative ones live in
-    the run folder, so a job file and its resolved.toml place files identically) and
-    ``train.exit_signal`` set to the stop signal's list (:mod:`bridge_hpc.contracts.signals`)."""
+    """The ranks' sections as resolved.toml records them: every path absolute (outputs relative to the
+    run folder, so a job file and its resolved.toml place files identically; inputs relative to
+    ``base``, the folder bridge-submit runs in) and ``train.exit_signal`` set to the stop signal's list
+    (:mod:`bridge_hpc.contracts.signals`)."""
     training = {k: dict(v) for k, v in doc.items() if k in TRAINING_SECTIONS}
+    for section, key in _INPUT_PATHS:
+        value = training.get(section, {}).get(key)
+        if isinstance(value, str) and value.strip():
+            try:
+                path = _expanduser(value)
+            except ValueError as err:
+                raise where.error(f"{section}.{key}", str(err)) from None
+            training[section][key] = str(path if path.is_absolute() else base / path)
+    dataset = training.get("dataset")
+    if dataset is not None and dataset_config_class(dataset) is GPTDatasetConfig:
+        dataset = absolute_dataset_paths(dataset, str(base))
+        cache = dataset.get("path_to_cache") or run_folder.DATASET_CACHE_DIR
+        if isinstance(cache, str):
+            try:
+                cache_path = _expanduser(cache)
+            except ValueError as err:
+                raise where.error("dataset.path_to_cache", str(err)) from None
+            dataset["path_to_cache"] = str(cache_path if cache_path.is_absolute() else Path(run_dir) / cache_path)
+        training["dataset"] = dataset
     for section, key, default in _RUN_FOLDER_PATHS:
         value = training.get(section, {}).get(key)
         if value is None and default is None:

@@ -23,6 +23,7 @@ from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import EXIT_BAD_INPUT
 from bridge_hpc.contracts.requeue import REQUEUE_FILE_ENV
 from bridge_hpc.launch.jobconfig import JobConfig
+from bridge_hpc.slurm.query import STOP_CAUSE_COMMAND
 
 _PLAIN = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 
@@ -66,6 +67,8 @@ def _bytecode_cache():
 RANK_ENTRY_MODULE = "bridge_hpc.training.run"
 #: What the batch script runs to read the requeue request (``python -m``; see contracts/requeue.py).
 REQUEUE_READER_MODULE = "bridge_hpc.contracts.requeue"
+#: What the batch script runs to learn why Slurm stops the job before it requeues (a cancel is final).
+SLURM_QUERY_MODULE = "bridge_hpc.slurm.query"
 
 #: Shell variables of the batch script that the ft_launcher line refers to (expanded when it runs).
 RDZV_ENDPOINT = "${BRIDGE_RDZV_HOST}:${BRIDGE_RDZV_PORT}"
@@ -116,6 +119,7 @@ def render_script(cfg: JobConfig) -> str:
         requeue_file_env=REQUEUE_FILE_ENV,
         rank_entry=RANK_ENTRY_MODULE,
         requeue_reader=REQUEUE_READER_MODULE,
+        stop_cause=f"{SLURM_QUERY_MODULE} {STOP_CAUSE_COMMAND}",
         ft_launch=ft_launch_command(cfg),
         exit_bad_input=EXIT_BAD_INPUT,
     )

@@ -214,3 +214,28 @@ def stop_cause(job_id: Optional[str], restart_count: int) -> Optional[str]:
     if start is not None and end is not None and limit is not None and end >= start + limit - 5.0:
         return "time_limit"
     return "cancelled"
+
+
+#: ``python -m bridge_hpc.slurm.query stop-cause JOB RESTARTS``: the batch script asks this before it
+#: requeues, so that a job the user cancelled is never requeued, whatever its ranks did.
+STOP_CAUSE_COMMAND = "stop-cause"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print :func:`stop_cause` of a job (nothing while it runs on); exit 2 on a malformed command line.
+
+    The batch script calls it from outside any container (where scontrol is known to exist): the
+    ranks tell a cancel from a preemption themselves, but ranks that die on the cancel's SIGTERM
+    without a clean exit would otherwise send the script down its retry-on-failure path."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 3 or args[0] != STOP_CAUSE_COMMAND or not args[2].isdigit():
+        print(f"usage: python -m bridge_hpc.slurm.query {STOP_CAUSE_COMMAND} JOB_ID RESTART_COUNT", file=sys.stderr)
+        return 2
+    print(stop_cause(args[1], int(args[2])) or "")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

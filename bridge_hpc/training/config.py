@@ -456,8 +456,8 @@ class TokenizerConfig:
     special tokens from id 256 on, no file at all).
 
     Nothing is ever downloaded, so ``tokenizer_model`` must be an existing local path: checked here,
-    at submission, rather than minutes later on every rank. A relative path is made absolute against
-    the directory the config is read from.
+    at submission, rather than minutes later on every rank. A relative path means the folder
+    bridge-submit runs in (as for ``job.run_dir``); resolved.toml records it absolute.
 
     ``vocab_size`` is the tokenizer's (Bridge: "size of vocab before EOD or padding"; NullTokenizer
     and TikTokenizer read it). ``use_tokenizer_vocab_size`` says whether the model's vocabulary comes
@@ -530,9 +530,15 @@ class DatasetBuildContext:
 
 @dataclass
 class DataloaderConfig:
-    """DataLoader settings shared by every dataset config (Bridge's names)."""
+    """DataLoader settings shared by every dataset config (Bridge's names).
 
-    dataloader_type: Optional[Literal["single", "cyclic", "external"]] = "single"
+    ``dataloader_type``: ``"single"`` loads one micro-batch at a time; ``"batch"`` loads each rank's
+    share of a whole global batch at once and splits it into micro-batches, so that a dataset with
+    its own ``collate_fn`` (fine-tuning: :class:`FinetuningDatasetConfig`) pads every micro-batch of a
+    step to one length. Both read the same samples in the same order.
+    """
+
+    dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = "single"
     num_workers: int = 2
     data_sharding: bool = True
     pin_memory: bool = True
@@ -731,19 +737,30 @@ def read_index_header(prefix: str, key: str) -> IndexedDatasetHeader:
 
 
 def dataset_config_class(body: Dict[str, Any]) -> type:
-    """The dataset config a ``[dataset]`` table selects: indexed data when it names any, else mock data."""
-    return GPTDatasetConfig if any(body.get(k) is not None for k in GPT_DATASET_PATH_KEYS) else MockGPTDatasetConfig
+    """The dataset config a ``[dataset]`` table selects: fine-tuning data when it names a ``dataset_root``,
+    indexed data when it names any prefixes, else mock data. Naming both is a ConfigError."""
+    indexed = [k for k in GPT_DATASET_PATH_KEYS if body.get(k) is not None]
+    if body.get("dataset_root") is not None:
+        _check(not indexed, f"dataset.{indexed[0] if indexed else 'dataset_root'}",
+               "use either dataset.dataset_root (fine-tuning jsonl) or indexed data (data_path or per-split "
+               "paths), not both")
+        return FinetuningDatasetConfig
+    return GPTDatasetConfig if indexed else MockGPTDatasetConfig
 
 
 def absolute_dataset_paths(body: Dict[str, Any], base: str) -> Dict[str, Any]:
-    """A copy of a ``[dataset]`` table with every dataset prefix made absolute against ``base``.
+    """A copy of a ``[dataset]`` table with every dataset prefix (and a fine-tuning ``dataset_root``) made
+    absolute against ``base``.
 
-    For the launcher: a job file's relative prefixes mean its own folder, and resolved.toml must hold
+    For the launcher: relative prefixes mean the folder bridge-submit runs in, and resolved.toml must hold
     them absolute. Weights stay as they are; a value that does not parse is left for
     :meth:`GPTDatasetConfig.finalize` to report. (``path_to_cache`` is a run-folder path: the launcher
     resolves it against the run folder, like ``checkpoint.save``.)
     """
     out = dict(body)
+    root = body.get("dataset_root")
+    if isinstance(root, str):
+        out["dataset_root"] = os.path.join(base, os.path.expanduser(root))
     for key in GPT_DATASET_PATH_KEYS:
         value = body.get(key)
         if not isinstance(value, (str, list)):
@@ -871,6 +888,81 @@ class GPTDatasetConfig(DatasetProvider):
         return build_gpt_datasets(self, context)
 
 
+#: The jsonl files of a fine-tuning ``dataset_root`` (Megatron Bridge's names), per split.
+FINETUNING_FILES = {"train": "training.jsonl", "valid": "validation.jsonl", "test": "test.jsonl"}
+
+
+@dataclass
+class FinetuningDatasetConfig(DatasetProvider):
+    """Prompt/answer pairs in jsonl files, tokenized on the fly: Megatron Bridge's ``FinetuningDatasetConfig``.
+
+    ``dataset_root`` holds ``training.jsonl`` and optionally ``validation.jsonl`` and ``test.jsonl``
+    (Bridge's names; a missing validation or test file means no such split, as in Bridge, and
+    ``do_validation`` / ``do_test = false`` skip one that exists). Each line is a JSON object whose
+    ``prompt_key`` and ``answer_key`` fields are strings; the defaults are the fields of Bridge's
+    default SFT template (``"{input} {output}"``). A sample is the prompt's tokens followed directly by
+    the answer's and the tokenizer's end-of-document token (put any separator into the data), cut to
+    ``seq_length`` + 1 tokens by dropping prompt tokens from its start first (the end of a prompt,
+    next to the answer, is what the answer depends on), then answer tokens from its end. Only the
+    answer and its end-of-document token count in the loss: prompt and padding positions have
+    ``loss_mask = 0``.
+
+    ``dataloader_type = "batch"`` (Bridge's default here) pads all micro-batches of one step on a rank
+    to one length, the longest sample of that rank's share of the global batch rounded up to a
+    multiple of 8 (at most ``seq_length``); ``"single"`` pads each micro-batch on its own.
+
+    The training split is read in a fresh order every pass over the file, shuffled by ``seed``;
+    validation and test in file order. ``max_train_samples`` (Bridge's) sets how many training
+    samples the run draws before it starts again from the first one; unset, the run's own
+    ``train_iters`` x ``global_batch_size``. ``seq_length = None`` takes ``model.seq_length``. Bridge's
+    ``memmap_workers``, ``packed_sequence_specs`` and free-form ``dataset_kwargs`` have no counterpart:
+    the files are indexed in one pass, sequences are not packed, and the options are the typed
+    fields here.
+    """
+
+    dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = "batch"
+    dataset_root: Optional[str] = None
+    seq_length: Optional[int] = None
+    seed: int = 1234
+    max_train_samples: Optional[int] = None
+    do_validation: bool = True
+    do_test: bool = True
+    prompt_key: str = "input"
+    answer_key: str = "output"
+
+    def finalize(self) -> None:
+        super().finalize()
+        _check(self.dataset_root is not None, "dataset.dataset_root",
+               f"must be set: the folder with {FINETUNING_FILES['train']} (and optionally "
+               f"{FINETUNING_FILES['valid']}, {FINETUNING_FILES['test']})")
+        root = os.path.abspath(os.path.expanduser(self.dataset_root))
+        _check(os.path.isdir(root), "dataset.dataset_root", f"{self.dataset_root!r} is not an existing folder")
+        self.dataset_root = root
+        _check(self.dataloader_type in ("single", "batch"), "dataset.dataloader_type",
+               f"must be \"batch\" (pad per global batch) or \"single\" for fine-tuning data, got "
+               f"{self.dataloader_type!r}")
+        _check(self.seq_length is None or self.seq_length > 0, "dataset.seq_length", "must be > 0")
+        _check(self.seed >= 0, "dataset.seed", "must be >= 0")
+        _check(self.max_train_samples is None or self.max_train_samples > 0, "dataset.max_train_samples",
+               "must be > 0")
+        for key in ("prompt_key", "answer_key"):
+            _check(getattr(self, key) != "", f"dataset.{key}", "must name a jsonl field")
+        _check(self.prompt_key != self.answer_key, "dataset.answer_key",
+               f"must differ from dataset.prompt_key ({self.prompt_key!r})")
+
+    def split_path(self, split: str) -> Optional[str]:
+        """The jsonl file of ``split`` ("train", "valid", "test") when the run reads it, else None."""
+        if (split == "valid" and not self.do_validation) or (split == "test" and not self.do_test):
+            return None
+        path = os.path.join(self.dataset_root, FINETUNING_FILES[split])
+        return path if os.path.isfile(path) else None
+
+    def build_datasets(self, context: DatasetBuildContext):
+        from bridge_hpc.training.data import build_finetuning_datasets
+
+        return build_finetuning_datasets(self, context)
+
+
 # ---------------------------------------------------------------------------------------------
 # The container
 # ---------------------------------------------------------------------------------------------
@@ -941,7 +1033,10 @@ class ConfigContainer:
                                   path=source, key=name)
             if not isinstance(body, dict):
                 raise ConfigError(f"expected a table [{name}], got {type(body).__name__}", path=source, key=name)
-            section_cls = dataset_config_class(body) if name == "dataset" else SECTIONS[name]
+            try:
+                section_cls = dataset_config_class(body) if name == "dataset" else SECTIONS[name]
+            except ConfigError as err:
+                raise ConfigError(err.message, path=source, key=err.key) from None
             kwargs[name] = build_dataclass(section_cls, name, body, error)
         for name in ("train", "model", "optimizer", "scheduler", "dataset", "logger", "checkpoint"):
             kwargs.setdefault(name, build_dataclass(SECTIONS[name], name, {}, error))
@@ -972,11 +1067,21 @@ class ConfigContainer:
     # -- cross-section checks -----------------------------------------------------------------
     def check_data_needs(self) -> None:
         """Indexed data needs a tokenizer (megatron-core's GPTDataset takes its end-of-document and pad
-        ids from it, and it sizes the vocabulary): checked at submission, not minutes later on the ranks."""
+        ids from it, and it sizes the vocabulary), and so does fine-tuning data, which is tokenized on
+        the fly; fine-tuning also needs its training file when it trains. Checked at submission, not
+        minutes later on the ranks."""
         if isinstance(self.dataset, GPTDatasetConfig):
             _check(self.tokenizer is not None, "tokenizer.tokenizer_type",
                    "dataset.data_path needs a [tokenizer] section: the one the data was prepared with "
                    "(e.g. tokenizer_type = \"ByteLevelTokenizer\")")
+        if isinstance(self.dataset, FinetuningDatasetConfig):
+            _check(self.tokenizer is not None, "tokenizer.tokenizer_type",
+                   "dataset.dataset_root needs a [tokenizer] section: fine-tuning data is tokenized on the fly "
+                   "(e.g. tokenizer_type = \"ByteLevelTokenizer\")")
+            if (self.train.train_iters or 0) > 0 and not self.train.skip_train:
+                _check(self.dataset.split_path("train") is not None, "dataset.dataset_root",
+                       f"{self.dataset.dataset_root} has no {FINETUNING_FILES['train']}, and train.train_iters is "
+                       f"{self.train.train_iters}")
 
     def validate(self, world_size: Optional[int] = None) -> None:
         """Check that the (finalized) sections agree with each other and with the world; fills the
@@ -995,6 +1100,10 @@ class ConfigContainer:
                f"x data-parallel size ({self.data_parallel_size})")
         if isinstance(self.dataset, GPTDatasetConfig):
             self._validate_gpt_dataset()
+        if isinstance(self.dataset, FinetuningDatasetConfig):
+            self.check_data_needs()
+            if self.dataset.seq_length is None:
+                self.dataset.seq_length = m.seq_length
         seq_length = getattr(self.dataset, "seq_length", None)
         _check(seq_length is None or seq_length == m.seq_length, "dataset.seq_length",
                f"{seq_length} differs from model.seq_length ({m.seq_length})")

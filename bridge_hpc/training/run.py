@@ -5,7 +5,7 @@ absolute, ``train.exit_signal`` from ``[slurm] signal``), and it works the same 
 ``torchrun``. The job is resolved by :func:`bridge_hpc.launch.jobconfig.load_job_config`, the same
 function ``bridge-submit`` ran, which builds and checks the training
 :class:`~bridge_hpc.training.config.ConfigContainer` once; then ``pretrain`` trains with the forward
-step ``[job] forward_step`` names (default: Bridge's GPT step, :func:`bridge_hpc.training.gpt.forward_step`).
+step ``[job] forward_step`` names (default: Bridge's GPT step, :func:`bridge_hpc.training.gpt_step.forward_step`).
 
 Exit status: 0 when training stopped as planned (done, or checkpointed with a requeue request), 2 for
 bad input (one line naming file and key), 1 for any other failure. A failing rank leaves at once,
