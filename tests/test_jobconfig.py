@@ -474,3 +474,47 @@ def test_two_submits_at_the_same_time_submit_one_job(tmp_path: Path):
     refused = next(err for code, _, err in results if code == 2)
     assert "job 4242" in refused and "key 'job.run_dir'" in refused
     assert len(calls(shims, "sbatch")) == 1
+
+
+def _issue_9_job(folder: Path, name: str, head: str) -> Path:
+    path = folder / name
+    path.write_text(head + MINIMAL_TRAINING_TOML)
+    return path
+
+
+ISSUE_9_HOSTILE = [
+    # (what the issue found, file name, text before the training sections, key named, phrase)
+    ("a newline and $(...) in a key of [slurm] extra", "job.toml",
+     '[slurm.extra]\n"reservation\\n$(touch INJECTED)" = "x"\n', "slurm.extra.", "newlines"),
+    ("an [env] name ending in a newline", "job.toml", '[env]\n"API_KEY\\n" = { from_shell = "HOME" }\n', "env.", "newlines"),
+    ("deeply nested TOML", "job.toml", "[train]\nx = " + "[" * 2000 + "]" * 2000 + "\n", None, "nested too deeply"),
+    ("a home folder of no user", "job.toml", '[job]\nrun_dir = "~nosuchuser/x"\n', "job.run_dir", "no such user"),
+    ("extends naming a binary file", "job.toml", 'extends = "/bin/ls"\n', "extends", "not a text file"),
+    ("extends naming /proc", "job.toml", 'extends = "/proc/self/status"\n', "extends", "not valid TOML"),
+    ("a file name with a newline and $(...), job.name unset", "evil\n$(touch INJECTED).toml", "", None, "file name"),
+]
+
+
+@pytest.mark.parametrize("what,name,head,key,phrase", ISSUE_9_HOSTILE, ids=[h[0] for h in ISSUE_9_HOSTILE])
+def test_hostile_inputs_found_in_issue_9_exit_2_and_run_nothing(tmp_path: Path, what, name, head, key, phrase):
+    """Each hole the issue lists: one line naming the file (and the key), exit 2, no traceback, no script
+    and nothing run (the payloads would create INJECTED in the folder they run in)."""
+    if name == "job.toml" and head.startswith("[train]"):
+        path = tmp_path / name
+        path.write_text(head.replace("[train]\n", "[train]\ntrain_iters = 1\nmicro_batch_size = 1\nglobal_batch_size = 1\n")
+                        + "[optimizer]\nlr = 1e-3\n")
+    else:
+        path = _issue_9_job(tmp_path, name, head)
+    for argv in (["--dry-run"], []):
+        result = submit_cli(str(path), *argv, cwd=tmp_path)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
+        assert phrase in result.stderr and (key is None or f"key '{key}" in result.stderr), result.stderr
+    assert not (tmp_path / "INJECTED").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_newline_in_an_env_name_given_by_set_is_refused(tmp_path: Path):
+    path = _issue_9_job(tmp_path, "job.toml", "")
+    result = submit_cli(str(path), "--dry-run", "--set", "env.API_KEY\n=secret", cwd=tmp_path)
+    assert result.returncode == 2 and "key 'env.API_KEY'" in result.stderr and "newlines" in result.stderr, result.stderr
+    assert "secret" not in result.stdout

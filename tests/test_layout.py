@@ -8,6 +8,7 @@ contracts imports nothing of ours; the login side imports no torch at module lev
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, Set
 
@@ -112,3 +113,42 @@ def test_login_side_modules_import_no_torch_at_module_level():
             if imported.split(".")[0] in heavy:
                 wrong.append(f"{name} imports {imported}")
     assert not wrong, wrong
+
+
+def _string_literals(path: Path) -> Set[str]:
+    """Every string constant in a Python module (docstrings and comments aside: only what code uses)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return {node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings}
+
+
+def test_each_run_folder_name_and_the_stop_signal_list_are_defined_once():
+    """The contracts between the login node, the batch script and the ranks are spelled in one place:
+    no other module (or template) writes a run-folder file name or the allowed stop signals itself."""
+    from bridge_hpc.contracts import run_folder, signals
+
+    # (names of five characters or fewer, "logs" or ".lock", are too common a word to search for)
+    names = {value for key, value in vars(run_folder).items()
+             if key.isupper() and isinstance(value, str) and len(value) > 5}
+    assert {"job.sbatch", "resolved.toml", "jobs.jsonl", "metrics.jsonl", "progress.txt",
+            "latest_checkpointed_iteration.txt", "ft_state.json", "requeue-request."} <= names
+    definitions = {PACKAGE / "contracts" / "run_folder.py", PACKAGE / "contracts" / "signals.py"}
+    spelled = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path in definitions:
+            continue
+        literals = _string_literals(path)
+        spelled += [f"{path.relative_to(PACKAGE.parent)}: {name!r}" for name in sorted(names & literals)]
+        spelled += [f"{path.relative_to(PACKAGE.parent)}: {name!r}" for name in signals.ALLOWED if name in literals]
+    templates = PACKAGE.parent / "templates"
+    for path in sorted(templates.rglob("*.j2")):
+        # what the script itself says: jinja expressions and shell comments aside
+        text = re.sub(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", "", path.read_text(), flags=re.S)
+        text = re.sub(r"^\s*#.*$", "", text, flags=re.M)
+        spelled += [f"{path.relative_to(PACKAGE.parent)}: {name!r}" for name in sorted(names) if name in text]
+        spelled += [f"{path.relative_to(PACKAGE.parent)}: {name}" for name in signals.ALLOWED
+                    if re.search(rf"\b(SIG)?{name}\b", text)]
+    assert not spelled, spelled

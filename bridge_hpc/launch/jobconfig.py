@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import toml
 
@@ -96,6 +96,9 @@ class JobSection:
     # (importable on the compute nodes) or ``"path/to/file.py:function"`` (relative to the directory
     # bridge-submit runs in, like run_dir; written absolute to resolved.toml).
     forward_step: str = DEFAULT_FORWARD_STEP
+    # Megatron Bridge's entry point the ranks run: pretrain(config, forward_step) or finetune(config,
+    # forward_step) (starts from [checkpoint] pretrained_checkpoint: weights only, iteration 0).
+    entry: Literal["pretrain", "finetune"] = "pretrain"
 
 
 @dataclass
@@ -416,7 +419,7 @@ def parse_override(text: str) -> Tuple[List[str], Any]:
         raise ConfigError(f"--set {text!r}: expected section.key=value")
     key, raw = text.split("=", 1)
     if _control_chars(key) or _bad_key(key.strip()):
-        raise ConfigError(f"--set {text!r}: {_KEY_NOT_PRINTABLE}", key=repr(key.strip()))
+        raise ConfigError(f"--set {text!r}: {_KEY_NOT_PRINTABLE}", key=key.strip())
     parts = key.strip().split(".")
     if len(parts) < 2 or not all(_KEY_PART_RE.fullmatch(p) for p in parts):
         raise ConfigError(f"--set {text!r}: expected a dotted key of letters, digits, '_' and '-' "
