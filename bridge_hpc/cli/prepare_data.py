@@ -5,18 +5,38 @@ The flags are those of Megatron-LM's ``tools/preprocess_data.py`` that users alr
 ``--workers``); ``--input`` takes several files or globs. Runs here with ``--workers`` processes; the
 work itself is :mod:`bridge_hpc.data.prepare`. Bad input: one message naming the file (and line or key),
 exit status 2, no traceback.
+
+With ``--slurm JOB.toml`` it submits instead: an sbatch array job with one task per input file, then a
+final step that depends on it (``afterany``, so that it runs even when a task failed and can say which),
+both rendered from the job config's profile, partition, ``[setup]``, ``[env]`` and ``[container]``
+(:func:`bridge_hpc.launch.render.render_prepare_script`). The plan, the scripts and the logs live in
+``<output-prefix>.slurm/`` (:mod:`bridge_hpc.data.slurm_plan`). The batch scripts run this same module
+as ``--slurm-step shard|finish PLAN``: the array task's index comes from
+:func:`bridge_hpc.slurm.job_environment.array_task_index`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
-from bridge_hpc.data import prepare
+from bridge_hpc.contracts.run_folder import RunFolder
+from bridge_hpc.data import prepare, slurm_plan
+from bridge_hpc.slurm.job_environment import array_task_index
 from bridge_hpc.training.config import TokenizerConfig
+
+#: What the batch scripts run (``python -m``): this module, in its step mode.
+STEP_MODULE = "bridge_hpc.cli.prepare_data"
+#: The first argument that selects step mode (the batch scripts' command line, not the user's).
+STEP_FLAG = "--slurm-step"
+#: Seconds between two looks at Slurm while ``--wait`` waits.
+WAIT_POLL_S = 2.0
 
 #: TokenizerConfig key -> the flag that sets it, so a bad value is blamed on what the user typed.
 _FLAGS = {"tokenizer_type": "--tokenizer-type", "tokenizer_model": "--tokenizer-model", "vocab_size": "--vocab-size",
@@ -46,7 +66,15 @@ def parser() -> argparse.ArgumentParser:
                        help="path prefix: shards are <prefix>_<shard>_<key>_document.bin/.idx, plus "
                             "<prefix>_<shard>.shard.json and <prefix>.manifest.json")
     group = p.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=1, help="tokenizer processes on this machine (default 1)")
+    group.add_argument("--workers", type=int, default=1,
+                       help="tokenizer processes on this machine, or per array task with --slurm (default 1)")
+    group.add_argument("--slurm", metavar="JOB.toml",
+                       help="submit an sbatch array job (one task per input file) plus a final step, using this "
+                            "job config's profile, partition, [setup], [env] and [container]")
+    group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="with --slurm: override a key of the job config, as bridge-submit --set")
+    group.add_argument("--wait", action="store_true",
+                       help="with --slurm: wait for the final step and print the [dataset] snippet")
     return p
 
 
@@ -65,11 +93,18 @@ def tokenizer_config(args: argparse.Namespace) -> TokenizerConfig:
 
 @exits_on_config_error
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [STEP_FLAG]:
+        return slurm_step(argv[1:])
     args = parser().parse_args(argv)
     if args.workers < 1:
         raise ConfigError("must be >= 1", key="--workers")
+    if not args.slurm and (args.wait or args.set):
+        raise ConfigError("only with --slurm JOB.toml", key="--wait" if args.wait else "--set")
     cfg = tokenizer_config(args)
     keys: List[str] = list(dict.fromkeys(args.json_keys))
+    if args.slurm:
+        return submit_slurm(args, cfg, keys)
     records = prepare.prepare_local(args.input, args.output_prefix, cfg, keys, args.append_eod, args.workers,
                                     args.on_bad_line, prepare.Progress(sys.stderr))
     documents = sum(r.documents for r in records)
@@ -77,6 +112,98 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"[prepare-data] {len(records)} shard(s), {documents} documents, {tokens} tokens; manifest "
           f"{prepare.manifest_path(str(Path(args.output_prefix).absolute()))}", file=sys.stderr)
     print(prepare.data_path_snippet(records, keys))
+    return 0
+
+
+def submit_slurm(args: argparse.Namespace, tokenizer_cfg: TokenizerConfig, keys: List[str]) -> int:
+    """Write the plan, render both scripts, submit the array job and the final step after it.
+
+    Everything that can be refused (the job config, the inputs, a prefix holding other input's shards)
+    is checked before the first sbatch. With ``--wait``: block until both jobs end, then print the
+    snippet (status 0) or say which shards are missing (status 1).
+    """
+    from bridge_hpc.launch.jobconfig import load_job_config
+    from bridge_hpc.launch.render import render_prepare_script
+    from bridge_hpc.launch.submit import TemplateExecutor
+
+    job = load_job_config(args.slurm, overrides=args.set)
+    cpus = job.cluster.cpus_per_node
+    if cpus is not None and args.workers > cpus:
+        raise ConfigError(f"{args.workers} workers per task exceed the {cpus} CPUs per node of the job config's "
+                          "cluster profile (cluster.cpus_per_node)", key="--workers")
+    plan, current = slurm_plan.make_plan(args.input, args.output_prefix, tokenizer_cfg, keys, args.append_eod,
+                                         args.workers, args.on_bad_line)
+    folder = slurm_plan.slurm_folder(plan.output_prefix)
+    logs = Path(RunFolder(str(folder)).logs)
+    plan_path = folder / slurm_plan.PLAN_FILE
+    snippet_path = folder / slurm_plan.SNIPPET_FILE
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        plan.save(plan_path)
+        snippet_path.unlink(missing_ok=True)  # a snippet left from an earlier run must not pass for this one's
+    except OSError as err:
+        raise ConfigError(f"cannot write the Slurm folder {folder}: {err.strerror or err}",
+                          key="--output-prefix") from None
+
+    def script(step: str, dependency: Optional[str]) -> str:
+        text = render_prepare_script(job, step=step, step_module=STEP_MODULE,
+                                     step_args=[STEP_FLAG, step, str(plan_path)], folder=str(folder),
+                                     tasks=len(plan.inputs), cpus_per_task=args.workers, dependency=dependency)
+        name = slurm_plan.SHARDS_SCRIPT if step == "shard" else slurm_plan.FINISH_SCRIPT
+        (folder / name).write_text(text)
+        return text
+
+    array_id = TemplateExecutor(folder=logs, script=script("shard", None), num_tasks=1).submit_script().job_id
+    try:
+        finish_id = TemplateExecutor(folder=logs, script=script("finish", f"afterany:{array_id}"),
+                                     num_tasks=1).submit_script().job_id
+    except BaseException:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["scancel", str(array_id)], capture_output=True, timeout=30)
+        raise
+    up_to_date = f" ({len(current)} already up to date: their tasks only confirm them)" if current else ""
+    print(f"[prepare-data] submitted array job {array_id}: {len(plan.inputs)} task(s), one per input{up_to_date}; "
+          f"final step job {finish_id} after it", file=sys.stderr)
+    print(f"[prepare-data] logs: {logs}; the [dataset] snippet will be in {snippet_path} and the manifest in "
+          f"{prepare.manifest_path(plan.output_prefix)}", file=sys.stderr)
+    if not args.wait:
+        return 0
+    from bridge_hpc.slurm.query import unfinished_jobs
+
+    while unfinished_jobs([str(array_id), str(finish_id)]):
+        time.sleep(WAIT_POLL_S)
+    if not snippet_path.is_file():
+        print(f"[prepare-data] the final step (job {finish_id}) did not finish the dataset: see "
+              f"{RunFolder(str(folder)).stderr(str(finish_id))}", file=sys.stderr)
+        return 1
+    print(snippet_path.read_text(), end="")
+    return 0
+
+
+def slurm_step(argv: Sequence[str]) -> int:
+    """What the batch scripts run: ``shard PLAN`` in an array task, ``finish PLAN`` in the final step."""
+    p = argparse.ArgumentParser(prog=f"{STEP_MODULE} {STEP_FLAG}")
+    p.add_argument("step", choices=("shard", "finish"))
+    p.add_argument("plan", type=Path)
+    args = p.parse_args(argv)
+    plan = slurm_plan.Plan.load(args.plan)
+    if args.step == "shard":
+        index = array_task_index()
+        if index is None:
+            raise ConfigError("the shard step runs as a Slurm array task (SLURM_ARRAY_TASK_ID is not set)",
+                              key=STEP_FLAG)
+        slurm_plan.run_shard_task(plan, index, sys.stderr, label=str(index))
+        return 0
+    try:
+        records, snippet, manifest = slurm_plan.finish(plan)
+    except slurm_plan.ShardsMissing as err:
+        print(f"[prepare-data] {err}", file=sys.stderr)
+        return 1
+    documents = sum(r.documents for r in records)
+    tokens = sum(r.tokens for r in records)
+    print(f"[prepare-data] {len(records)} shard(s) checked, {documents} documents, {tokens} tokens; manifest "
+          f"{manifest}", file=sys.stderr)
+    print(snippet)
     return 0
 
 

@@ -673,7 +673,6 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
 _RUN_FOLDER_PATHS = (
     ("checkpoint", "save", run_folder.CHECKPOINTS_DIR),
     ("checkpoint", "load", None),
-    ("checkpoint", "pretrained_checkpoint", None),
     ("logger", "tensorboard_dir", None),
     ("logger", "metrics_file", run_folder.METRICS_FILE),
 )
@@ -682,6 +681,8 @@ _RUN_FOLDER_PATHS = (
 #: Training inputs given as paths: relative ones mean the folder bridge-submit runs in, as for
 #: ``job.run_dir`` and ``job.forward_step``. (Dataset prefixes: :func:`absolute_dataset_paths`.)
 _INPUT_PATHS = (
+    ("checkpoint", "pretrained_checkpoint"),
+    ("dataset", "dataset_root"),
     ("tokenizer", "tokenizer_model"),
     ("tokenizer", "vocab_file"),
     ("tokenizer", "merge_file"),

@@ -10,11 +10,12 @@ Control characters never get this far: the config loader refuses them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import os
 import re
 import shlex
-from typing import Optional
+from typing import Optional, Sequence
 
 import jinja2
 
@@ -122,4 +123,38 @@ def render_script(cfg: JobConfig) -> str:
         stop_cause=f"{SLURM_QUERY_MODULE} {STOP_CAUSE_COMMAND}",
         ft_launch=ft_launch_command(cfg),
         exit_bad_input=EXIT_BAD_INPUT,
+    )
+
+
+def render_prepare_script(cfg: JobConfig, *, step: str, step_module: str, step_args: Sequence[str],
+                          folder: str, tasks: Optional[int], cpus_per_task: int,
+                          dependency: Optional[str] = None) -> str:
+    """A ``bridge-prepare-data --slurm`` script from the job config's profile, partition, ``[setup]``,
+    ``[env]`` and ``[container]``, through the same header, setup and env parts as the training script.
+
+    ``step`` is ``"shard"`` (an array job of ``tasks`` tasks, ``0-(tasks-1)``) or ``"finish"`` (one
+    task, after ``dependency``). Each runs ``python -m step_module *step_args`` once, in the batch
+    step: tokenizing is one process per task (``cpus_per_task`` CPUs for its workers), so the job's
+    node, task and GPU counts are replaced, and its own array and dependency too. Logs go to
+    ``folder``'s logs/ (the run-folder contract's names, ``%A_%a`` for array tasks) and the script
+    does not export ``BRIDGE_RUN_DIR``/``BRIDGE_CONFIG``: there is no training run folder.
+    """
+    if step not in ("shard", "finish"):
+        raise ValueError(f"step must be 'shard' or 'finish', got {step!r}")
+    array = step == "shard"
+    slurm = dataclasses.replace(
+        cfg.slurm, nodes=1, ntasks_per_node=1, cpus_per_task=cpus_per_task, gpus_per_node=0, requeue=True,
+        exclusive=False, array=f"0-{tasks - 1}" if array and tasks else None, dependency=dependency)
+    job = dataclasses.replace(cfg.job, name=f"{cfg.job.name}-prepare-data" + ("" if array else "-finish"))
+    prepare_cfg = dataclasses.replace(cfg, slurm=slurm, job=job)
+    template = _environment().get_template("prepare_data.sbatch.j2")
+    return template.render(
+        cfg=prepare_cfg,
+        version=__version__,
+        step=step,
+        step_module=step_module,
+        step_args=list(step_args),
+        log_pattern=run_folder.RunFolder(folder).log_pattern(array=array),
+        stop_signal=cfg.stop_signal,
+        run_exports=False,
     )

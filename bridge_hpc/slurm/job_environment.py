@@ -72,6 +72,17 @@ def node_address(node: str) -> str:
     return node
 
 
+def array_task_index(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """This job's index in its Slurm array (``SLURM_ARRAY_TASK_ID``), or None outside an array job.
+
+    A plain accessor rather than :meth:`JobEnvironment.from_env`: an array task of
+    ``bridge-prepare-data`` runs one process in the batch step, with no ranks or rendezvous to work out.
+    """
+    env = os.environ if env is None else env
+    value = env.get("SLURM_ARRAY_TASK_ID", "")
+    return int(value) if value.isdigit() else None
+
+
 @dataclass(frozen=True)
 class JobEnvironment:
     """Where this process sits in the job: launcher, rank, world and the rendezvous point."""

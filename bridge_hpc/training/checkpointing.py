@@ -511,9 +511,14 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool) -> 
             optimizer.load_state_dict(loaded["optimizer"])
         return
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model[0], optimizer.optimizer)
+    if load_optim:
+        model_sd, optim_sd = get_state_dict(model[0], optimizer.optimizer)
+    else:
+        # Not get_state_dict: it initializes an empty optimizer state by running a step with zero
+        # gradients, after which Adam's first real update of a fresh optimizer is scaled as its second.
+        model_sd, optim_sd = get_model_state_dict(model[0]), None
     state = {"model": _without_empty_extra_state(model_sd)}
     if load_optim:
         state["optimizer"] = optim_sd

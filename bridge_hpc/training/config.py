@@ -737,20 +737,16 @@ def read_index_header(prefix: str, key: str) -> IndexedDatasetHeader:
 
 
 def dataset_config_class(body: Dict[str, Any]) -> type:
-    """The dataset config a ``[dataset]`` table selects: fine-tuning data when it names a ``dataset_root``,
-    indexed data when it names any prefixes, else mock data. Naming both is a ConfigError."""
-    indexed = [k for k in GPT_DATASET_PATH_KEYS if body.get(k) is not None]
+    """The dataset config a ``[dataset]`` table selects: fine-tuning data when it names a ``dataset_root``
+    (indexed-data keys beside it are then unknown keys), indexed data when it names any prefixes, else
+    mock data."""
     if body.get("dataset_root") is not None:
-        _check(not indexed, f"dataset.{indexed[0] if indexed else 'dataset_root'}",
-               "use either dataset.dataset_root (fine-tuning jsonl) or indexed data (data_path or per-split "
-               "paths), not both")
         return FinetuningDatasetConfig
-    return GPTDatasetConfig if indexed else MockGPTDatasetConfig
+    return GPTDatasetConfig if any(body.get(k) is not None for k in GPT_DATASET_PATH_KEYS) else MockGPTDatasetConfig
 
 
 def absolute_dataset_paths(body: Dict[str, Any], base: str) -> Dict[str, Any]:
-    """A copy of a ``[dataset]`` table with every dataset prefix (and a fine-tuning ``dataset_root``) made
-    absolute against ``base``.
+    """A copy of a ``[dataset]`` table with every dataset prefix made absolute against ``base``.
 
     For the launcher: relative prefixes mean the folder bridge-submit runs in, and resolved.toml must hold
     them absolute. Weights stay as they are; a value that does not parse is left for
@@ -758,9 +754,6 @@ def absolute_dataset_paths(body: Dict[str, Any], base: str) -> Dict[str, Any]:
     resolves it against the run folder, like ``checkpoint.save``.)
     """
     out = dict(body)
-    root = body.get("dataset_root")
-    if isinstance(root, str):
-        out["dataset_root"] = os.path.join(base, os.path.expanduser(root))
     for key in GPT_DATASET_PATH_KEYS:
         value = body.get(key)
         if not isinstance(value, (str, list)):
@@ -1033,10 +1026,7 @@ class ConfigContainer:
                                   path=source, key=name)
             if not isinstance(body, dict):
                 raise ConfigError(f"expected a table [{name}], got {type(body).__name__}", path=source, key=name)
-            try:
-                section_cls = dataset_config_class(body) if name == "dataset" else SECTIONS[name]
-            except ConfigError as err:
-                raise ConfigError(err.message, path=source, key=err.key) from None
+            section_cls = dataset_config_class(body) if name == "dataset" else SECTIONS[name]
             kwargs[name] = build_dataclass(section_cls, name, body, error)
         for name in ("train", "model", "optimizer", "scheduler", "dataset", "logger", "checkpoint"):
             kwargs.setdefault(name, build_dataclass(SECTIONS[name], name, {}, error))
@@ -1078,7 +1068,7 @@ class ConfigContainer:
             _check(self.tokenizer is not None, "tokenizer.tokenizer_type",
                    "dataset.dataset_root needs a [tokenizer] section: fine-tuning data is tokenized on the fly "
                    "(e.g. tokenizer_type = \"ByteLevelTokenizer\")")
-            if (self.train.train_iters or 0) > 0 and not self.train.skip_train:
+            if self.train.train_iters > 0 and not self.train.skip_train:
                 _check(self.dataset.split_path("train") is not None, "dataset.dataset_root",
                        f"{self.dataset.dataset_root} has no {FINETUNING_FILES['train']}, and train.train_iters is "
                        f"{self.train.train_iters}")

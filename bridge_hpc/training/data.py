@@ -5,7 +5,9 @@ deterministic in the index, and the sampler walks global sample indices in order
 each data-parallel rank taking its slice of every micro-batch. Restoring the count from a
 checkpoint therefore restores the exact next batch on every rank. megatron-core's GPTDataset and
 BlendedDataset are of that kind (their document, sample, shuffle and blend indices are fixed by the
-config's seed and sizes), so indexed data and blends resume exactly as mock data does.
+config's seed and sizes), so indexed data and blends resume exactly as mock data does. Fine-tuning
+data (:class:`FinetuningDataset`) is too: its sample ``i`` is a line of a jsonl file picked by
+``(seed, i)``, tokenized when it is read.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from bridge_hpc.training.config import (
     DataloaderConfig,
     DatasetBuildContext,
     DatasetProvider,
+    FinetuningDatasetConfig,
     GPTDatasetConfig,
     read_index_header,
 )
 
-__all__ = ["MockGPTDataset", "DatasetProvider", "DatasetBuildContext", "SampleIterator", "build_data_iterator",
-           "build_datasets", "build_gpt_datasets", "check_token_ids"]
+__all__ = ["MockGPTDataset", "FinetuningDataset", "DatasetProvider", "DatasetBuildContext", "SampleIterator",
+           "build_data_iterator", "build_datasets", "build_gpt_datasets", "build_finetuning_datasets",
+           "check_token_ids", "index_jsonl"]
 
 #: In ``path_to_cache``: the largest token id of each ``.bin`` already scanned, keyed by path, size and
 #: modification time, so a requeued job does not read its whole corpus again.
@@ -95,6 +99,25 @@ class _PretrainingBatchSampler:
             position += self.mbs * self.dp_size
 
 
+class _GlobalBatchSampler:
+    """Yields this rank's indices of a whole global batch at once (``dataloader_type = "batch"``).
+
+    The same samples in the same order as :class:`_PretrainingBatchSampler` gives over the global
+    batch's micro-batches, concatenated, so that a collate function sees them together and can pad
+    them to one length.
+    """
+
+    def __init__(self, dataset_len: int, consumed_samples: int, micro_batch_size: int, num_microbatches: int,
+                 dp_rank: int, dp_size: int):
+        self.micro = _PretrainingBatchSampler(dataset_len, consumed_samples, micro_batch_size, dp_rank, dp_size)
+        self.num_microbatches = num_microbatches
+
+    def __iter__(self):
+        micro_batches = iter(self.micro)
+        while True:
+            yield [index for _ in range(self.num_microbatches) for index in next(micro_batches)]
+
+
 def _ignore_stop_signals(stop_signals: Sequence[str], worker_id: int) -> None:
     """Loader workers leave the stop signals (``train.exit_signal``) to the rank. Slurm signals every
     process of a step on preemption or time-out; a worker dying of SIGTERM would make torch raise in
@@ -104,28 +127,44 @@ def _ignore_stop_signals(stop_signals: Sequence[str], worker_id: int) -> None:
 
 
 class SampleIterator:
-    """The loop's data iterator: batches in order, with its position as ``state_dict()``.
+    """The loop's data iterator: micro-batches in order, with its position as ``state_dict()``.
 
-    ``consumed_samples`` counts global samples (all data-parallel ranks) of the batches handed out,
-    not of those prefetched by loader workers, so it is the position to resume from.
+    ``consumed_samples`` counts global samples (all data-parallel ranks) of the micro-batches handed
+    out, not of those prefetched by loader workers, so it is the position to resume from. A dataset's
+    own ``collate_fn`` (fine-tuning pads with it) makes the batches. With ``dataloader_type = "batch"``
+    the loader makes one batch of this rank's share of each global batch (``global_batch_size``
+    samples over all ranks) and the iterator hands it out in micro-batches.
     """
 
     def __init__(self, dataset: Dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 dataloader: DataloaderConfig, seed: int, stop_signals: Optional[Sequence[str]] = None):
+                 dataloader: DataloaderConfig, seed: int, stop_signals: Optional[Sequence[str]] = None,
+                 global_batch_size: Optional[int] = None):
         self.consumed_samples = consumed_samples
         self._step = micro_batch_size * dp_size
-        sampler = _PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+        self._micro_batch_size = micro_batch_size
+        self._num_microbatches = 1  # per loaded batch
+        if dataloader.dataloader_type == "batch":
+            if global_batch_size is None or global_batch_size % self._step:
+                raise ValueError(f"dataloader_type 'batch' needs a global batch size divisible by micro-batch size "
+                                 f"x data-parallel size ({self._step}), got {global_batch_size}")
+            self._num_microbatches = global_batch_size // self._step
+            sampler: Any = _GlobalBatchSampler(len(dataset), consumed_samples, micro_batch_size,
+                                               self._num_microbatches, dp_rank, dp_size)
+        else:
+            sampler = _PretrainingBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
         # The loader draws its workers' base seed from its generator; a private one keeps the global
         # torch RNG (dropout) untouched, which exact resume depends on.
         generator = torch.Generator().manual_seed(seed)
         self._loader = DataLoader(
             dataset, batch_sampler=sampler, num_workers=dataloader.num_workers,
+            collate_fn=getattr(dataset, "collate_fn", None),
             pin_memory=dataloader.pin_memory and torch.cuda.is_available(),
             persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0,
             generator=generator,
             worker_init_fn=functools.partial(_ignore_stop_signals, tuple(stop_signals or signals.default_rank_signals())),
         )
         self._iter: Optional[Iterator] = None
+        self._pending: List[Any] = []
 
     def __iter__(self) -> "SampleIterator":
         return self
@@ -133,9 +172,20 @@ class SampleIterator:
     def __next__(self) -> Any:
         if self._iter is None:
             self._iter = iter(self._loader)
-        batch = next(self._iter)
+        if not self._pending:
+            self._pending = self._micro_batches(next(self._iter))
+        batch = self._pending.pop(0)
         self.consumed_samples += self._step
         return batch
+
+    def _micro_batches(self, batch: Any) -> List[Any]:
+        """A loaded batch as the micro-batches it holds: itself, unless ``dataloader_type = "batch"``, whose
+        batches are dicts of tensors with the samples along the first dimension."""
+        if self._num_microbatches == 1:
+            return [batch]
+        size = self._micro_batch_size
+        return [{key: value[i * size:(i + 1) * size] for key, value in batch.items()}
+                for i in range(self._num_microbatches)]
 
     def state_dict(self) -> Dict[str, int]:
         return {"consumed_samples": self.consumed_samples}
@@ -143,13 +193,15 @@ class SampleIterator:
 
 def build_data_iterator(dataset: Optional[Dataset], consumed_samples: int, micro_batch_size: int, dp_rank: int,
                         dp_size: int, dataloader: DataloaderConfig, seed: int,
-                        stop_signals: Optional[Sequence[str]] = None) -> Optional[SampleIterator]:
+                        stop_signals: Optional[Sequence[str]] = None,
+                        global_batch_size: Optional[int] = None) -> Optional[SampleIterator]:
     """An iterator over ``dataset`` positioned at ``consumed_samples``, or None without a dataset.
-    ``stop_signals``: the rank's (``train.exit_signal``), which its loader workers ignore."""
+    ``stop_signals``: the rank's (``train.exit_signal``), which its loader workers ignore;
+    ``global_batch_size``: needed by ``dataloader_type = "batch"``."""
     if dataset is None or len(dataset) == 0:
         return None
     return SampleIterator(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, dataloader, seed,
-                          stop_signals)
+                          stop_signals, global_batch_size)
 
 
 def build_datasets(provider: DatasetProvider, cfg, tokenizer: Optional[Any] = None) -> tuple:
@@ -292,3 +344,151 @@ def _save_scan_cache(cache_dir: str, known: Dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(known, f, indent=1)
     os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning data: prompt/answer pairs in jsonl files, tokenized on the fly
+# ---------------------------------------------------------------------------------------------
+
+#: A fine-tuning batch is padded to a multiple of this many tokens (capped at ``seq_length``): fewer
+#: distinct shapes for the CUDA caching allocator and kernels, and tensor-core friendly sizes.
+PAD_MULTIPLE = 8
+
+
+def index_jsonl(path: str, prompt_key: str, answer_key: str) -> np.ndarray:
+    """Byte ranges ``[start, end)`` of the records of a jsonl file, one row each; blank lines are skipped.
+
+    Every line is checked once here so that a bad one stops the run at start-up rather than at the
+    step that reads it: a line that is not a JSON object, or lacks either field, or whose field is not
+    a string, is a ConfigError naming ``file:line`` and the config key of the field. So is a file
+    with no records.
+    """
+    ranges: List[Tuple[int, int]] = []
+    position = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            start, position = position, position + len(raw)
+            if not raw.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(raw)
+            except ValueError as err:
+                raise ConfigError(f"line {number} is not JSON ({err})", path=where, key="dataset.dataset_root") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"line {number} is a JSON {type(record).__name__}, expected an object with "
+                                  f"{prompt_key!r} and {answer_key!r} fields", path=where, key="dataset.dataset_root")
+            for field, key in ((prompt_key, "dataset.prompt_key"), (answer_key, "dataset.answer_key")):
+                if field not in record:
+                    raise ConfigError(f"line {number} has no {field!r} field (it has {sorted(record)})",
+                                      path=where, key=key)
+                if not isinstance(record[field], str):
+                    raise ConfigError(f"line {number}: field {field!r} is a {type(record[field]).__name__}, "
+                                      "expected a string", path=where, key=key)
+            ranges.append((start, position))
+    if not ranges:
+        raise ConfigError(f"{path} holds no records", path=path, key="dataset.dataset_root")
+    return np.asarray(ranges, dtype=np.int64)
+
+
+class FinetuningDataset(Dataset):
+    """Prompt/answer samples of one jsonl file, tokenized when read; see :class:`FinetuningDatasetConfig`.
+
+    ``num_samples`` samples: sample ``i`` is record ``i mod records`` of pass ``i // records`` over the
+    file, in file order, or with ``seed`` in a permutation drawn from ``(seed, pass)``; so any sample is
+    found from its index alone, which is what exact resume needs. A sample holds ``tokens``, ``labels``,
+    ``loss_mask`` and ``position_ids`` of its own length (at most ``seq_length``); :meth:`collate_fn`
+    pads a batch of them to one length.
+    """
+
+    def __init__(self, path: str, tokenizer: Any, seq_length: int, prompt_key: str, answer_key: str,
+                 num_samples: Optional[int] = None, seed: Optional[int] = None):
+        self.path = path
+        self.tokenizer = tokenizer
+        self.eod = int(tokenizer.eod)
+        self.seq_length = seq_length
+        self.prompt_key = prompt_key
+        self.answer_key = answer_key
+        self.records = index_jsonl(path, prompt_key, answer_key)
+        self.num_samples = len(self.records) if num_samples is None else num_samples
+        self.seed = seed
+        self._order: Tuple[int, Optional[np.ndarray]] = (-1, None)
+        self._fd: Optional[Tuple[int, int]] = None  # (pid, file descriptor): loader workers open their own
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def record(self, index: int) -> Dict[str, Any]:
+        """The JSON record that sample ``index`` is made from."""
+        passes, line = divmod(int(index), len(self.records))
+        if self.seed is not None:
+            if self._order[0] != passes:
+                self._order = (passes, np.random.default_rng([self.seed, passes]).permutation(len(self.records)))
+            line = int(self._order[1][line])
+        start, end = (int(x) for x in self.records[line])
+        if self._fd is None or self._fd[0] != os.getpid():
+            self._fd = (os.getpid(), os.open(self.path, os.O_RDONLY))
+        return json.loads(os.pread(self._fd[1], end - start, start))
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        record = self.record(index)
+        prompt = [int(t) for t in self.tokenizer.tokenize(record[self.prompt_key])]
+        answer = [int(t) for t in self.tokenizer.tokenize(record[self.answer_key])] + [self.eod]
+        excess = len(prompt) + len(answer) - (self.seq_length + 1)
+        if excess > 0:
+            cut = min(excess, len(prompt))
+            prompt = prompt[cut:]
+            answer = answer[:len(answer) - (excess - cut)]
+        ids = torch.tensor(prompt + answer, dtype=torch.int64)
+        # labels[i] is ids[i + 1]: it counts when that token belongs to the answer (or is its EOD).
+        loss_mask = (torch.arange(1, len(ids)) >= len(prompt)).to(torch.float32)
+        return {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": loss_mask,
+                "position_ids": torch.arange(len(ids) - 1, dtype=torch.int64)}
+
+    def padded_length(self, longest: int) -> int:
+        """The length a batch whose longest sample has ``longest`` tokens is padded to."""
+        return min(self.seq_length, -(-max(longest, 1) // PAD_MULTIPLE) * PAD_MULTIPLE)
+
+    def collate_fn(self, samples: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """Stack ``samples``, padded at the end to :meth:`padded_length` of the longest. Padding gets the
+        end-of-document id as token and label and ``loss_mask = 0``; under causal attention the real
+        tokens before it never see it, so it changes no loss and no gradient."""
+        length = self.padded_length(max(len(s["tokens"]) for s in samples))
+        out = {"tokens": torch.full((len(samples), length), self.eod, dtype=torch.int64),
+               "labels": torch.full((len(samples), length), self.eod, dtype=torch.int64),
+               "loss_mask": torch.zeros((len(samples), length), dtype=torch.float32),
+               "position_ids": torch.arange(length, dtype=torch.int64).repeat(len(samples), 1)}
+        for row, sample in enumerate(samples):
+            n = len(sample["tokens"])
+            for key in ("tokens", "labels", "loss_mask"):
+                out[key][row, :n] = sample[key]
+        return out
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_fd"] = None  # a file descriptor means nothing in another process
+        return state
+
+
+def build_finetuning_datasets(config: FinetuningDatasetConfig, context: DatasetBuildContext) -> tuple:
+    """``(train, valid, test)`` :class:`FinetuningDataset` of ``config``'s files; None for a split without one.
+
+    ``config`` must have been validated (``seq_length`` filled). Every rank indexes the files itself
+    (one read each, no shared cache to coordinate), and so every rank raises the same ConfigError for
+    a bad line. The training split is sized for the run (or ``max_train_samples``) and shuffled per
+    pass; validation and test are their files in order, read again from the start when exhausted.
+    """
+    if context.tokenizer is None:
+        raise ValueError("FinetuningDatasetConfig needs the run's tokenizer: build it with "
+                         "bridge_hpc.training.tokenizers.build_tokenizer_for(cfg) and pass it to build_datasets")
+
+    def split(name: str, wanted: int, num_samples: Optional[int] = None, seed: Optional[int] = None):
+        path = config.split_path(name)
+        if path is None or wanted <= 0:
+            return None
+        return FinetuningDataset(path, context.tokenizer, config.seq_length, config.prompt_key, config.answer_key,
+                                 num_samples=num_samples, seed=seed)
+
+    train_samples = config.max_train_samples or context.train_samples
+    return (split("train", context.train_samples, train_samples, config.seed),
+            split("valid", context.valid_samples), split("test", context.test_samples))

@@ -160,12 +160,12 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
 
     train_ds, valid_ds, _ = build_datasets(cfg.dataset, cfg, state.tokenizer)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    mbs = cfg.train.micro_batch_size
+    mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
     stop = cfg.train.exit_signal
     train_it = build_data_iterator(train_ds, ts.consumed_train_samples, mbs, dp_rank, dp_size, cfg.dataset,
-                                   cfg.rng.seed, stop)
+                                   cfg.rng.seed, stop, gbs)
     valid_it = build_data_iterator(valid_ds, ts.consumed_valid_samples, mbs, dp_rank, dp_size, cfg.dataset,
-                                   cfg.rng.seed, stop)
+                                   cfg.rng.seed, stop, gbs)
     ts.do_train, ts.do_valid = train_it is not None, valid_it is not None
 
     state.metrics.open(resume_step=ts.step)

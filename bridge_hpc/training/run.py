@@ -4,8 +4,10 @@ Every rank of a job runs this: the batch script starts it on the run folder's re
 absolute, ``train.exit_signal`` from ``[slurm] signal``), and it works the same on a job file under
 ``torchrun``. The job is resolved by :func:`bridge_hpc.launch.jobconfig.load_job_config`, the same
 function ``bridge-submit`` ran, which builds and checks the training
-:class:`~bridge_hpc.training.config.ConfigContainer` once; then ``pretrain`` trains with the forward
-step ``[job] forward_step`` names (default: Bridge's GPT step, :func:`bridge_hpc.training.gpt_step.forward_step`).
+:class:`~bridge_hpc.training.config.ConfigContainer` once; then the entry point ``[job] entry`` names
+(``"pretrain"``, the default, or ``"finetune"``: :func:`bridge_hpc.training.finetune.finetune`) trains
+with the forward step ``[job] forward_step`` names (default: Bridge's GPT step,
+:func:`bridge_hpc.training.gpt_step.forward_step`).
 
 Exit status: 0 when training stopped as planned (done, or checkpointed with a requeue request), 2 for
 bad input (one line naming file and key), 1 for any other failure. A failing rank leaves at once,
@@ -62,6 +64,18 @@ def load_forward_step(spec: str, source: Optional[str] = None) -> Callable:
     return function
 
 
+def load_entry(name: str) -> Callable:
+    """``[job] entry`` -> Bridge's entry point: ``pretrain`` or ``finetune`` (the launcher has checked the
+    name). Imported here, after the stop-signal recorder is in place, because it imports torch."""
+    if name == "finetune":
+        from bridge_hpc.training.finetune import finetune
+
+        return finetune
+    from bridge_hpc.training.pretrain import pretrain
+
+    return pretrain
+
+
 def build_config(path: str, overrides: Optional[List[str]] = None) -> ConfigContainer:
     """The training config of a job file or resolved.toml, as the ranks get it."""
     return load_job_config(path, overrides or ()).training
@@ -100,11 +114,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             StopSignalRecorder(job.training.train.exit_signal).__enter__()
         quiet_known_warnings()
         forward_step = load_forward_step(job.job.forward_step, source=args.config)
-        from bridge_hpc.training.pretrain import pretrain
-
-        # pretrain brings torch.distributed up itself, after its signal handler is in place: a
+        entry = load_entry(job.job.entry)
+        # The entry point brings torch.distributed up itself, after its signal handler is in place: a
         # preemption notice during a slow rendezvous is then recorded, not fatal.
-        pretrain(job.training, forward_step)
+        try:
+            entry(job.training, forward_step)
+        except ConfigError as err:
+            # Checks on the ranks (validate(), finetune()'s starting point) name a key but no file: it is this one.
+            raise (ConfigError(err.message, path=args.config, key=err.key) if err.path is None else err) from None
     except ConfigError as err:
         print(f"error: {err.format()}", file=sys.stderr, flush=True)
         _leave(EXIT_BAD_INPUT)
