@@ -677,6 +677,10 @@ def save_checkpoint(state: GlobalState, model, optimizer, scheduler, train_data_
             logger.warning("could not remove old checkpoints in %s: %s", root, err)
         logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - start)
         print(f"saved checkpoint at iteration {iteration} to {final} ({time.perf_counter() - start:.2f}s)", flush=True)
+    # The ranks leave the save together: a rank that went on to the next step would wait for rank 0's
+    # clean-up inside that step's gradient all-reduce, where gloo polls, and its step would look slow
+    # to the straggler detector (which times steps by CPU time).
+    _barrier()
     return final
 
 
