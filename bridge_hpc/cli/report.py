@@ -67,7 +67,7 @@ def find_progress_log(target: str) -> str:
     if found:
         raise ConfigError(f"several progress logs, name one: {', '.join(found)}", path=target)
     raise ConfigError(f"no {run_folder.PROGRESS_FILE} found (looked in {run_folder.CHECKPOINTS_DIR}/, "
-                      "resolved.toml's [checkpoint] save and below)", path=target)
+                      f"{run_folder.RESOLVED_CONFIG}'s [checkpoint] save and below)", path=target)
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
