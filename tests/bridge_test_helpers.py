@@ -97,6 +97,27 @@ def sacct_state(job_id: str, timeout: float = 30) -> str:
     raise AssertionError(f"job {job_id} not finished in sacct after {timeout} s (states {runs})")
 
 
+def wait_until_gone(job_ids: Sequence[str], timeout: float = 120) -> None:
+    """Until Slurm's queue holds none of ``job_ids`` (cancelled jobs stay COMPLETING while their ranks
+    checkpoint and exit); a test that cancels jobs waits so that their processes do not run on into the
+    next test."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(squeue_state(j) is not None for j in job_ids):
+        time.sleep(0.5)
+
+
+def wait_until_no_job_runs(timeout: float = 180) -> None:
+    """Until no job runs or completes on the cluster: for tests that compare the ranks' CPU time per step,
+    which other jobs' processes on the same cores would distort."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        out = subprocess.run(["squeue", "-h", "-t", "RUNNING,COMPLETING,CONFIGURING", "-o", "%i"],
+                             capture_output=True, text=True).stdout
+        if not out.strip():
+            return
+        time.sleep(0.5)
+
+
 def overrides(run_dir: Path, train_iters: int, extra: Sequence[str] = ()) -> List[str]:
     base = [f"job.run_dir={run_dir}", f"train.train_iters={train_iters}", "logger.log_interval=10",
             "train.eval_interval=50", "checkpoint.save_interval=25", "checkpoint.most_recent_k=3"]

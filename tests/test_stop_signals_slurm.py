@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bridge_test_helpers import FAULTY_FORWARD_STEP, log_text, sacct_runs, squeue_state, submit
+from bridge_test_helpers import FAULTY_FORWARD_STEP, log_text, sacct_runs, squeue_state, submit, wait_until_gone
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.signals import ALLOWED, parse_slurm_signal
@@ -63,6 +63,7 @@ def test_each_accepted_signal_form_checkpoints_and_requeues(slurm_cluster, tmp_p
     finally:
         for _, job_id in jobs.values():
             subprocess.run(["scancel", job_id], check=False)
+        wait_until_gone([job_id for _, job_id in jobs.values()])
 
     for form, (run_dir, job_id) in jobs.items():
         log = log_text(run_dir, job_id)

@@ -20,7 +20,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from bridge_test_helpers import FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs, submit
+from bridge_test_helpers import (
+    FAULTY_FORWARD_STEP,
+    drive,
+    log_text,
+    losses,
+    reference_run,
+    sacct_runs,
+    submit,
+    wait_until_no_job_runs,
+)
 
 from bridge_hpc.report.progress import parse_progress
 
@@ -38,6 +47,7 @@ def reference(tmp_path_factory) -> Path:
 
 def run_with_a_straggler(run_dir: Path, reference: Path):
     """Submit, drive to the end, check everything but the nodes; returns (job id, log)."""
+    wait_until_no_job_runs()  # the detector compares the ranks' CPU time per step: no other job's processes
     job_id = submit(run_dir, ITERS, [
         "nvrx_straggler.enabled=true", "nvrx_straggler.stop_if_detected=true",
         "nvrx_straggler.report_time_interval=0.5",
