@@ -70,6 +70,8 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     with ft.checkpointing() if ft is not None else contextlib.nullcontext():  # a long save is not a hang
         checkpointing.save_checkpoint(state, model, optimizer, opt_param_scheduler, train_data_iterator)
     timer.stop(barrier=True)
+    if state.straggler_detector is not None:
+        state.straggler_detector.restart_window()  # the steps right after a save are not judged
     checkpointing_context["last_saved_step"] = state.train_state.step
     checkpointing_context["last_save_time_s"] = state.last_save_s = timer.elapsed(reset=True)
     if state.progress is not None:

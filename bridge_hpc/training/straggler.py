@@ -242,6 +242,18 @@ class StragglerDetector:
             section, self._section = self._section, None
             section.__exit__(None, None, None)
 
+    def restart_window(self) -> None:
+        """Start the current report window afresh (steptime backend), after a checkpoint save or load.
+
+        The steps that follow a save run slower for a while on some ranks (the process's CPU time then
+        includes the kernel's write-back of the pages just written and the collection of the save's
+        garbage), unevenly across ranks; judged, that window flagged healthy ranks and requeued healthy
+        jobs. Every rank calls this at the same step (saves are collective), so the report schedule
+        stays the same on every rank; the window after the save is one report interval, as usual."""
+        if self.backend == "steptime" and self._next_check is not None:
+            self._sum, self._count = 0.0, 0
+            self._next_check = self._steps + int(self.interval_steps)
+
     @contextlib.contextmanager
     def step(self):
         self.step_start()
