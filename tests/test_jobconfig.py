@@ -518,3 +518,18 @@ def test_a_newline_in_an_env_name_given_by_set_is_refused(tmp_path: Path):
     result = submit_cli(str(path), "--dry-run", "--set", "env.API_KEY\n=secret", cwd=tmp_path)
     assert result.returncode == 2 and "key 'env.API_KEY'" in result.stderr and "newlines" in result.stderr, result.stderr
     assert "secret" not in result.stdout
+
+
+def test_a_job_file_without_training_sections_loads_for_its_slurm_side_only(tmp_path):
+    """``bridge-prepare-data --slurm`` reuses a job file's profile, partition and [setup]: such a file
+    needs no training sections, but a training run still does, and sections that are there are checked."""
+    profile = ROOT / "configs" / "clusters" / "local.toml"
+    write(tmp_path / "prep.toml", f'extends = "{profile}"\n[job]\nname = "prep"\n[setup]\nmodules = ["gcc"]\n')
+    cfg = load_job_config(tmp_path / "prep.toml", cwd=tmp_path, training=False)
+    assert cfg.training is None
+    assert cfg.slurm.partition == "debug" and cfg.setup.modules == ["gcc"]
+    with pytest.raises(ConfigError, match="train.train_iters"):
+        load_job_config(tmp_path / "prep.toml", cwd=tmp_path)
+    write(tmp_path / "bad.toml", f'extends = "{profile}"\n[train]\nmicro_batch_size = 0\n')
+    with pytest.raises(ConfigError, match="train"):
+        load_job_config(tmp_path / "bad.toml", cwd=tmp_path, training=False)

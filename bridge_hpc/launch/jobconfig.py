@@ -180,6 +180,8 @@ class JobConfig:
 
     ``training`` is the :class:`~bridge_hpc.training.config.ConfigContainer` of the ranks, built and
     checked here once; its paths are absolute and ``train.exit_signal`` is the stop signal's list.
+    It is None only for a job file loaded for its Slurm side alone (``load_job_config(...,
+    training=False)``: ``bridge-prepare-data --slurm`` reuses a profile, partition and ``[setup]``).
     ``raw`` is the same document as TOML data: what resolved.toml holds and the ranks read back.
     """
 
@@ -190,7 +192,7 @@ class JobConfig:
     container: Optional[ContainerSection]
     setup: SetupSection
     cluster: ClusterSection
-    training: ConfigContainer
+    training: Optional[ConfigContainer]
     raw: Dict[str, Any]
     stop_signal: signals.StopSignal
     #: Which file set which key (the job file, a profile, a --set), for errors found after loading.
@@ -589,8 +591,13 @@ _FIELD_OPTIONS = {
 _OWNED_OPTIONS = set(_FIELD_OPTIONS) | {"output", "error", "open-mode", "chdir", "export", "ntasks", "wrap"}
 
 
-def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: Optional[Path] = None) -> JobConfig:
+def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: Optional[Path] = None,
+                    training: bool = True) -> JobConfig:
     """Load, merge, override and validate a job config. Raises ConfigError on any bad input.
+
+    With ``training=False`` the training sections are optional: a file that has none gives a
+    JobConfig whose ``training`` is None (a job that runs something other than training, on the same
+    profile); sections that are present are still checked in full.
 
     This is the one place a job is resolved: ``bridge-submit`` calls it on the job file and the ranks
     on the resolved.toml it wrote (whose paths are absolute already, so they resolve to themselves)."""
@@ -657,12 +664,14 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     resolved["job"] = dict(doc.get("job", {}), name=job.name, run_dir=job.run_dir)
     if job.forward_step != DEFAULT_FORWARD_STEP:
         resolved["job"]["forward_step"] = job.forward_step
-    training = _resolved_training_sections(doc, job.run_dir, base, stop_signal, where)
-    resolved.update(training)
-    try:
-        container_cfg = ConfigContainer.from_sections(training, source=str(path))
-    except ConfigError as err:
-        raise (where.error(err.key, err.message) if err.key else err) from None
+    sections = _resolved_training_sections(doc, job.run_dir, base, stop_signal, where)
+    resolved.update(sections)
+    container_cfg = None
+    if training or any(key in doc for key in TRAINING_SECTIONS):
+        try:
+            container_cfg = ConfigContainer.from_sections(sections, source=str(path))
+        except ConfigError as err:
+            raise (where.error(err.key, err.message) if err.key else err) from None
     return JobConfig(
         path=path, job=job, slurm=slurm, env=env, container=container, setup=setup,
         cluster=cluster, training=container_cfg, raw=resolved, stop_signal=stop_signal, where=where,
