@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 STAMP = .setup-done
 
-.PHONY: setup cluster demo test lint clean-demo
+.PHONY: setup cluster demo demo-text test lint clean-demo
 
 # torch 2.13.0 is the CPU build on these machines' disk; installing it first keeps pip from pulling a
 # multi-GB CUDA build for the range in setup.cfg.
@@ -23,6 +23,16 @@ demo: cluster
 	bridge-submit configs/local-tiny.toml --wait
 	bridge-report runs/local-tiny
 
+# The real-data demo (configs/local-tiny-text.toml): the standard library's docstrings as the corpus
+# (nothing is downloaded), prepared into indexed datasets, trained on, and the validation losses shown.
+demo-text: cluster
+	$(PYTHON) -m bridge_hpc.data.stdlib_corpus data/stdlib
+	bridge-prepare-data --input data/stdlib/train.jsonl data/stdlib/valid.jsonl --output-prefix data/stdlib/docs \
+	    --tokenizer-type ByteLevelTokenizer --append-eod --workers 2
+	bridge-submit configs/local-tiny-text.toml --wait
+	bridge-report runs/local-tiny-text
+	grep -h 'validation loss' runs/local-tiny-text/logs/*_0_log.out
+
 test: cluster
 	$(PYTHON) -m pytest -q tests
 
@@ -30,4 +40,4 @@ lint: setup
 	$(PYTHON) -m ruff check bridge_hpc tests benchmarks
 
 clean-demo:
-	rm -rf runs/local-tiny
+	rm -rf runs/local-tiny runs/local-tiny-text

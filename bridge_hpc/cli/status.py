@@ -1,4 +1,7 @@
-"""``bridge-status RUN_DIR``: a run's jobs, their Slurm state, restarts and logs; ``--follow`` tails them."""
+"""``bridge-status RUN_DIR``: a run's jobs, their Slurm state, restarts and logs.
+
+``--follow`` shows the newest job live (state, restarts, step, loss, tokens/s, ETA, allocation
+left; :mod:`bridge_hpc.report.live`) until it ends; ``--logs`` tails its stdout/stderr instead."""
 
 from __future__ import annotations
 
@@ -45,7 +48,10 @@ def follow(paths: List[Path], job_id: str, poll_s: float = 1.0) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="bridge-status", description="Show a run's Slurm jobs, restarts and logs.")
     p.add_argument("run_dir", help="the job's run folder (job.run_dir)")
-    p.add_argument("--follow", "-f", action="store_true", help="tail the newest job's logs until it ends")
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="show the newest job live (step, loss, tokens/s, ETA, allocation left) until it ends: one "
+                        "screen redrawn in place on a terminal, plain lines otherwise")
+    p.add_argument("--logs", action="store_true", help="tail the newest job's stdout/stderr until it ends")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir)
@@ -73,6 +79,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"{'':>8}    run {n}: {r['state']:<10} start {r['start'] or '-'}  end {r['end'] or '-'}  "
                       f"elapsed {r['elapsed'] or '-'}  exit {r['exit_code'] or '-'}  {r['reason']}")
     if args.follow:
+        from bridge_hpc.report.live import watch
+
+        print()
+        status = watch(run_dir, ids[-1], style="screen")
+        print(f"job {ids[-1]} ended: {status.state}")
+    elif args.logs:
         state = follow(log_paths(run_dir, ids[-1]), ids[-1])
         print(f"job {ids[-1]} ended: {state}")
     return 0

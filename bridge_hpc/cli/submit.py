@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import time
+from pathlib import Path
 from typing import List, Optional
 
 from bridge_hpc.contracts.errors import exits_on_config_error
 from bridge_hpc.launch.jobconfig import check_secrets_present, load_job_config
 from bridge_hpc.launch.render import render_script
-from bridge_hpc.slurm.query import TERMINAL_STATES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,21 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="submit even into a run folder that holds a different job (its old files are kept) or "
                         "whose earlier job is still pending or running")
-    p.add_argument("--wait", action="store_true", help="wait for the job to end, showing its state")
+    p.add_argument("--wait", action="store_true",
+                   help="wait for the job to end, showing a progress bar (state, step, loss, tokens/s, ETA; plain "
+                        "lines when stdout is not a terminal)")
     return p
-
-
-def wait_for(job, poll_s: float = 2.0) -> str:
-    """Show state changes until the job is done (a requeue brings it back to PENDING, not done)."""
-    last = None
-    while True:
-        state = job.state
-        if state != last and state != "UNKNOWN":  # UNKNOWN: accounting has not seen the job yet
-            print(f"{time.strftime('%H:%M:%S')}  job {job.job_id}: {state}", flush=True)
-            last = state
-        if state in TERMINAL_STATES or state.startswith("CANCELLED"):
-            return state
-        time.sleep(poll_s)
 
 
 @exits_on_config_error
@@ -79,8 +67,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"  log        : {sub.stdout}")
     print(f"  follow     : bridge-status {sub.run_dir} --follow")
     if args.wait:
-        state = wait_for(sub.job)
-        return 0 if state == "COMPLETED" else 1
+        from bridge_hpc.report.live import watch
+
+        status = watch(Path(sub.run_dir), str(sub.job_id), style="bar")
+        print(f"job {sub.job_id} ended: {status.state}")
+        return 0 if status.state == "COMPLETED" else 1
     return 0
 
 

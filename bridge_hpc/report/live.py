@@ -1,0 +1,314 @@
+"""A running job at a glance: Slurm state, restarts, step of ``train_iters``, loss, tokens/s, ETA
+and the time left in the allocation.
+
+``bridge-status RUN_DIR --follow`` shows it as one screen redrawn in place and ``bridge-submit
+--wait`` as a one-line progress bar. Both read the same :class:`LiveStatus`, built by
+:class:`LiveReader` from the run folder and Slurm:
+
+- the job config the ranks run (the run folder's resolved.toml, through ``load_job_config`` like the
+  ranks): ``train.train_iters`` and where ``metrics.jsonl`` is;
+- ``metrics.jsonl`` (rank 0, one record per step), read incrementally: only the bytes added since the
+  last poll, from the start again when a resume rewrote the file (a new inode or a shorter file);
+- Slurm (:mod:`bridge_hpc.slurm.query`): every run of the job (state, restarts) and the current
+  run's end time.
+
+The ETA is training time only: the steps left times the median of the recent step times. Queue
+waits after a preemption are not in it (they cannot be known); the allocation's time left says
+whether this allocation will see the end.
+
+Where output is not a terminal (a pipe, a log file, CI), both print plain lines without control
+codes: one when the state changes, else at most one per ``interval`` seconds when the step moved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Deque, List, Optional, TextIO
+
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.run_folder import RunFolder
+from bridge_hpc.slurm.query import job_finished, job_runs, job_times
+
+#: How many recent steps the rate, step time and ETA are taken over.
+RECENT_STEPS = 20
+#: Seconds between two plain lines that only report progress (a state change prints at once).
+PLAIN_INTERVAL_S = 10.0
+#: A metrics file longer than this is first read from this many bytes before its end.
+_TAIL_BYTES = 256 * 1024
+
+
+@dataclass
+class LiveStatus:
+    """What a person wants to know about a running job; None where it is not known yet."""
+
+    job_id: str
+    state: str
+    restarts: int
+    step: Optional[int] = None
+    train_iters: Optional[int] = None
+    loss: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    eta_s: Optional[float] = None
+    allocation_left_s: Optional[float] = None
+    reason: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return job_finished(self.state)
+
+    @property
+    def fraction(self) -> Optional[float]:
+        if self.step is None or not self.train_iters:
+            return None
+        return min(1.0, self.step / self.train_iters)
+
+
+@dataclass
+class _MetricsTail:
+    """The newest records of a metrics.jsonl, read incrementally."""
+
+    path: Optional[Path]
+    offset: int = 0
+    inode: Optional[int] = None
+    partial: bytes = b""
+    records: Deque[dict] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+
+    def poll(self) -> None:
+        if self.path is None:
+            return
+        try:
+            st = self.path.stat()
+        except OSError:
+            return
+        if st.st_ino != self.inode or st.st_size < self.offset:  # rewritten on resume: read it again
+            self.inode, self.offset, self.partial = st.st_ino, 0, b""
+            self.records.clear()
+        if st.st_size == self.offset:
+            return
+        skip_partial_first = False
+        if self.offset == 0 and st.st_size > _TAIL_BYTES:  # a long run's file: its tail holds the recent steps
+            self.offset, skip_partial_first = st.st_size - _TAIL_BYTES, True
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = self.partial + f.read()
+            self.offset = f.tell()
+        *lines, self.partial = data.split(b"\n")
+        if skip_partial_first:
+            lines = lines[1:]
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                if self.records and record["step"] <= self.records[-1]["step"]:
+                    self.records.clear()  # a resumed attempt went back to its checkpoint's step
+                self.records.append(record)
+
+
+class LiveReader:
+    """Builds :class:`LiveStatus` for one job of a run folder, poll after poll."""
+
+    def __init__(self, run_dir: Path, job_id: str):
+        self.run_dir = Path(run_dir)
+        self.job_id = job_id
+        self.train_iters: Optional[int] = None
+        metrics = Path(RunFolder(str(run_dir)).metrics)
+        resolved = Path(RunFolder(str(run_dir)).resolved_config)
+        if resolved.is_file():
+            from bridge_hpc.launch.jobconfig import load_job_config
+
+            try:
+                training = load_job_config(resolved).training
+            except ConfigError:
+                training = None  # the folder's config no longer loads here: show what Slurm says
+            if training is not None:
+                self.train_iters = training.train.train_iters
+                if training.logger.metrics_file:
+                    metrics = Path(training.logger.metrics_file)
+        self._metrics = _MetricsTail(metrics)
+
+    def poll(self) -> LiveStatus:
+        runs = job_runs(self.job_id)
+        state = runs[-1].state if runs else "UNKNOWN"
+        status = LiveStatus(job_id=self.job_id, state=state, restarts=max(0, len(runs) - 1),
+                            train_iters=self.train_iters, reason=runs[-1].reason if runs else "")
+        self._metrics.poll()
+        recent = list(self._metrics.records)
+        if recent:
+            last = recent[-1]
+            status.step = last["step"]
+            status.loss = last.get("loss")
+            rates = [r["tokens_per_s"] for r in recent if r.get("tokens_per_s")]
+            status.tokens_per_s = statistics.median(rates) if rates else None
+            times = [r["step_time_s"] for r in recent if r.get("step_time_s")]
+            if times and self.train_iters is not None:
+                status.eta_s = max(0, self.train_iters - status.step) * statistics.median(times)
+        if state == "RUNNING":
+            times_now = job_times(self.job_id)
+            if times_now is not None:
+                status.allocation_left_s = max(0.0, times_now.end - time.time())
+        return status
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting
+# ---------------------------------------------------------------------------------------------
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """``45s``, ``12m 05s``, ``3h 07m``, ``2d 04h``; ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def format_rate(value: Optional[float]) -> str:
+    """Tokens/s scaled to stay readable: ``850``, ``12.3k``, ``1.25M``."""
+    if value is None:
+        return "-"
+    if value >= 1e6:
+        return f"{value / 1e6:.2f}M"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f}k"
+    return f"{value:.0f}"
+
+
+def _step_text(status: LiveStatus) -> str:
+    total = "?" if status.train_iters is None else str(status.train_iters)
+    return f"{'-' if status.step is None else status.step}/{total}"
+
+
+def _state_text(status: LiveStatus) -> str:
+    text = status.state
+    if status.reason and status.reason not in ("None", "") and not status.state == "RUNNING":
+        text += f" ({status.reason})"
+    return text
+
+
+def bar(fraction: Optional[float], width: int) -> str:
+    if fraction is None:
+        return "[" + " " * width + "]"
+    filled = int(round(fraction * width))
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
+def plain_line(status: LiveStatus) -> str:
+    """One line, no control codes: what a log file or a pipe gets."""
+    loss = "-" if status.loss is None else f"{status.loss:.4f}"
+    return (f"{time.strftime('%H:%M:%S')} job {status.job_id} {_state_text(status)} restarts {status.restarts} "
+            f"step {_step_text(status)} loss {loss} tokens/s {format_rate(status.tokens_per_s)} "
+            f"ETA {format_duration(status.eta_s)} allocation left {format_duration(status.allocation_left_s)}")
+
+
+def bar_line(status: LiveStatus, width: int) -> str:
+    """The progress bar line of ``bridge-submit --wait``, fitted to ``width`` columns."""
+    loss = "-" if status.loss is None else f"{status.loss:.4f}"
+    fraction = status.fraction
+    pct = "" if fraction is None else f" {fraction * 100:3.0f}%"
+    tail = (f" {_step_text(status)}{pct} loss {loss} {format_rate(status.tokens_per_s)} tok/s "
+            f"ETA {format_duration(status.eta_s)} | {_state_text(status)} restarts {status.restarts} "
+            f"alloc left {format_duration(status.allocation_left_s)}")
+    room = width - len(tail) - 2
+    if room >= 10:
+        return bar(fraction, min(room, 40)) + tail
+    return tail.strip()[: max(width - 1, 10)]
+
+
+def screen_lines(status: LiveStatus, run_dir: Path) -> List[str]:
+    """The lines of ``bridge-status --follow``'s screen."""
+    loss = "-" if status.loss is None else f"{status.loss:.4f}"
+    fraction = status.fraction
+    pct = "" if fraction is None else f"  {fraction * 100:.1f} %"
+    return [
+        f"bridge-status  {run_dir}  job {status.job_id}  ({time.strftime('%H:%M:%S')})",
+        f"  state            {_state_text(status)}",
+        f"  restarts         {status.restarts}",
+        f"  step             {_step_text(status)}  {bar(fraction, 30)}{pct}",
+        f"  loss             {loss}",
+        f"  tokens/s         {format_rate(status.tokens_per_s)}",
+        f"  ETA              {format_duration(status.eta_s)}  (training time at the recent step time)",
+        f"  allocation left  {format_duration(status.allocation_left_s)}",
+    ]
+
+
+class LiveDisplay:
+    """Shows statuses on ``stream``: redrawn in place on a terminal, plain lines otherwise.
+
+    ``style`` is ``"screen"`` (several lines, ``bridge-status --follow``) or ``"bar"`` (one line,
+    ``bridge-submit --wait``).
+    """
+
+    def __init__(self, run_dir: Path, style: str, stream: TextIO = sys.stdout, interval: float = PLAIN_INTERVAL_S):
+        self.run_dir = run_dir
+        self.style = style
+        self.stream = stream
+        self.tty = stream.isatty() and os.environ.get("TERM", "") != "dumb"
+        self.interval = interval
+        self._drawn = 0
+        self._last_plain: Optional[tuple] = None
+        self._last_plain_time = 0.0
+
+    def show(self, status: LiveStatus) -> None:
+        if self.tty:
+            self._redraw(status)
+        else:
+            self._plain(status)
+
+    def close(self) -> None:
+        if self.tty and self.style == "bar" and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _redraw(self, status: LiveStatus) -> None:
+        width = shutil.get_terminal_size((100, 24)).columns
+        if self.style == "bar":
+            self.stream.write("\r\033[K" + bar_line(status, width))
+            self._drawn = 1
+        else:
+            lines = [line[: width - 1] for line in screen_lines(status, self.run_dir)]
+            up = f"\033[{self._drawn}F" if self._drawn else ""  # back to the first line of the last screen
+            self.stream.write(up + "".join(f"\033[K{line}\n" for line in lines))
+            self._drawn = len(lines)
+        self.stream.flush()
+
+    def _plain(self, status: LiveStatus) -> None:
+        now = time.monotonic()
+        key = (status.state, status.restarts, status.step)
+        state_changed = self._last_plain is None or key[:2] != self._last_plain[:2]
+        step_due = key != self._last_plain and now - self._last_plain_time >= self.interval
+        if state_changed or step_due or (status.finished and key != self._last_plain):
+            self.stream.write(plain_line(status) + "\n")
+            self.stream.flush()
+            self._last_plain, self._last_plain_time = key, now
+
+
+def watch(run_dir: Path, job_id: str, style: str, poll_s: float = 2.0, stream: TextIO = sys.stdout) -> LiveStatus:
+    """Show the job's status until it is finished (a requeue is not); return the last status."""
+    reader = LiveReader(run_dir, job_id)
+    display = LiveDisplay(run_dir, style, stream)
+    try:
+        while True:
+            status = reader.poll()
+            if status.state != "UNKNOWN":  # UNKNOWN: accounting has not seen the job yet
+                display.show(status)
+            if status.finished:
+                return status
+            time.sleep(poll_s)
+    finally:
+        display.close()
