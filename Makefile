@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 STAMP = .setup-done
 
-.PHONY: setup cluster demo demo-text test lint clean-demo
+.PHONY: setup cluster demo demo-text report-image test lint clean-demo
 
 # torch 2.13.0 is the CPU build on these machines' disk; installing it first keeps pip from pulling a
 # multi-GB CUDA build for the range in setup.cfg.
@@ -21,7 +21,7 @@ cluster: setup
 
 demo: cluster
 	bridge-submit configs/local-tiny.toml --wait
-	bridge-report runs/local-tiny
+	bridge-report runs/local-tiny --plot runs/local-tiny/report.png
 
 # The real-data demo (configs/local-tiny-text.toml): the standard library's docstrings as the corpus
 # (nothing is downloaded), prepared into indexed datasets, trained on, and the validation losses shown.
@@ -33,11 +33,16 @@ demo-text: cluster
 	bridge-report runs/local-tiny-text
 	grep -h 'validation loss' runs/local-tiny-text/logs/*_0_log.out
 
+# docs/report.png, README's report image: the demo preempted once, requeued and finished.
+report-image: cluster
+	rm -rf runs/report-image
+	$(PYTHON) scripts/report_image.py
+
 test: cluster
 	$(PYTHON) -m pytest -q tests
 
 lint: setup
-	$(PYTHON) -m ruff check bridge_hpc tests benchmarks
+	$(PYTHON) -m ruff check bridge_hpc tests benchmarks scripts
 
 clean-demo:
 	rm -rf runs/local-tiny runs/local-tiny-text

@@ -23,7 +23,7 @@ from bridge_test_helpers import CONFIG, ROOT, overrides, wait_until_gone
 from bridge_hpc.report.live import (
     LiveDisplay,
     LiveStatus,
-    _MetricsTail,
+    MetricsTail,
     bar_line,
     format_duration,
     format_rate,
@@ -91,7 +91,7 @@ def test_a_terminal_gets_the_screen_redrawn_over_itself():
 
 def test_metrics_tail_follows_appends_a_torn_line_and_a_resume_rewrite(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    tail = _MetricsTail(path)
+    tail = MetricsTail(path)
     tail.poll()  # no file yet
     assert not tail.records
     with open(path, "w") as f:

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from bridge_hpc.cli.report import main
-from bridge_hpc.report.goodput import COLUMNS, build_report
+from bridge_hpc.report.goodput import build_report
 from bridge_hpc.report.progress import ProgressLog, parse_progress, parse_time
+from bridge_hpc.report.table import COLUMNS
 
 DATA = Path(__file__).parent / "data" / "progress"
 MEGATRON = DATA / "megatron_lm.txt"
@@ -163,7 +164,8 @@ def test_megatron_table_shows_unknowns(capsys):
     assert main([str(MEGATRON)]) == 0
     out = capsys.readouterr().out
     first = re.split(r"\s{2,}", out.splitlines()[1])
-    assert first[:3] == ["5001", "?", "8"] and first[5] == "?"
+    # Megatron's log says "# GPUs" and nothing of the kind: gpu, kind unknown
+    assert first[:3] == ["5001", "?", "8 gpu"] and first[5] == "?"
     assert "upper bound" in out
 
 
@@ -231,6 +233,8 @@ def test_json_matches_table(bridge_log, capsys):
                 assert cells[title] == value  # JSON carries the same local stamp
             elif fmt == "s":
                 assert cells[title] == str(value)
+            elif fmt == "gpu" and run["device"] == "cpu":
+                assert cells[title] == "-"
             else:
                 assert float(cells[title]) == pytest.approx(value, abs=0.05), title
     assert lines[4] == ""
@@ -277,3 +281,221 @@ def test_cli_module_missing_file_exit_2_and_stays_light(tmp_path):
     proc = subprocess.run([sys.executable, "-c", probe, str(MEGATRON)], capture_output=True, text=True,
                           env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# Devices, tokens/s, validation loss, several arguments, the figure (synthetic logs; see
+# test_report_plots.py for the figures of real runs on the local cluster)
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+    ("NVIDIA GH200 480GB", "GH200"), ("AMD Instinct MI300X", "MI300X"), ("cpu", "cpu"), (None, None),
+])
+def test_device_kind(name, kind):
+    from bridge_hpc.report.goodput import device_kind
+
+    assert device_kind(name) == kind
+
+
+@pytest.mark.parametrize("span, unit", [(0.5, "s"), (119, "s"), (120, "min"), (7199, "min"), (7200, "h"), (9e5, "h")])
+def test_time_unit_by_span(span, unit):
+    from bridge_hpc.report.units import time_unit
+
+    assert time_unit(span)[0] == unit
+
+
+@pytest.mark.parametrize("value, text", [(0.5, "0.50"), (850, "850"), (9625.2, "9.63k"), (11895.9, "11.9k"),
+                                         (125_400, "125k"), (1_254_000, "1.25M")])
+def test_rates_scaled(value, text):
+    from bridge_hpc.report.units import format_rate
+
+    assert format_rate(value) == text
+
+
+def test_device_recorded_in_starting_job_names_the_devices(tmp_path, capsys):
+    path = tmp_path / "progress.txt"
+    clock = Clock(parse_time("2026-03-04 00:00:00"))
+    log = ProgressLog(str(path), "9", 8, clock=clock)
+    log.starting_job(0, startup_s=5, device="NVIDIA H100 80GB\tHBM3")  # a tab would split the field
+    clock.at(clock.t + 10); log.first_step(1)
+    clock.at(clock.t + 100); log.saved_checkpoint(10, 10 * FLOPS_PER_STEP, 0, save_s=1)
+    clock.at(clock.t + 1); log.ending_job("done", 10, 0)
+    line = path.read_text().splitlines()[0]
+    assert line.endswith("\tStarting job\tRestart count: 0\tSeconds since process start: 5.0\tDevice: NVIDIA H100 80GB HBM3")
+    (run,) = parse_progress(str(path))
+    assert run.device == "NVIDIA H100 80GB HBM3"
+    assert main([str(path)]) == 0
+    row = re.split(r"\s{2,}", capsys.readouterr().out.splitlines()[1])
+    assert row[2] == "8 H100"
+    assert row[8] == f"{8e16 / (115 * 8e12):.1f}"  # TFLOP/s/GPU shown for GPUs: 10 steps in 115 s since process start
+
+
+def write_run_folder(run_dir: Path, gpus_per_node: int = 0, world: int = 2) -> Path:
+    """A run folder as bridge-submit and the ranks leave it: resolved.toml, one run in the progress log
+    (steps 1-20, checkpoint at 20), metrics.jsonl with known rates, and the job's stdout log."""
+    from bridge_test_helpers import MINIMAL_TRAINING_TOML
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "resolved.toml").write_text(
+        f'[job]\nrun_dir = "{run_dir}"\n[slurm]\ngpus_per_node = {gpus_per_node}\nntasks_per_node = {world}\n'
+        + MINIMAL_TRAINING_TOML)
+    clock = Clock(parse_time("2026-03-05 00:00:00"))
+    log = ProgressLog(str(run_dir / "checkpoints" / "progress.txt"), "42", world, clock=clock)
+    log.starting_job(0, startup_s=2)
+    clock.at(clock.t + 3); log.first_step(1)
+    clock.at(clock.t + 20); log.saved_checkpoint(20, 20 * 1e9, 0, save_s=0.5)
+    clock.at(clock.t + 1); log.ending_job("done", 20, 0)
+    # 1000 tokens a step; step 1 (warm-up) slow; steps 2-10 at 0.1 s, 11-20 at 0.4 s
+    records = [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 1000 / dt, "step_time_s": dt}
+               for s, dt in [(1, 2.0)] + [(s, 0.1) for s in range(2, 11)] + [(s, 0.4) for s in range(11, 21)]]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 21, "lo')
+    logs = run_dir / "logs"
+    logs.mkdir()
+    (logs / "42_0_log.out").write_text(
+        "0: validation loss at iteration 10 | lm loss value: 4.500000E+00 | lm loss PPL: 9.0E+01\n"
+        "0: validation loss at iteration 20 | lm loss value: 4.250000E+00 | lm loss PPL: 7.0E+01\n")
+    return run_dir
+
+
+def test_run_folder_tokens_per_s_devices_and_validation(tmp_path, capsys):
+    from bridge_hpc.cli.report import load_run_report
+
+    run = load_run_report(str(write_run_folder(tmp_path / "cpu")))
+    (row,) = run.report.rows
+    # steps 2-20 (step 1 is start-up): 19 000 tokens in 0.9 + 4.0 s; not the mean of the rates (5.5k)
+    assert row.tokens_per_s == pytest.approx(19_000 / 4.9)
+    assert (row.device, row.devices, row.has_gpus) == ("cpu", "2 cpu", False)
+    assert run.curves.steps == list(range(1, 21))  # the torn last line is skipped
+    assert run.curves.validation == {10: 4.5, 20: 4.25}
+    assert run.report.totals["final_loss"] == pytest.approx(3.0)
+    assert run.report.totals["final_validation_loss"] == 4.25
+    assert main([str(tmp_path / "cpu")]) == 0
+    out = capsys.readouterr().out
+    row_cells = re.split(r"\s{2,}", out.splitlines()[1])
+    assert row_cells[2] == "2 cpu" and row_cells[7] == "3.88k" and row_cells[8] == "-"
+    assert "tokens/s 3.88k" in out and "TFLOP/s/GPU" not in out.split("\n\n")[1]
+
+    gpu = load_run_report(str(write_run_folder(tmp_path / "gpu", gpus_per_node=4, world=4)))
+    assert gpu.report.rows[0].devices == "4 gpu"  # the Slurm request, where the log does not name the device
+
+
+def test_validation_loss_from_metrics_records_first(tmp_path):
+    from bridge_hpc.cli.report import load_run_report
+    from bridge_hpc.report.curves import VALIDATION_LOSS
+
+    run_dir = write_run_folder(tmp_path / "run")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()[:-1]
+    lines[14] = json.dumps(dict(json.loads(lines[14]), **{VALIDATION_LOSS: 3.5}))  # step 15
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    run = load_run_report(str(run_dir))
+    assert run.curves.validation == {15: 3.5}  # the job log's lines are not mixed in
+    assert run.curves.validation_sources == [str(run_dir / "metrics.jsonl")]
+
+
+def test_damaged_metrics_line_is_exit_2(tmp_path, capsys):
+    run_dir = write_run_folder(tmp_path / "run")
+    text = (run_dir / "metrics.jsonl").read_text().splitlines()
+    text[3] = "not json"
+    (run_dir / "metrics.jsonl").write_text("\n".join(text) + "\n")
+    assert main([str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(run_dir / "metrics.jsonl") in err and "line 4 is not JSON" in err
+
+
+def test_several_run_folders_side_by_side(tmp_path, bridge_log, capsys):
+    a = write_run_folder(tmp_path / "a")
+    b = write_run_folder(tmp_path / "b", gpus_per_node=4, world=4)
+    assert main([str(a), str(b), str(bridge_log)]) == 0
+    out = capsys.readouterr().out
+    comparison = out.split("comparison\n")[1].splitlines()
+    header = re.split(r"\s{2,}", comparison[0])
+    assert header == ["run", "devices", "runs", "steps", "goodput", "tokens/s", "TFLOP/s/GPU", "final step",
+                      "final loss", "validation loss"]
+    rows = [dict(zip(header, re.split(r"\s{2,}", line))) for line in comparison[1:]]
+    assert [r["run"] for r in rows] == ["a", "b", str(bridge_log)]
+    assert [r["devices"] for r in rows] == ["2 cpu", "4 gpu", "8 ?"]
+    assert [r["tokens/s"] for r in rows] == ["3.88k", "3.88k", "?"]
+    assert [r["TFLOP/s/GPU"] for r in rows] == ["-", "0.0", "49.4"]
+    assert [r["goodput"] for r in rows][2] == "74.3%"
+    assert [r["final loss"] for r in rows] == ["3.0000", "3.0000", "?"]
+    assert [r["validation loss"] for r in rows] == ["4.2500", "4.2500", "?"]
+    assert out.startswith(f"a: {a / 'checkpoints' / 'progress.txt'}\njob  restart  devices")
+
+    assert main([str(a), str(b), "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)["reports"]
+    assert [r["label"] for r in reports] == ["a", "b"]
+    assert reports[1]["runs"][0]["devices"] == "4 gpu"
+    assert reports[0]["totals"]["tokens_per_s"] == pytest.approx(19_000 / 4.9)
+
+
+def _texts(ax) -> list:
+    return [t.get_text() for t in ax.texts]
+
+
+def _container_widths(ax) -> dict:
+    return {c.get_label(): sum(p.get_width() for p in c.patches) for c in ax.containers}
+
+
+def test_figure_of_three_runs_on_gpus(bridge_log):
+    """The synthetic 8-GPU job of three runs: hours on the time axes, the queue waits shaded, TFLOP/s/GPU on
+    a second axis, the goodput segments adding up to the allocated time."""
+    from bridge_hpc.cli.report import load_run_report
+    from bridge_hpc.report.plot import LOSS_LABEL, QUEUE_WAIT, TFLOPS_LABEL, build_figure
+
+    run = load_run_report(str(bridge_log))
+    fig = build_figure([run])
+    loss, progress, throughput, goodput, tflops = fig.axes  # the four panels, then the TFLOP/s twin
+    assert loss.get_ylabel() == LOSS_LABEL and loss.get_xlabel() == "step"
+    # no metrics.jsonl; the requeues resumed from the checkpoints at 200 and 300
+    markers = [line.get_xdata()[0] for line in loss.lines if line.get_linestyle() == ":"]
+    assert markers == [200, 300] and len(loss.lines) == 2
+    assert _texts(loss) == [" requeue 100/1: step 200", " requeue 100/2: step 300", "no metrics.jsonl: no loss curve"]
+
+    assert progress.get_xlabel() == "wall time since first start (h)"  # 8110 s
+    assert [len(line.get_xdata()) for line in progress.lines] == [5, 4, 4]  # start, first step, saves, end
+    assert progress.lines[2].get_xdata()[-1] == pytest.approx(8110 / 3600)
+    shaded = [p for p in progress.patches if p.get_label() == QUEUE_WAIT]
+    spans = sorted((p.get_x(), p.get_x() + p.get_width()) for p in shaded)
+    assert [s for pair in spans for s in pair] == pytest.approx([2650 / 3600, 4000 / 3600, 5600 / 3600, 7000 / 3600])
+
+    assert tflops.get_ylabel() == TFLOPS_LABEL
+    assert [p.get_height() for p in tflops.patches] == [93.0, 90.9, 90.9]
+    assert _texts(throughput) == ["no metrics.jsonl: no tokens/s"]
+
+    widths = _container_widths(goodput)  # 5360 s allocated: minutes
+    allocated = run.report.totals["allocated_s"]
+    assert goodput.get_xlabel() == "time (min)"
+    assert sum(w for label, w in widths.items() if label != QUEUE_WAIT) == pytest.approx(allocated / 60)
+    assert widths == pytest.approx({"training 74.3%": 3980 / 60, "start-up 2.6%": 140 / 60,
+                                    "checkpoint save 3.7%": 200 / 60, "checkpoint load 0.7%": 40 / 60,
+                                    "lost work 18.7%": 1000 / 60, "in-job restart 0.0%": 0.0,
+                                    QUEUE_WAIT: 2750 / 60})
+
+
+def test_figure_shades_an_in_job_restart(tmp_path):
+    from bridge_hpc.cli.report import load_run_report
+    from bridge_hpc.report.plot import IN_JOB_RESTART, build_figure
+
+    path = str(tmp_path / "p.txt")
+    t = parse_time("2026-03-03 00:00:00")
+    c = Clock(t)
+    log = ProgressLog(path, "7", 8, clock=c)
+    log.starting_job(0, startup_s=0, device="cpu")
+    c.at(t + 10); log.first_step(1)
+    c.at(t + 30); log.saved_checkpoint(100, 100 * FLOPS_PER_STEP, 0, save_s=1)
+    c.at(t + 50); log.restart("fault", lost_s=6)  # fault at t+44
+    c.at(t + 60); log.starting_job(1, startup_s=0, device="cpu")
+    c.at(t + 62); log.loaded_checkpoint(100, 2, 100 * FLOPS_PER_STEP)
+    c.at(t + 64); log.first_step(101)
+    c.at(t + 90); log.saved_checkpoint(200, 200 * FLOPS_PER_STEP, 0, save_s=1)
+    c.at(t + 91); log.ending_job("done", 200, 0)
+    run = load_run_report(path)
+    fig = build_figure([run])
+    loss, progress, throughput, goodput = fig.axes  # CPU ranks: no TFLOP/s/GPU axis
+    assert _texts(loss)[0] == f" {IN_JOB_RESTART} 7/1: step 100"
+    (shade,) = progress.patches
+    assert (shade.get_label(), shade.get_x(), shade.get_width()) == (IN_JOB_RESTART, 44, 16)
+    assert progress.get_xlabel() == "wall time since first start (s)"
+    widths = _container_widths(goodput)
+    assert widths["in-job restart 17.6%"] == 16 and sum(widths.values()) == pytest.approx(91)

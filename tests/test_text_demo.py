@@ -163,5 +163,5 @@ def test_demo_trains_on_prepared_stdlib_text_and_validation_loss_falls(slurm_clu
     report = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.report", str(run_dir)], capture_output=True,
                             text=True, timeout=120)
     assert report.returncode == 0, report.stderr
-    assert re.search(rf"^{job_id}\s+0\s+\d+\s+\S+\s+\S+\s+\S+\s+\S+\s+done\s+{train['train_iters']}\s", report.stdout,
+    assert re.search(rf"^{job_id}\s+0\s+\d+ cpu\s+\S+\s+\S+\s+\S+\s+\S+\s+done\s+{train['train_iters']}\s", report.stdout,
                      re.MULTILINE), report.stdout

@@ -1,7 +1,9 @@
-"""``bridge-report RUN_DIR_OR_PROGRESS_TXT [--json] [--plot FILE.png]``: runs, throughput and goodput.
+"""``bridge-report RUN_DIR_OR_PROGRESS_TXT... [--json] [--plot FILE.png]``: runs, throughput and goodput.
 
 Reads the progress log (``progress.txt``) that bridge_hpc, Megatron-LM or Megatron Bridge write in the
-checkpoint folder. Login-node tool: no torch; matplotlib only with ``--plot``.
+checkpoint folder and, in a run folder, metrics.jsonl (loss, tokens/s). Several arguments are compared
+side by side: a table each and a comparison of the headline figures; ``--plot`` overlays them in one
+figure. Login-node tool: no torch; matplotlib only with ``--plot``.
 """
 
 from __future__ import annotations
@@ -10,97 +12,76 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
-from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
 from bridge_hpc.contracts.run_folder import RunFolder
-from bridge_hpc.report.goodput import build_report, format_table, plot, to_json
-from bridge_hpc.report.progress import parse_progress
+from bridge_hpc.report.goodput import CPU, GPU
+from bridge_hpc.report.run_report import RunReport, labels_for, read_run_report
+from bridge_hpc.report.table import format_report, reports_to_json
 
 
-def _read_toml(path: str) -> dict:
-    """tomllib on Python >= 3.11, the ``toml`` package (an install requirement) before."""
-    try:
-        import tomllib
-
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except ImportError:
-        import toml
-
-        return toml.load(path)
+def requested_device(slurm) -> str:
+    """"gpu" when the job asked Slurm for GPUs (``[slurm] gpus_per_node``, or a GPU option passed
+    through ``[slurm] extra`` such as ``gres = "gpu:8"``), else "cpu": ranks get what Slurm allocates."""
+    if slurm.gpus_per_node > 0:
+        return GPU
+    asked = " ".join(f"{key}={value}" for key, value in slurm.extra.items()).lower()
+    return GPU if "gpu" in asked else CPU
 
 
-def find_progress_log(target: str) -> str:
-    """The progress log for a file or a run directory.
+def load_run_report(target: str, label: Optional[str] = None) -> RunReport:
+    """One argument's report. A run folder's resolved.toml, loaded as the ranks load it, says where its
+    metrics.jsonl is and what it asked Slurm for (the device where the progress log does not name it);
+    a resolved.toml this version cannot load is passed over (the log and the default paths remain)."""
+    metrics, device = None, None
+    resolved = RunFolder(target).resolved_config
+    if os.path.isdir(target) and os.path.isfile(resolved):
+        from bridge_hpc.launch.jobconfig import load_job_config  # lazy: only run folders need it
 
-    In a run directory: where its resolved.toml says the job checkpointed (``[checkpoint] save``,
-    absolute there), else the default checkpoint folder, else ``progress.txt`` in the folder itself
-    or the only one found below it (a checkpoint folder of Megatron-LM or Bridge). Raises ConfigError
-    naming the path when there is none (or several).
-    """
-    if not os.path.exists(target):
-        raise ConfigError("no such file or directory", path=target)
-    if os.path.isfile(target):
-        return target
-    folder = RunFolder(target)
-    candidates = []
-    if os.path.isfile(folder.resolved_config):
         try:
-            save = (_read_toml(folder.resolved_config).get("checkpoint") or {}).get("save")
-        except (ValueError, OSError, RecursionError) as err:  # tomllib's and toml's decode errors are ValueErrors
-            raise ConfigError(f"cannot read: {err}", path=folder.resolved_config) from None
-        if isinstance(save, str) and save:
-            # absolute, since resolved.toml records it so (a relative one is taken from the run folder)
-            candidates.append(RunFolder(target, os.path.join(target, save)).progress_log())
-    candidates += [folder.progress_log(), os.path.join(target, run_folder.PROGRESS_FILE)]
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return candidate
-    found = sorted(
-        os.path.join(root, run_folder.PROGRESS_FILE) for root, _, files in os.walk(target)
-        if run_folder.PROGRESS_FILE in files
-    )
-    if len(found) == 1:
-        return found[0]
-    if found:
-        raise ConfigError(f"several progress logs, name one: {', '.join(found)}", path=target)
-    raise ConfigError(f"no {run_folder.PROGRESS_FILE} found (looked in {run_folder.CHECKPOINTS_DIR}/, "
-                      f"{run_folder.RESOLVED_CONFIG}'s [checkpoint] save and below)", path=target)
+            job = load_job_config(resolved)
+        except ConfigError:
+            job = None
+        if job is not None:
+            device = requested_device(job.slurm)
+            if job.training is not None and job.training.logger.metrics_file:
+                metrics = job.training.logger.metrics_file
+    return read_run_report(target, label, metrics, device)
+
+
+def load_run_reports(targets: Sequence[str]) -> List[RunReport]:
+    return [load_run_report(t, label) for t, label in zip(targets, labels_for(targets))]
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bridge-report", description=__doc__.splitlines()[0])
-    parser.add_argument("target", metavar="RUN_DIR_OR_PROGRESS_TXT")
+    parser.add_argument("targets", nargs="+", metavar="RUN_DIR_OR_PROGRESS_TXT",
+                        help="run folders or progress logs; several are compared side by side")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--plot", metavar="FILE.png", help="also write a plot (needs matplotlib)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also write the report figure: loss, progress, throughput, goodput (needs matplotlib)")
     return parser.parse_args(argv)
 
 
 @exits_on_config_error
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    path = find_progress_log(args.target)
-    try:
-        runs = parse_progress(path)
-    except OSError as err:
-        raise ConfigError(f"cannot read: {err.strerror}", path=path) from None
-    if not runs:
-        raise ConfigError("no 'Starting job' line: not a progress log, or no run has started", path=path)
-    report = build_report(runs)
+    runs = load_run_reports(args.targets)
     if args.plot:
         try:
-            plot(report, args.plot)
+            from bridge_hpc.report.plot import build_figure, save_figure
         except ImportError:
             raise ConfigError("needs matplotlib (pip install 'bridge_hpc[report]')", key="--plot") from None
+        try:
+            save_figure(build_figure(runs), args.plot)
         except OSError as err:
-            raise ConfigError(f"cannot write: {err.strerror}", path=args.plot) from None
+            raise ConfigError(f"cannot write: {err.strerror or err}", path=args.plot) from None
     if args.json:
-        json.dump(to_json(report), sys.stdout, indent=2)
+        json.dump(reports_to_json(runs), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(format_table(report))
+        sys.stdout.write(format_report(runs))
     return 0
 
 

@@ -79,7 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"{'':>8}    run {n}: {r['state']:<10} start {r['start'] or '-'}  end {r['end'] or '-'}  "
                       f"elapsed {r['elapsed'] or '-'}  exit {r['exit_code'] or '-'}  {r['reason']}")
     if args.follow:
-        from bridge_hpc.report.live import watch
+        from bridge_hpc.cli.watch import watch
 
         print()
         status = watch(run_dir, ids[-1], style="screen")

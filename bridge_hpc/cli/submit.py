@@ -67,7 +67,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"  log        : {sub.stdout}")
     print(f"  follow     : bridge-status {sub.run_dir} --follow")
     if args.wait:
-        from bridge_hpc.report.live import watch
+        from bridge_hpc.cli.watch import watch
 
         status = watch(Path(sub.run_dir), str(sub.job_id), style="bar")
         print(f"job {sub.job_id} ended: {status.state}")

@@ -1,4 +1,4 @@
-"""Per-run rows and goodput totals from a progress log, as a table, JSON or a plot.
+"""Per-run rows and goodput totals from a progress log (the table, JSON and plot are made from these).
 
 Where the time went, per run (start = process start when the log records it, else the
 ``Starting job`` line; end = ``Ending job``, the fault time before a ``Restart``, or the last line):
@@ -13,16 +13,26 @@ Where the time went, per run (start = process start when the log records it, els
 Between runs, the time from one run's end to the next one's start is an *in-job restart* (allocated,
 lost) when fault tolerance restarted training inside the allocation (a ``Restart`` line), and a gap
 between allocations (queue wait; not allocated, reported apart) otherwise.
-Goodput = training / allocated, allocated = the runs plus in-job restarts.
+Goodput = training / allocated, allocated = the runs plus in-job restarts. The log's stamps have
+1-second resolution, so a measured overhead can exceed its run's span by a fraction of a second: each
+run's overheads are clipped to its span (load, start-up, save, then lost work), so that training and
+the overheads add up to the allocated time exactly.
+
+Devices: the ``Device`` of the ``Starting job`` line, shortened ("NVIDIA H100 80GB HBM3" -> "H100");
+where the log does not say, the caller's fallback (the run folder's Slurm request: "cpu" or "gpu");
+without one, "gpu" for a Megatron log (Megatron runs on GPUs) and "?" for a bridge_hpc log.
+Tokens/s per run come from the run folder's metrics.jsonl (:mod:`bridge_hpc.report.curves`): the
+optimizer steps of the run, less its first (compilation and warm-up, counted in start-up).
 
 Megatron's own logs record none of these overheads: they show as "?" and goodput is an upper bound.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from bridge_hpc.report.curves import TrainingCurves
 from bridge_hpc.report.progress import (
     ENDING_JOB,
     FIRST_STEP,
@@ -30,10 +40,15 @@ from bridge_hpc.report.progress import (
     RESTART,
     SAVE_EVENTS,
     Run,
-    format_time,
 )
 
 UNKNOWN = "?"
+CPU, GPU = "cpu", "gpu"
+#: Words of a device name that say who made it or what line it belongs to, not which device it is.
+_VENDOR_WORDS = {"nvidia", "amd", "intel", "tesla", "geforce", "quadro", "instinct", "radeon"}
+
+#: The lost-time categories, in the order the table and the goodput bar show them.
+LOST_KINDS = ("start-up", "checkpoint save", "checkpoint load", "lost work", "in-job restart")
 
 
 @dataclass
@@ -43,6 +58,7 @@ class RunRow:
     job_id: str
     restart: Optional[int]
     world_size: int
+    device: str  # "cpu", "H100", "gpu" (kind unknown) or "?"
     start: float
     end: float
     end_known: bool
@@ -60,11 +76,27 @@ class RunRow:
     lost_s: Optional[float]
     step_s: Optional[float]  # estimated seconds per training step
     in_job_restart: bool  # started by fault tolerance inside the previous run's allocation
+    tokens_per_s: Optional[float] = None  # training steps only (metrics.jsonl); None: not recorded
     points: List[Tuple[float, int]] = field(default_factory=list)  # (time, iteration) for the plot
 
     @property
     def steps(self) -> int:
         return self.last_iteration - self.first_iteration
+
+    @property
+    def devices(self) -> str:
+        """Ranks and what they run on: ``2 cpu``, ``8 H100``."""
+        return f"{self.world_size} {self.device}"
+
+    @property
+    def has_gpus(self) -> bool:
+        """False only where the ranks are known to run on CPUs (TFLOP/s/GPU does not apply there)."""
+        return self.device != CPU
+
+    @property
+    def label(self) -> str:
+        """``job/restart``: which run of which job."""
+        return f"{self.job_id}/{UNKNOWN if self.restart is None else self.restart}"
 
     @property
     def duration_s(self) -> float:
@@ -82,6 +114,39 @@ class Report:
 
     rows: List[RunRow]
     totals: Dict[str, object]
+
+    def goodput_segments(self) -> List[Tuple[str, float]]:
+        """(what, seconds) for the allocated time: training, then :data:`LOST_KINDS`; they add up to
+        ``totals["allocated_s"]``."""
+        lost = self.totals["lost_s"]
+        return [("training", self.totals["training_s"])] + [(kind, lost[kind]) for kind in LOST_KINDS]
+
+
+def device_kind(name: Optional[str]) -> Optional[str]:
+    """A device name as a table cell: "NVIDIA H100 80GB HBM3" -> "H100", "NVIDIA A100-SXM4-80GB" ->
+    "A100", "NVIDIA GeForce RTX 4090" -> "RTX 4090", "cpu" -> "cpu" (None stays None)."""
+    if not name:
+        return None
+    words = [w for w in name.replace("-", " ").split() if w.lower() not in _VENDOR_WORDS]
+    if not words:
+        return name.split()[0]
+    if words[0].lower() == CPU:
+        return CPU
+    # a family word without digits (RTX, Titan) needs the model number after it
+    return " ".join(words[:2]) if len(words) > 1 and not any(c.isdigit() for c in words[0]) else words[0]
+
+
+def _clip(duration: float, *overheads: Optional[float]) -> List[Optional[float]]:
+    """Overheads clipped in order so that they fit in ``duration`` (None stays None)."""
+    left, out = max(duration, 0.0), []
+    for value in overheads:
+        if value is None:
+            out.append(None)
+        else:
+            value = min(max(value, 0.0), left)
+            left -= value
+            out.append(value)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,7 +179,8 @@ def _sum(events, key) -> Optional[float]:
     return sum(known) if known else None
 
 
-def build_rows(runs: Sequence[Run]) -> List[RunRow]:
+def build_rows(runs: Sequence[Run], curves: Optional[TrainingCurves] = None,
+               device_fallback: Optional[str] = None) -> List[RunRow]:
     pooled = [_step_samples(r) for r in runs]
     total_s, total_steps = sum(s for s, _ in pooled), sum(n for _, n in pooled)
     global_step_s = total_s / total_steps if total_steps else None
@@ -157,6 +223,12 @@ def build_rows(runs: Sequence[Run]) -> List[RunRow]:
                 lost_s = max(end - since[-1].time, 0.0)
                 lost_steps = round(lost_s / step_s) if step_s else None
 
+        load_s, startup_s, save_s, lost_s = _clip(end - start, load_s, startup_s, _sum(saves, "Save seconds"), lost_s)
+        device = device_kind(run.device) or device_fallback or (GPU if run.restart_count is None else UNKNOWN)
+        trained = range(first_it + 1, last_it + 1)
+        # the first step of a run compiles and warms up (start-up): left out unless it is the only one
+        tokens_per_s = curves.tokens_per_s_over(trained[1:] or trained) if curves is not None else None
+
         points = [(start, first_it)] + marks
         if end > points[-1][0]:
             points.append((end, last_it))
@@ -165,6 +237,7 @@ def build_rows(runs: Sequence[Run]) -> List[RunRow]:
             job_id=run.job_id,
             restart=run.restart_count,
             world_size=run.world_size,
+            device=device,
             start=start,
             end=end,
             end_known=ending is not None or restart is not None,
@@ -175,13 +248,14 @@ def build_rows(runs: Sequence[Run]) -> List[RunRow]:
             cumulative_throughput=saves[-1].number("Cumulative throughput") if saves else None,
             startup_s=startup_s,
             saves=len(saves),
-            save_s=_sum(saves, "Save seconds"),
+            save_s=save_s,
             loads=len(loads) if loads or run.restart_count is not None else None,  # Megatron: unrecorded
             load_s=load_s,
             lost_steps=lost_steps,
             lost_s=lost_s,
             step_s=step_s,
             in_job_restart=i > 0 and runs[i - 1].last(RESTART) is not None,
+            tokens_per_s=tokens_per_s,
             points=points,
         ))
         saved = [it for it in map(_iteration, saves) if it is not None]
@@ -190,8 +264,11 @@ def build_rows(runs: Sequence[Run]) -> List[RunRow]:
     return rows
 
 
-def build_report(runs: Sequence[Run]) -> Report:
-    rows = build_rows(runs)
+def build_report(runs: Sequence[Run], curves: Optional[TrainingCurves] = None,
+                 device_fallback: Optional[str] = None) -> Report:
+    """Rows and totals; ``curves`` (a run folder's metrics) add tokens/s and the final losses,
+    ``device_fallback`` names the device where the log does not (see the module docstring)."""
+    rows = build_rows(runs, curves, device_fallback)
     restart_s = between_s = 0.0
     for prev, row in zip(rows, rows[1:]):
         gap = max(row.start - prev.end, 0.0)
@@ -201,13 +278,18 @@ def build_report(runs: Sequence[Run]) -> Report:
             between_s += gap
     allocated = sum(r.duration_s for r in rows) + restart_s
     training = sum(r.training_s for r in rows)
-    lost = {
-        "start-up": sum(r.startup_s or 0.0 for r in rows),
-        "checkpoint save": sum(r.save_s or 0.0 for r in rows),
-        "checkpoint load": sum(r.load_s or 0.0 for r in rows),
-        "lost work": sum(r.lost_s or 0.0 for r in rows),
-        "in-job restart": restart_s,
-    }
+    lost = dict(zip(LOST_KINDS, (
+        sum(r.startup_s or 0.0 for r in rows),
+        sum(r.save_s or 0.0 for r in rows),
+        sum(r.load_s or 0.0 for r in rows),
+        sum(r.lost_s or 0.0 for r in rows),
+        restart_s,
+    )))
+    first_steps = {r.first_iteration + 1 for r in rows}
+    tokens_per_s = None
+    if curves is not None:
+        tokens_per_s = curves.tokens_per_s_over(s for s in curves.steps if s not in first_steps)
+        tokens_per_s = tokens_per_s if tokens_per_s is not None else curves.tokens_per_s_over(curves.steps)
     cumulative = next((r.cumulative_throughput for r in reversed(rows) if r.cumulative_throughput is not None), None)
     totals: Dict[str, object] = {
         "runs": len(rows),
@@ -215,6 +297,11 @@ def build_report(runs: Sequence[Run]) -> Report:
         "steps": sum(r.steps for r in rows),
         "lost_steps": None if all(r.lost_steps is None for r in rows) else sum(r.lost_steps or 0 for r in rows),
         "cumulative_throughput": cumulative,
+        "devices": rows[-1].devices if rows else None,
+        "tokens_per_s": tokens_per_s,
+        "final_step": curves.final_step if curves else None,
+        "final_loss": curves.final_loss if curves else None,
+        "final_validation_loss": curves.final_validation_loss if curves else None,
         "wall_s": (rows[-1].end - rows[0].start) if rows else 0.0,
         "allocated_s": allocated,
         "training_s": training,
@@ -225,102 +312,3 @@ def build_report(runs: Sequence[Run]) -> Report:
         "complete": all(r.end_known and r.startup_s is not None for r in rows),
     }
     return Report(rows, totals)
-
-
-# --------------------------------------------------------------------------------------------------
-# Output
-
-COLUMNS = [  # (header, RunRow attribute, format)
-    ("job", "job_id", "s"), ("restart", "restart", "d"), ("GPUs", "world_size", "d"),
-    ("start", "start", "t"), ("end", "end", "t"), ("reason", "reason", "s"), ("steps", "steps", "d"),
-    ("TFLOP/s/GPU", "job_throughput", ".1f"), ("start-up s", "startup_s", ".1f"), ("saves", "saves", "d"),
-    ("save s", "save_s", ".1f"), ("loads", "loads", "d"), ("load s", "load_s", ".1f"),
-    ("lost steps", "lost_steps", "d"), ("lost s", "lost_s", ".1f"),
-]
-
-
-def format_value(value, fmt: str) -> str:
-    if value is None:
-        return UNKNOWN
-    if fmt == "t":
-        return format_time(value)
-    return format(value, fmt)
-
-
-def _table(header: List[str], body: List[List[str]], right: List[bool]) -> List[str]:
-    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
-    out = []
-    for row in [header] + body:
-        cells = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)]
-        out.append("  ".join(cells).rstrip())
-    return out
-
-
-def format_table(report: Report) -> str:
-    header = [h for h, _, _ in COLUMNS]
-    body = [[format_value(getattr(row, attr), fmt) for _, attr, fmt in COLUMNS] for row in report.rows]
-    right = [fmt not in ("s", "t") for _, _, fmt in COLUMNS]
-    lines = _table(header, body, right)
-
-    t = report.totals
-    allocated = t["allocated_s"] or 0.0
-    lines += [
-        "",
-        f"runs {t['runs']} (jobs {t['jobs']}), steps {t['steps']}, lost steps {format_value(t['lost_steps'], 'd')}, "
-        f"cumulative throughput {format_value(t['cumulative_throughput'], '.1f')} TFLOP/s/GPU",
-    ]
-    training = "training" if t["complete"] else "training or unrecorded"
-    share = [[training, t["training_s"]]] + [[k, v] for k, v in t["lost_s"].items()]
-    rows = [[name, f"{sec:.1f}", f"{100 * sec / allocated:.1f}%" if allocated else UNKNOWN] for name, sec in share]
-    rows.append(["allocated", f"{allocated:.1f}", "100.0%" if allocated else UNKNOWN])
-    lines += _table(["time", "seconds", "share"], rows, [False, True, True])
-    goodput = format_value(None if t["goodput"] is None else 100 * t["goodput"], ".1f")
-    lines += [
-        f"goodput {goodput}%" + ("" if t["complete"] else
-                                 " (upper bound: the log does not record every start-up, load, save or loss)"),
-        f"between allocations (queue wait, not allocated) {t['between_allocations_s']:.1f} s",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def to_json(report: Report) -> Dict[str, object]:
-    runs = []
-    for row in report.rows:
-        data = asdict(row)
-        data.update(steps=row.steps, duration_s=row.duration_s, training_s=row.training_s,
-                    start=format_time(row.start), end=format_time(row.end),
-                    start_epoch=row.start, end_epoch=row.end)
-        runs.append(data)
-    return {"runs": runs, "totals": report.totals}
-
-
-def plot(report: Report, path: str) -> None:
-    """Iteration vs wall time (restarts marked) and job throughput per run, as a PNG."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: only --plot needs matplotlib
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 7))
-    FigureCanvasAgg(fig)
-    top, bottom = fig.subplots(2, 1, gridspec_kw={"height_ratios": [2, 1]})
-    t0 = report.rows[0].start if report.rows else 0.0
-    labels = []
-    for i, row in enumerate(report.rows):
-        label = f"{row.job_id}/{UNKNOWN if row.restart is None else row.restart}"
-        labels.append(label)
-        xs = [(t - t0) / 3600 for t, _ in row.points]
-        top.plot(xs, [it for _, it in row.points], marker=".", label=label)
-        if i:
-            top.axvline(xs[0], color="grey", linestyle="--", linewidth=0.8)
-        top.annotate(row.reason or UNKNOWN, (xs[-1], row.points[-1][1]), fontsize=8,
-                     textcoords="offset points", xytext=(2, 4))
-    top.set_xlabel("wall time since first start (h)")
-    top.set_ylabel("iteration")
-    top.set_title("progress (dashed: restarts)")
-    if labels:
-        top.legend(fontsize=8, title="job/restart")
-    bottom.bar(range(len(labels)), [r.job_throughput or 0.0 for r in report.rows])
-    bottom.set_xticks(range(len(labels)), labels, fontsize=8)
-    bottom.set_ylabel("TFLOP/s/GPU")
-    bottom.set_title("job throughput per run")
-    fig.tight_layout()
-    fig.savefig(path, format="png")

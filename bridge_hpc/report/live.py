@@ -2,8 +2,9 @@
 and the time left in the allocation.
 
 ``bridge-status RUN_DIR --follow`` shows it as one screen redrawn in place and ``bridge-submit
---wait`` as a one-line progress bar. Both read the same :class:`LiveStatus`, built by
-:class:`LiveReader` from the run folder and Slurm:
+--wait`` as a one-line progress bar. Both show the same :class:`LiveStatus`, which
+:mod:`bridge_hpc.cli.watch` builds from the run folder and Slurm (this module reads no Slurm and no
+job config: the report side depends on the run folder's contracts alone):
 
 - the job config the ranks run (the run folder's resolved.toml, through ``load_job_config`` like the
   ranks): ``train.train_iters`` and where ``metrics.jsonl`` is;
@@ -23,7 +24,6 @@ codes: one when the state changes, else at most one per ``interval`` seconds whe
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -32,10 +32,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Deque, List, Optional, TextIO
-
-from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.contracts.run_folder import RunFolder
-from bridge_hpc.slurm.query import job_finished, job_runs, job_times
 
 #: How many recent steps the rate, step time and ETA are taken over.
 RECENT_STEPS = 20
@@ -59,10 +55,7 @@ class LiveStatus:
     eta_s: Optional[float] = None
     allocation_left_s: Optional[float] = None
     reason: str = ""
-
-    @property
-    def finished(self) -> bool:
-        return job_finished(self.state)
+    finished: bool = False  # Slurm is done with the job (a requeue is not done)
 
     @property
     def fraction(self) -> Optional[float]:
@@ -72,7 +65,7 @@ class LiveStatus:
 
 
 @dataclass
-class _MetricsTail:
+class MetricsTail:
     """The newest records of a metrics.jsonl, read incrementally."""
 
     path: Optional[Path]
@@ -114,49 +107,18 @@ class _MetricsTail:
                 self.records.append(record)
 
 
-class LiveReader:
-    """Builds :class:`LiveStatus` for one job of a run folder, poll after poll."""
-
-    def __init__(self, run_dir: Path, job_id: str):
-        self.run_dir = Path(run_dir)
-        self.job_id = job_id
-        self.train_iters: Optional[int] = None
-        metrics = Path(RunFolder(str(run_dir)).metrics)
-        resolved = Path(RunFolder(str(run_dir)).resolved_config)
-        if resolved.is_file():
-            from bridge_hpc.launch.jobconfig import load_job_config
-
-            try:
-                training = load_job_config(resolved).training
-            except ConfigError:
-                training = None  # the folder's config no longer loads here: show what Slurm says
-            if training is not None:
-                self.train_iters = training.train.train_iters
-                if training.logger.metrics_file:
-                    metrics = Path(training.logger.metrics_file)
-        self._metrics = _MetricsTail(metrics)
-
-    def poll(self) -> LiveStatus:
-        runs = job_runs(self.job_id)
-        state = runs[-1].state if runs else "UNKNOWN"
-        status = LiveStatus(job_id=self.job_id, state=state, restarts=max(0, len(runs) - 1),
-                            train_iters=self.train_iters, reason=runs[-1].reason if runs else "")
-        self._metrics.poll()
-        recent = list(self._metrics.records)
-        if recent:
-            last = recent[-1]
-            status.step = last["step"]
-            status.loss = last.get("loss")
-            rates = [r["tokens_per_s"] for r in recent if r.get("tokens_per_s")]
-            status.tokens_per_s = statistics.median(rates) if rates else None
-            times = [r["step_time_s"] for r in recent if r.get("step_time_s")]
-            if times and self.train_iters is not None:
-                status.eta_s = max(0, self.train_iters - status.step) * statistics.median(times)
-        if state == "RUNNING":
-            times_now = job_times(self.job_id)
-            if times_now is not None:
-                status.allocation_left_s = max(0.0, times_now.end - time.time())
-        return status
+def add_training_figures(status: LiveStatus, records: List[dict]) -> None:
+    """Step, loss, tokens/s and ETA from the newest metrics records (oldest first)."""
+    if not records:
+        return
+    last = records[-1]
+    status.step = last["step"]
+    status.loss = last.get("loss")
+    rates = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
+    status.tokens_per_s = statistics.median(rates) if rates else None
+    times = [r["step_time_s"] for r in records if r.get("step_time_s")]
+    if times and status.train_iters is not None:
+        status.eta_s = max(0, status.train_iters - status.step) * statistics.median(times)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +220,7 @@ class LiveDisplay:
         self.run_dir = run_dir
         self.style = style
         self.stream = stream
-        self.tty = stream.isatty() and os.environ.get("TERM", "") != "dumb"
+        self.tty = stream.isatty()
         self.interval = interval
         self._drawn = 0
         self._last_plain: Optional[tuple] = None
@@ -296,19 +258,3 @@ class LiveDisplay:
             self.stream.write(plain_line(status) + "\n")
             self.stream.flush()
             self._last_plain, self._last_plain_time = key, now
-
-
-def watch(run_dir: Path, job_id: str, style: str, poll_s: float = 2.0, stream: TextIO = sys.stdout) -> LiveStatus:
-    """Show the job's status until it is finished (a requeue is not); return the last status."""
-    reader = LiveReader(run_dir, job_id)
-    display = LiveDisplay(run_dir, style, stream)
-    try:
-        while True:
-            status = reader.poll()
-            if status.state != "UNKNOWN":  # UNKNOWN: accounting has not seen the job yet
-                display.show(status)
-            if status.finished:
-                return status
-            time.sleep(poll_s)
-    finally:
-        display.close()

@@ -35,6 +35,10 @@ CHECKPOINT_FALLBACK = "Checkpoint fallback"
 
 SAVE_EVENTS = (SAVED_CHECKPOINT, SAVING_ASYNC)
 
+#: A ``Starting job`` field: what the ranks compute on, ``torch.cuda.get_device_name()`` (e.g. "NVIDIA
+#: H100 80GB HBM3") or "cpu". Megatron's "# GPUs" counts ranks whatever they run on; this says on what.
+DEVICE = "Device"
+
 END_REASONS = ("signal", "time_limit", "duration", "interval", "done", "error", "fault", "straggler", "cancelled")
 
 
@@ -90,6 +94,11 @@ class Run:
     def restart_count(self) -> Optional[int]:
         value = self.start.number("Restart count")
         return None if value is None else int(value)
+
+    @property
+    def device(self) -> Optional[str]:
+        """The :data:`DEVICE` of the ``Starting job`` line; None where the log does not say."""
+        return self.start.fields.get(DEVICE) or None
 
     def of(self, *names: str) -> List[Event]:
         return [e for e in self.events if e.name in names]
@@ -212,11 +221,13 @@ class ProgressLog:
 
     # -- events ------------------------------------------------------------------------------------
 
-    def starting_job(self, restart_count: int = 0, startup_s: Optional[float] = None) -> None:
+    def starting_job(self, restart_count: int = 0, startup_s: Optional[float] = None,
+                     device: Optional[str] = None) -> None:
         """Start a run (a new job, a requeue, or an in-job restart with a higher ``restart_count``).
 
         ``startup_s`` is how long the process has already been running (launch, imports, rendezvous);
         throughput and start-up time count from then, as Megatron counts from its process start.
+        ``device`` is what the ranks compute on (see :data:`DEVICE`), for the report's device column.
         The existing file is read here, once, for the cumulative-throughput baseline.
         """
         now = self.clock()
@@ -232,6 +243,8 @@ class ProgressLog:
         fields = [("Restart count", str(self.restart_count))]
         if startup_s is not None:
             fields.append(("Seconds since process start", f"{startup_s:.1f}"))
+        if device:
+            fields.append((DEVICE, " ".join(device.split())))  # one line, one field: no tabs or newlines
         self._write(STARTING_JOB, fields, now)
 
     def loaded_checkpoint(self, iteration: int, load_s: float, flops_so_far: float = 0.0) -> None:

@@ -1,0 +1,145 @@
+"""A run folder's training curves: loss and tokens/s per step, and the validation loss.
+
+- ``metrics.jsonl`` (rank 0, :mod:`bridge_hpc.training.metrics`) holds one record per step of the run's
+  one trajectory: a resume drops the records past the step it resumed from, so steps never repeat.
+  Each record has ``step``, ``loss``, ``tokens_per_s`` and ``step_time_s`` (the optimizer step alone,
+  without evaluation, checkpoint saves or start-up).
+- Validation loss: a record that carries :data:`VALIDATION_LOSS` holds the evaluation at its step and is
+  read first. Where no record does, the evaluations the ranks printed into the job's stdout log, in
+  Megatron's format (``validation loss at iteration 20 | lm loss value: 4.85E+00 | ...``), are read
+  instead; a step evaluated twice (a run that died before its next checkpoint) keeps the later value.
+
+Stdlib only: the login node reads these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Set
+
+from bridge_hpc.contracts.errors import ConfigError
+
+#: The key of a metrics.jsonl record that holds the validation ("lm loss") evaluated at that step.
+VALIDATION_LOSS = "val_loss"
+#: Megatron's evaluation line, as the ranks print it (rank prefixes such as ``0: `` before it).
+VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+)")
+
+
+@dataclass
+class TrainingCurves:
+    """Per-step values, ordered by step; ``validation`` maps step to validation loss."""
+
+    metrics_path: str
+    steps: List[int] = field(default_factory=list)
+    losses: List[float] = field(default_factory=list)
+    tokens_per_s: List[Optional[float]] = field(default_factory=list)
+    step_time_s: List[Optional[float]] = field(default_factory=list)
+    validation: Dict[int, float] = field(default_factory=dict)
+    validation_sources: List[str] = field(default_factory=list)  # the files the validation losses came from
+
+    @property
+    def final_step(self) -> Optional[int]:
+        return self.steps[-1] if self.steps else None
+
+    @property
+    def final_loss(self) -> Optional[float]:
+        return self.losses[-1] if self.losses else None
+
+    @property
+    def final_validation_loss(self) -> Optional[float]:
+        return self.validation[max(self.validation)] if self.validation else None
+
+    def tokens_per_s_over(self, steps: Iterable[int]) -> Optional[float]:
+        """Tokens trained over the time the optimizer steps took, for the given steps (None: no record).
+
+        A time-weighted mean: the tokens of each step (its rate x its time) over the sum of the times."""
+        wanted: Set[int] = set(steps)
+        tokens = seconds = 0.0
+        for step, rate, dt in zip(self.steps, self.tokens_per_s, self.step_time_s):
+            if step in wanted and rate is not None and dt is not None and dt > 0:
+                tokens, seconds = tokens + rate * dt, seconds + dt
+        return tokens / seconds if seconds > 0 else None
+
+
+def _number(value) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def read_curves(metrics_path: str, job_logs: Iterable[str] = ()) -> Optional[TrainingCurves]:
+    """The curves of ``metrics_path`` (None when there is no such file), validation from its records or,
+    where none has one, from ``job_logs`` (stdout logs of the run's jobs, oldest first; missing ones skipped).
+
+    A last line without its newline is a record being written (or a killed writer's): skipped. Any other
+    line that is not a JSON object with an integer ``step`` is damage: ConfigError naming file and line.
+    """
+    if not os.path.isfile(metrics_path):
+        return None
+    by_step: Dict[int, dict] = {}
+    try:
+        with open(metrics_path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read: {err}", path=metrics_path) from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        torn = number == len(lines) and not line.endswith("\n")
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if torn:
+                continue
+            raise ConfigError(f"line {number} is not JSON: {line.strip()[:80]!r}", path=metrics_path) from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            if torn:
+                continue
+            raise ConfigError(f"line {number}: expected a JSON object with an integer 'step'", path=metrics_path)
+        by_step[record["step"]] = record  # a reader's view: the last record of a step wins
+
+    curves = TrainingCurves(metrics_path)
+    for step in sorted(by_step):
+        record = by_step[step]
+        validation = _number(record.get(VALIDATION_LOSS))
+        if validation is not None:
+            curves.validation[step] = validation
+        loss = _number(record.get("loss"))
+        if loss is None:
+            continue
+        curves.steps.append(step)
+        curves.losses.append(loss)
+        curves.tokens_per_s.append(_number(record.get("tokens_per_s")))
+        curves.step_time_s.append(_number(record.get("step_time_s")))
+    if curves.validation:
+        curves.validation_sources = [metrics_path]
+    else:
+        for log in job_logs:
+            found = read_validation_lines(log)
+            if found:
+                curves.validation.update(found)
+                curves.validation_sources.append(log)
+        curves.validation = dict(sorted(curves.validation.items()))
+    return curves
+
+
+def read_validation_lines(path: str) -> Dict[int, float]:
+    """Step -> validation loss printed in a job log (the later of two lines for a step); {} for no file."""
+    found: Dict[int, float] = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if "validation loss at" not in line:
+                    continue
+                match = VALIDATION_LINE.search(line)
+                if match:
+                    try:
+                        found[int(match.group(1))] = float(match.group(2))
+                    except ValueError:
+                        continue  # a line cut short by a killed rank
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        raise ConfigError(f"cannot read: {err.strerror}", path=path) from None
+    return found

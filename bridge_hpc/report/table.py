@@ -1,0 +1,141 @@
+"""``bridge-report``'s text and JSON: a table of runs and the goodput split per argument, and a
+comparison of the headline figures when there are several arguments.
+
+Cells: "?" where the log does not record a value, "-" where it does not apply (TFLOP/s/GPU of ranks
+that run on CPUs). Rates are scaled (``11.9k`` tokens/s) so a small run does not read 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Dict, List, Sequence
+
+from bridge_hpc.report.goodput import UNKNOWN, RunRow
+from bridge_hpc.report.progress import format_time
+from bridge_hpc.report.run_report import RunReport
+from bridge_hpc.report.units import format_rate
+
+NOT_APPLICABLE = "-"
+
+#: (header, RunRow attribute, format): a format() spec, "s" text, "t" a time stamp, "rate" a scaled
+#: rate, "gpu" a TFLOP/s/GPU figure ("-" for ranks on CPUs).
+COLUMNS = [
+    ("job", "job_id", "s"), ("restart", "restart", "d"), ("devices", "devices", "s"),
+    ("start", "start", "t"), ("end", "end", "t"), ("reason", "reason", "s"), ("steps", "steps", "d"),
+    ("tokens/s", "tokens_per_s", "rate"), ("TFLOP/s/GPU", "job_throughput", "gpu"),
+    ("start-up s", "startup_s", ".1f"), ("saves", "saves", "d"), ("save s", "save_s", ".1f"),
+    ("loads", "loads", "d"), ("load s", "load_s", ".1f"), ("lost steps", "lost_steps", "d"), ("lost s", "lost_s", ".1f"),
+]
+_TEXT_FORMATS = ("s", "t")
+
+
+def format_value(value, fmt: str) -> str:
+    if value is None:
+        return UNKNOWN
+    if fmt == "t":
+        return format_time(value)
+    if fmt == "rate":
+        return format_rate(value)
+    if fmt == "gpu":
+        return format(value, ".1f")
+    return format(value, fmt)
+
+
+def format_cell(row: RunRow, attr: str, fmt: str) -> str:
+    if fmt == "gpu" and not row.has_gpus:
+        return NOT_APPLICABLE
+    return format_value(getattr(row, attr), fmt)
+
+
+def _table(header: List[str], body: List[List[str]], right: List[bool]) -> List[str]:
+    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
+    out = []
+    for row in [header] + body:
+        cells = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def format_table(run: RunReport) -> str:
+    """The runs of one argument, then where its allocated time went."""
+    report = run.report
+    header = [h for h, _, _ in COLUMNS]
+    body = [[format_cell(row, attr, fmt) for _, attr, fmt in COLUMNS] for row in report.rows]
+    right = [fmt not in _TEXT_FORMATS for _, _, fmt in COLUMNS]
+    lines = _table(header, body, right)
+
+    t = report.totals
+    allocated = t["allocated_s"] or 0.0
+    summary = (f"runs {t['runs']} (jobs {t['jobs']}), steps {t['steps']}, "
+               f"lost steps {format_value(t['lost_steps'], 'd')}, tokens/s {format_value(t['tokens_per_s'], 'rate')}")
+    if any(row.has_gpus for row in report.rows):
+        summary += f", cumulative throughput {format_value(t['cumulative_throughput'], '.1f')} TFLOP/s/GPU"
+    lines += ["", summary]
+    training = "training" if t["complete"] else "training or unrecorded"
+    share = [[training if name == "training" else name, sec] for name, sec in report.goodput_segments()]
+    rows = [[name, f"{sec:.1f}", f"{100 * sec / allocated:.1f}%" if allocated else UNKNOWN] for name, sec in share]
+    rows.append(["allocated", f"{allocated:.1f}", "100.0%" if allocated else UNKNOWN])
+    lines += _table(["time", "seconds", "share"], rows, [False, True, True])
+    goodput = format_value(None if t["goodput"] is None else 100 * t["goodput"], ".1f")
+    lines += [
+        f"goodput {goodput}%" + ("" if t["complete"] else
+                                 " (upper bound: the log does not record every start-up, load, save or loss)"),
+        f"between allocations (queue wait, not allocated) {t['between_allocations_s']:.1f} s",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _headline(run: RunReport) -> List[str]:
+    t, rows = run.report.totals, run.report.rows
+    gpus = any(row.has_gpus for row in rows)
+    goodput = None if t["goodput"] is None else 100 * t["goodput"]
+    return [
+        run.label,
+        t["devices"] or UNKNOWN,
+        str(t["runs"]),
+        str(t["steps"]),
+        format_value(goodput, ".1f") + ("%" if goodput is not None else "") + ("" if t["complete"] else " (max)"),
+        format_value(t["tokens_per_s"], "rate"),
+        format_value(t["cumulative_throughput"], ".1f") if gpus else NOT_APPLICABLE,
+        format_value(t["final_step"], "d"),
+        format_value(t["final_loss"], ".4f"),
+        format_value(t["final_validation_loss"], ".4f"),
+    ]
+
+
+COMPARISON_HEADER = ["run", "devices", "runs", "steps", "goodput", "tokens/s", "TFLOP/s/GPU", "final step",
+                     "final loss", "validation loss"]
+
+
+def format_comparison(runs: Sequence[RunReport]) -> str:
+    """One line per argument: the figures to compare two configs, or before and after a change."""
+    body = [_headline(run) for run in runs]
+    right = [False, False] + [True] * (len(COMPARISON_HEADER) - 2)
+    return "\n".join(_table(COMPARISON_HEADER, body, right)) + "\n"
+
+
+def format_report(runs: Sequence[RunReport]) -> str:
+    """The whole text output: one table, or one per argument (each under its name) and the comparison."""
+    if len(runs) == 1:
+        return format_table(runs[0])
+    parts = [f"{run.label}: {run.progress_log}\n{format_table(run)}" for run in runs]
+    parts.append("comparison\n" + format_comparison(runs))
+    return "\n".join(parts)
+
+
+def to_json(run: RunReport) -> Dict[str, object]:
+    runs = []
+    for row in run.report.rows:
+        data = asdict(row)
+        data.update(steps=row.steps, devices=row.devices, duration_s=row.duration_s, training_s=row.training_s,
+                    start=format_time(row.start), end=format_time(row.end), start_epoch=row.start, end_epoch=row.end)
+        runs.append(data)
+    return {"target": run.target, "label": run.label, "progress_log": run.progress_log, "runs": runs,
+            "totals": run.report.totals}
+
+
+def reports_to_json(runs: Sequence[RunReport]) -> Dict[str, object]:
+    """One argument: its report (``runs``, ``totals``); several: ``{"reports": [...]}`` in argument order."""
+    if len(runs) == 1:
+        return to_json(runs[0])
+    return {"reports": [to_json(run) for run in runs]}
