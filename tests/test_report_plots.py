@@ -67,6 +67,20 @@ def validation_from_log(run_dir: Path, job_id: str) -> dict:
     return {int(step): float(value) for step, value in VALIDATION.findall(log_text(run_dir, job_id))}
 
 
+def validation_from_metrics(run_dir: Path) -> dict:
+    """step -> the validation loss metrics.jsonl's record of that step carries (full precision)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+
+
+def assert_validation_shown(validation, run_dir: Path, job_id: str, steps: list) -> None:
+    """The validation line holds metrics.jsonl's values at ``steps``, which are what the job printed."""
+    recorded, printed = validation_from_metrics(run_dir), validation_from_log(run_dir, job_id)
+    assert sorted(recorded) == sorted(printed) == steps
+    assert all(recorded[s] == pytest.approx(printed[s], rel=1e-6) for s in steps)  # printed as %.6E
+    assert list(validation.get_xdata()) == steps and list(validation.get_ydata()) == [recorded[s] for s in steps]
+
+
 def resumed_steps(run_dir: Path, job_id: str) -> list:
     return [int(step) for step in LOADED.findall(log_text(run_dir, job_id))]
 
@@ -141,9 +155,7 @@ def test_demo_run_figure(jobs):
     training, validation = loss.lines
     assert (training.get_label(), validation.get_label()) == ("training", "validation")
     assert list(training.get_xdata()) == sorted(want) and list(training.get_ydata()) == [want[s] for s in sorted(want)]
-    printed = validation_from_log(run_dir, job_id)
-    assert sorted(printed) == [20, 40]  # eval_interval 20
-    assert list(validation.get_xdata()) == [20, 40] and list(validation.get_ydata()) == [printed[20], printed[40]]
+    assert_validation_shown(validation, run_dir, job_id, [20, 40])  # eval_interval 20
     assert (loss.get_xlabel(), loss.get_ylabel()) == ("step", LOSS_LABEL)
     assert restart_markers(loss) == []
 
@@ -182,8 +194,7 @@ def test_preempted_run_figure(jobs):
     training, validation = loss.lines[:2]
     assert list(training.get_xdata()) == list(range(1, PREEMPTED_ITERS + 1))
     assert list(training.get_ydata()) == [want[s] for s in range(1, PREEMPTED_ITERS + 1)]
-    printed = validation_from_log(run_dir, job_id)
-    assert sorted(printed) == [50, 100, 150, 200] and list(validation.get_xdata()) == sorted(printed)
+    assert_validation_shown(validation, run_dir, job_id, [50, 100, 150, 200])
 
     spans = run_spans(run_dir)
     assert len(spans) == 2

@@ -70,7 +70,7 @@ def test_unknown_section_suggests():
     ({"model__num_attention_heads": 5}, "model.num_attention_heads"),
     ({"model__tensor_model_parallel_size": 2}, "model.tensor_model_parallel_size"),
     ({"train__exit_signal": "SIGFOO"}, "train.exit_signal"),
-    ({"checkpoint__async_save": True}, "checkpoint.async_save"),
+    ({"checkpoint__async_save_max_failures": 0}, "checkpoint.async_save_max_failures"),
 ])
 def test_inconsistent_settings_fail_in_validate(changes, key):
     with pytest.raises(ConfigError) as err:
@@ -115,3 +115,60 @@ def test_run_dir_defaults_and_overrides(tmp_path, monkeypatch):
     # relative training paths live in the run folder, whichever file (job or resolved.toml) is read
     cfg = build_config(str(job), ["checkpoint.save=ckpt"])
     assert cfg.checkpoint.save == str(run_dir / "ckpt")
+
+
+# --- TensorBoard: on by default in the run folder, "" turns it off, bad values exit 2 (~2 s) -------------
+
+
+def _resolved_tensorboard(tmp_path, *overrides):
+    """What bridge-submit writes to resolved.toml, and what the ranks build from that file."""
+    from bridge_hpc.launch.jobconfig import dump_resolved, load_job_config
+
+    job = tmp_path / "job.toml"
+    shutil.copy(TINY, job)
+    text = dump_resolved(load_job_config(job, list(overrides), cwd=tmp_path))
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(text)
+    return toml.loads(text)["logger"].get("tensorboard_dir"), build_config(str(resolved)).logger.tensorboard_dir
+
+
+def test_tensorboard_is_on_by_default_in_the_run_folder(tmp_path):
+    from bridge_hpc.contracts.run_folder import RunFolder
+
+    written, on_the_ranks = _resolved_tensorboard(tmp_path)
+    assert written == on_the_ranks == RunFolder(str(tmp_path / "runs" / "tiny")).tensorboard
+    assert on_the_ranks.endswith("/runs/tiny/tensorboard")
+    written, on_the_ranks = _resolved_tensorboard(tmp_path, 'logger.tensorboard_dir="tb"')
+    assert written == on_the_ranks == str(tmp_path / "runs" / "tiny" / "tb")
+
+
+@pytest.mark.parametrize("off", ['logger.tensorboard_dir=""', "logger.tensorboard_dir="])
+def test_an_empty_tensorboard_dir_turns_tensorboard_off(tmp_path, off):
+    written, on_the_ranks = _resolved_tensorboard(tmp_path, off)
+    assert written == ""  # kept in resolved.toml, so the ranks see "off" too
+    assert on_the_ranks is None  # one spelling of "off" (Bridge's None) from there on
+
+
+@pytest.mark.parametrize("value", ["false", "0", '"  "', '" tb"', '["tb"]'])
+def test_a_bad_tensorboard_dir_exits_2_naming_the_key(tmp_path, value):
+    import subprocess
+    import sys
+
+    job = tmp_path / "job.toml"
+    shutil.copy(TINY, job)
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", str(job), "--dry-run",
+                           "--set", f"logger.tensorboard_dir={value}"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "logger.tensorboard_dir" in proc.stderr and 'or "" to turn TensorBoard off' in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_a_bad_tensorboard_dir_built_in_python_names_the_key():
+    from bridge_hpc.training.config import LoggerConfig
+
+    with pytest.raises(ConfigError) as err:
+        LoggerConfig(tensorboard_dir="   ").finalize()
+    assert err.value.key == "logger.tensorboard_dir"
+    cfg = LoggerConfig(tensorboard_dir="")
+    cfg.finalize()
+    assert cfg.tensorboard_dir is None

@@ -126,7 +126,7 @@ def submit_slurm(args: argparse.Namespace, tokenizer_cfg: TokenizerConfig, keys:
     from bridge_hpc.launch.render import render_prepare_script
     from bridge_hpc.launch.submit import TemplateExecutor
 
-    job = load_job_config(args.slurm, overrides=args.set)
+    job = load_job_config(args.slurm, overrides=args.set, training=False)
     cpus = job.cluster.cpus_per_node
     if cpus is not None and args.workers > cpus:
         raise ConfigError(f"{args.workers} workers per task exceed the {cpus} CPUs per node of the job config's "

@@ -12,6 +12,7 @@ instead of resolving them again)::
     RUN/resolved.toml           the job config with profiles, overrides and absolute paths applied
     RUN/jobs.jsonl              one JSON line per submission
     RUN/metrics.jsonl           one JSON line per training step (rank 0)
+    RUN/tensorboard/            TensorBoard event files, one per run of the job (last rank; ``[logger] tensorboard_dir``)
     RUN/dataset_cache/          megatron-core's dataset index cache (``[dataset] path_to_cache``; rank 0 builds)
     RUN/logs/<job>_0_log.out    Slurm's stdout / stderr (submitit's names, so submitit finds them)
     RUN/logs/requeue-request.<job>            rank 0 asks the batch script to requeue (requeue.py)
@@ -33,6 +34,9 @@ JOB_SCRIPT = "job.sbatch"
 RESOLVED_CONFIG = "resolved.toml"
 JOBS_LOG = "jobs.jsonl"
 METRICS_FILE = "metrics.jsonl"
+#: ``[logger] tensorboard_dir`` unless the job sets it ("" turns TensorBoard off); ``tensorboard --logdir runs/``
+#: then shows every run folder under ``runs/``.
+TENSORBOARD_DIR = "tensorboard"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
 DATASET_CACHE_DIR = "dataset_cache"
@@ -78,6 +82,11 @@ class RunFolder:
     @property
     def metrics(self) -> str:
         return self._at(METRICS_FILE)
+
+    @property
+    def tensorboard(self) -> str:
+        """The default ``[logger] tensorboard_dir``; resolved.toml records where a job put it."""
+        return self._at(TENSORBOARD_DIR)
 
     @property
     def logs(self) -> str:

@@ -682,9 +682,12 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
 _RUN_FOLDER_PATHS = (
     ("checkpoint", "save", run_folder.CHECKPOINTS_DIR),
     ("checkpoint", "load", None),
-    ("logger", "tensorboard_dir", None),
+    ("logger", "tensorboard_dir", run_folder.TENSORBOARD_DIR),
     ("logger", "metrics_file", run_folder.METRICS_FILE),
 )
+#: Run-folder paths that an empty string turns off (what is then not written): ``tensorboard_dir = ""``
+#: is Megatron Bridge's "no TensorBoard" (its default, None, cannot be written in TOML).
+_OFF_WHEN_EMPTY = {("logger", "tensorboard_dir"): "TensorBoard"}
 
 
 #: Training inputs given as paths: relative ones mean the folder bridge-submit runs in, as for
@@ -728,8 +731,14 @@ def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, s
         value = training.get(section, {}).get(key)
         if value is None and default is None:
             continue
+        switch = _OFF_WHEN_EMPTY.get((section, key))
+        if switch and value is not None and (not isinstance(value, str) or value != value.strip()):
+            raise where.error(f"{section}.{key}", f'expected a folder path (relative ones are in the run folder), or "" '
+                              f"to turn {switch} off, got {value!r}")
         if value is not None and not isinstance(value, str):
             continue  # the section's own type check names it
+        if switch and value == "":
+            continue  # off: resolved.toml keeps the "" so that the ranks see it too
         try:
             path = _expanduser(value) if value is not None else Path(default)
         except ValueError as err:

@@ -32,6 +32,8 @@ FIRST_STEP = "First step"
 ENDING_JOB = "Ending job"
 RESTART = "Restart"
 CHECKPOINT_FALLBACK = "Checkpoint fallback"
+#: A background (asynchronous) checkpoint save that failed; the tracker still names the previous one.
+CHECKPOINT_SAVE_FAILED = "Checkpoint save failed"
 
 SAVE_EVENTS = (SAVED_CHECKPOINT, SAVING_ASYNC)
 
@@ -321,6 +323,13 @@ class ProgressLog:
         log sees why the run resumed further back than the tracker said."""
         self._write(CHECKPOINT_FALLBACK, [("Damaged", damaged), ("Moved to", moved_to), ("Reason", reason),
                                           ("Using", using)])
+
+    def checkpoint_save_failed(self, iteration: int, failures: int, stop: bool, reason: str) -> None:
+        """A background save of ``iteration`` failed (``failures`` in a row); the run stops (``stop``)
+        or goes on and retries at its next save. Recorded so that a gap between saved checkpoints has
+        its cause next to it."""
+        self._write(CHECKPOINT_SAVE_FAILED, [("Iteration", str(iteration)), ("Failures in a row", str(failures)),
+                                             ("Action", "stop" if stop else "retry"), ("Reason", reason)])
 
     # -- plumbing ----------------------------------------------------------------------------------
 

@@ -18,7 +18,10 @@ Write protocol (what makes a SIGKILL at any instant harmless): every rank writes
 rank 0 writes ``train_state.pt``, then ``manifest.json`` (both fsynced), fsyncs the folder, renames it
 to ``iter_XXXXXXX``, fsyncs the parent, and only then replaces the tracker (write temp, fsync, rename,
 fsync parent). A ``.tmp`` folder is never loaded; old checkpoints beyond ``most_recent_k`` are renamed
-to ``*.del`` before deletion, so a half-deleted folder never looks complete either.
+to ``*.del`` before deletion, so a half-deleted folder never looks complete either. With
+``checkpoint.async_save`` the same protocol runs with the shard write in a background process per rank
+(:mod:`bridge_hpc.training.async_checkpoint`): :func:`begin_save` and :func:`write_rank_state` at the
+save's iteration, :func:`commit_save` steps later, once every rank's shards are durable.
 
 A failed write on any rank (a full disk, a quota, an I/O error) is agreed on by all ranks at the end
 of each phase of the save, so every rank raises :class:`CheckpointSaveError` with the cause within
@@ -41,6 +44,7 @@ megatron's DDP and optimizer. Everything else is shared.
 
 from __future__ import annotations
 
+import copy
 import errno
 import fcntl
 import glob
@@ -53,6 +57,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -609,79 +614,131 @@ def save_checkpoint(state: GlobalState, model, optimizer, scheduler, train_data_
 
     Collective: every rank must call it at the same iteration. A failure on any rank raises
     :class:`CheckpointSaveError` on every rank; the previous checkpoints are untouched then.
+    (``checkpoint.async_save`` runs the same protocol with the write in the background:
+    :mod:`bridge_hpc.training.async_checkpoint`.)
     """
-    cfg = state.cfg.checkpoint
-    root = cfg.save
-    iteration = state.train_state.step
-    final = iteration_dir(root, iteration)
-    tmp = final + ".tmp"
-    rank, world_size = _rank(), _world_size()
-    start = time.perf_counter()
-
-    def prepare() -> None:
-        os.makedirs(root, exist_ok=True)
-        for stale in glob.glob(os.path.join(root, "iter_*.tmp")) + glob.glob(os.path.join(root, "iter_*.del")):
-            shutil.rmtree(stale, ignore_errors=True)
-        os.makedirs(tmp)
+    save = begin_save(state, scheduler)
 
     def write() -> None:
-        _save_model_and_optimizer(model, optimizer, tmp, cfg.save_optim)  # collective
-        per_rank = {"rank": rank, "world_size": world_size}
-        if cfg.save_rng:
-            per_rank["rng"] = _rng_state()
-        if train_data_iterator is not None and hasattr(train_data_iterator, "state_dict"):
-            per_rank["data"] = train_data_iterator.state_dict()
-        _torch_save_durable(per_rank, os.path.join(tmp, f"rank_{rank:05d}.pt"))
-        if rank == 0:
-            config = json.dumps(state.cfg.to_dict(), indent=2, default=str)
-            _write_durable(os.path.join(tmp, "run_config.json"), config.encode())
-            # Files of the model/optimizer writer that belong to no rank in particular (e.g. .metadata).
-            for path in glob.glob(os.path.join(tmp, "*")) + glob.glob(os.path.join(tmp, ".*")):
-                if os.path.isfile(path) and not re.match(r"^(__\d+_\d+\.distcp|rank_\d+\.pt)$", os.path.basename(path)):
-                    _fsync_path(path)
-        for path in glob.glob(os.path.join(tmp, f"__{rank}_*.distcp")):
-            _fsync_path(path)
+        _save_model_and_optimizer(model, optimizer, save.tmp, state.cfg.checkpoint.save_optim)  # collective
+        write_rank_state(save, state, train_data_iterator)
+        _fsync_written_files(save.tmp)
+
+    _save_phase(write, save.iteration, save.tmp)
+    return commit_save(save)
+
+
+@dataclass
+class SaveInProgress:
+    """One save between its start and its commit: where it writes and what rank 0 commits.
+
+    ``common`` (the content of ``train_state.pt``) is taken when the save starts, so that a save
+    committed steps later (``checkpoint.async_save``) records the iteration it holds.
+    """
+
+    iteration: int
+    root: str
+    final: str
+    tmp: str
+    world_size: int
+    most_recent_k: int
+    common: Dict[str, Any]
+    started: float  # time.perf_counter() when the save began
+
+
+def begin_save(state: GlobalState, scheduler) -> SaveInProgress:
+    """Start a save of the current iteration: rank 0 removes stale ``iter_*.tmp``/``*.del`` folders
+    and creates ``iter_N.tmp``. Collective; a failure raises :class:`CheckpointSaveError` on every rank."""
+    cfg = state.cfg.checkpoint
+    iteration = state.train_state.step
+    final = iteration_dir(cfg.save, iteration)
+    common = {
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "train_state": state.train_state.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+    }
+    ft = state.fault_tolerance
+    if ft is not None:  # computed FT timeouts travel with the checkpoint (see fault_tolerance.py)
+        common["fault_tolerance"] = ft.state_dict()
+    save = SaveInProgress(iteration=iteration, root=cfg.save, final=final, tmp=final + ".tmp",
+                          world_size=_world_size(), most_recent_k=cfg.most_recent_k, common=copy.deepcopy(common),
+                          started=time.perf_counter())
+
+    def prepare() -> None:
+        os.makedirs(save.root, exist_ok=True)
+        for stale in glob.glob(os.path.join(save.root, "iter_*.tmp")) + glob.glob(os.path.join(save.root, "iter_*.del")):
+            shutil.rmtree(stale, ignore_errors=True)
+        os.makedirs(save.tmp)
+
+    _save_phase(prepare if _rank() == 0 else None, iteration, save.tmp)
+    return save
+
+
+def write_rank_state(save: SaveInProgress, state: GlobalState, train_data_iterator=None) -> None:
+    """This rank's ``rank_NNNNN.pt`` (RNG states, data position) and, on rank 0, ``run_config.json``,
+    both durable. Taken at the save's iteration: the next step draws random numbers and reads data."""
+    cfg = state.cfg.checkpoint
+    rank = _rank()
+    per_rank = {"rank": rank, "world_size": save.world_size}
+    if cfg.save_rng:
+        per_rank["rng"] = _rng_state()
+    if train_data_iterator is not None and hasattr(train_data_iterator, "state_dict"):
+        per_rank["data"] = train_data_iterator.state_dict()
+    _torch_save_durable(per_rank, os.path.join(save.tmp, f"rank_{rank:05d}.pt"))
+    if rank == 0:
+        config = json.dumps(state.cfg.to_dict(), indent=2, default=str)
+        _write_durable(os.path.join(save.tmp, "run_config.json"), config.encode())
+
+
+def _fsync_written_files(tmp: str) -> None:
+    """fsync this rank's shards and, on rank 0, the model/optimizer writer's files that belong to no
+    rank in particular (e.g. ``.metadata``)."""
+    rank = _rank()
+    if rank == 0:
+        for path in glob.glob(os.path.join(tmp, "*")) + glob.glob(os.path.join(tmp, ".*")):
+            if os.path.isfile(path) and not re.match(r"^(__\d+_\d+\.distcp|rank_\d+\.pt)$", os.path.basename(path)):
+                _fsync_path(path)
+    for path in glob.glob(os.path.join(tmp, f"__{rank}_*.distcp")):
+        _fsync_path(path)
+
+
+def commit_save(save: SaveInProgress) -> str:
+    """Make ``save`` the checkpoint to resume from; returns its folder. Collective, and only once every
+    rank's files are durable: rank 0 writes ``train_state.pt`` and the manifest, renames the folder,
+    replaces the tracker, then removes checkpoints beyond ``most_recent_k``."""
+    rank = _rank()
 
     def commit() -> None:
-        # Every rank's files are durable (the phase before ended with all ranks agreeing so).
-        common = {
-            "format_version": FORMAT_VERSION,
-            "iteration": iteration,
-            "train_state": state.train_state.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        }
-        ft = state.fault_tolerance
-        if ft is not None:  # computed FT timeouts travel with the checkpoint (see fault_tolerance.py)
-            common["fault_tolerance"] = ft.state_dict()
-        _torch_save_durable(common, os.path.join(tmp, COMMON_FILE))
-        _write_manifest(tmp, iteration, world_size)
+        tmp, final = save.tmp, save.final
+        _torch_save_durable(save.common, os.path.join(tmp, COMMON_FILE))
+        _write_manifest(tmp, save.iteration, save.world_size)
         _fsync_path(tmp)
         if os.path.isdir(final):  # re-saving an iteration (after a rollback or a resume): swap it whole
-            problem = verify_checkpoint(final, world_size)
+            problem = verify_checkpoint(final, save.world_size)
             if problem is None:
                 os.replace(final, final + ".del")
             else:  # never delete a damaged checkpoint: someone may want to look at it
                 logger.warning("%s is damaged (%s): set aside as %s", final, problem, _set_aside(final))
         os.replace(tmp, final)
-        _fsync_path(root)
-        _write_tracker(root, iteration)
+        _fsync_path(save.root)
+        _write_tracker(save.root, save.iteration)
 
-    _save_phase(prepare if rank == 0 else None, iteration, tmp)
-    _save_phase(write, iteration, tmp)
-    _save_phase(commit if rank == 0 else None, iteration, tmp)
+    _save_phase(commit if rank == 0 else None, save.iteration, save.tmp)
     if rank == 0:
-        shutil.rmtree(final + ".del", ignore_errors=True)
+        shutil.rmtree(save.final + ".del", ignore_errors=True)
         try:
-            _remove_old_checkpoints(root, cfg.most_recent_k, iteration, world_size)
+            _remove_old_checkpoints(save.root, save.most_recent_k, save.iteration, save.world_size)
         except OSError as err:  # the new checkpoint is complete; an old one left behind harms nothing
-            logger.warning("could not remove old checkpoints in %s: %s", root, err)
-        logger.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - start)
-        print(f"saved checkpoint at iteration {iteration} to {final} ({time.perf_counter() - start:.2f}s)", flush=True)
+            logger.warning("could not remove old checkpoints in %s: %s", save.root, err)
+        elapsed = time.perf_counter() - save.started
+        logger.info("saved checkpoint %s in %.2fs", save.final, elapsed)
+        print(f"saved checkpoint at iteration {save.iteration} to {save.final} ({elapsed:.2f}s)", flush=True)
     # The ranks leave the save together: a rank that went on to the next step would wait for rank 0's
     # clean-up inside that step's gradient all-reduce, where gloo polls, and its step would look slow
     # to the straggler detector (which times steps by CPU time).
     _barrier()
-    return final
+    return save.final
 
 
 def _save_phase(step, iteration: int, tmp: str) -> None:

@@ -192,6 +192,11 @@ class CheckpointConfig:
     job resumes from its own checkpoints without any extra setting.
 
     ``most_recent_k = -1`` keeps every checkpoint; ``save_interval = None`` saves only on exit.
+
+    ``async_save`` writes the interval saves in the background (a persistent worker process per
+    rank; see ``bridge_hpc.training.async_checkpoint``); exit saves stay synchronous. A failed
+    background save is reported and training goes on; ``async_save_max_failures`` failures in a row
+    (bridge_hpc's key) stop the run with an error.
     """
 
     save: Optional[str] = None
@@ -199,6 +204,7 @@ class CheckpointConfig:
     save_interval: Optional[int] = None
     most_recent_k: int = -1
     async_save: bool = False
+    async_save_max_failures: int = 3
     pretrained_checkpoint: Optional[str] = None
     ckpt_format: Literal["torch_dist"] = "torch_dist"
     save_optim: bool = True
@@ -215,9 +221,8 @@ class CheckpointConfig:
                "checkpoint.save_interval", "must be > 0")
         _check(self.most_recent_k == -1 or self.most_recent_k > 0,
                "checkpoint.most_recent_k", "must be -1 (keep all) or > 0")
-        # An asynchronous writer needs a background process that survives the step; until it
-        # exists, silently saving synchronously would break the time budget users plan around.
-        _check(not self.async_save, "checkpoint.async_save", "is not supported yet; use false")
+        _check(self.async_save_max_failures >= 1, "checkpoint.async_save_max_failures",
+               "must be >= 1 (failed background saves in a row before the run stops)")
 
 
 @dataclass
@@ -227,6 +232,11 @@ class LoggerConfig:
     ``metrics_file`` is ours (not Bridge's): the JSON-lines file that records every step's loss at
     full precision; ``bridge_hpc.training.run`` points it at ``<run_dir>/metrics.jsonl``. ``log_progress``
     appends Megatron's ``progress.txt`` (plus bridge_hpc's goodput events) in ``checkpoint.save``.
+
+    TensorBoard is on by default for jobs: a job file that leaves ``tensorboard_dir`` unset gets
+    ``<run_dir>/tensorboard`` (:data:`bridge_hpc.contracts.run_folder.TENSORBOARD_DIR`), so that
+    ``tensorboard --logdir runs/`` shows every run. ``tensorboard_dir = ""`` turns it off; so does None,
+    Bridge's default, for a config built in Python. ``finalize`` makes "" None: one spelling of "off".
     """
 
     log_interval: int = 100
@@ -244,6 +254,11 @@ class LoggerConfig:
         _check(self.logging_level in (10, 20, 30, 40, 50), "logger.logging_level",
                "must be a Python logging level: 10 (DEBUG), 20 (INFO), 30 (WARNING), 40 or 50")
         _check(self.tensorboard_log_interval > 0, "logger.tensorboard_log_interval", "must be > 0")
+        _check(self.tensorboard_dir is None or (isinstance(self.tensorboard_dir, str)
+                                                and self.tensorboard_dir == self.tensorboard_dir.strip()),
+               "logger.tensorboard_dir", f'expected a folder path, or "" to turn TensorBoard off, got {self.tensorboard_dir!r}')
+        if self.tensorboard_dir == "":
+            self.tensorboard_dir = None
 
 
 @dataclass

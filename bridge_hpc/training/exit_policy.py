@@ -17,11 +17,20 @@ request; anything else requeues.
 The time-limit rule stops when the slowest step, the expected save and a margin no longer fit before
 Slurm's end time. The expected save is this run's last save, else the longest save of recent runs
 that the progress log records, else a guess.
+
+With ``checkpoint.async_save`` the interval saves are written in the background
+(:mod:`bridge_hpc.training.async_checkpoint`): after every step the ranks check, without waiting,
+whether the one in flight is written, and finalize it then (tracker, ``Saved checkpoint`` line). Any
+exit first waits for it, then saves synchronously, then requeues. A failed background save is
+reported (stderr, and a ``Checkpoint save failed`` line in the progress log) and training goes on: the
+next interval save retries. After ``checkpoint.async_save_max_failures`` failures in a row the run
+stops with :class:`~bridge_hpc.training.checkpointing.CheckpointSaveError`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any, Dict, List
 
@@ -31,7 +40,8 @@ import torch.distributed as dist
 from bridge_hpc.contracts.requeue import request_requeue
 from bridge_hpc.slurm import query
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training import checkpointing
+from bridge_hpc.training import async_checkpoint, checkpointing
+from bridge_hpc.training.checkpointing import CheckpointSaveError
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.utils.train_utils import comm_device
 
@@ -74,11 +84,91 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
         state.straggler_detector.restart_window()  # the steps right after a save are not judged
     checkpointing_context["last_saved_step"] = state.train_state.step
     checkpointing_context["last_save_time_s"] = state.last_save_s = timer.elapsed(reset=True)
+    state.metrics.log_checkpoint_saved(state.train_state.step, state.last_save_s)
     if state.progress is not None:
         ts = state.train_state
         state.progress.saved_checkpoint(ts.step, num_floating_point_operations_so_far,
                                         ts.consumed_train_samples * state.cfg.model.seq_length,
                                         checkpointing_context["last_save_time_s"])
+
+
+#: ``checkpointing_context`` key: background saves that failed since the last one that finalized.
+FAILED_SAVES = "failed_saves_in_a_row"
+#: The progress log's event for a background save that failed (bridge_hpc's; Megatron has none).
+
+
+def start_async_save_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
+                              checkpointing_context: Dict[str, Any], train_data_iterator=None) -> None:
+    """Start a background save of the current step (``checkpoint.async_save``); a save still in
+    flight is finalized first (at most one is in flight). Collective."""
+    maybe_finalize_async_save(state, checkpointing_context, blocking=True)
+    writer = checkpointing_context[async_checkpoint.ASYNC_WRITER_KEY]
+    try:
+        # Not in fault tolerance's checkpointing section: it is short, and the section's timeout is
+        # computed from the first save it sees, which must be a whole write.
+        async_checkpoint.start_async_save(state, model, optimizer, opt_param_scheduler, writer, train_data_iterator)
+    except CheckpointSaveError as err:
+        _async_save_failed(state, checkpointing_context, state.train_state.step, err)
+        return
+    if state.straggler_detector is not None:
+        state.straggler_detector.restart_window()  # the worker writes during the next steps
+
+
+def maybe_finalize_async_save(state: GlobalState, checkpointing_context: Dict[str, Any], blocking: bool) -> None:
+    """Finalize the background save in flight once every rank has written it; ``blocking``: wait
+    until they have. Megatron's name. Collective; nothing to do (no communication) without a save
+    in flight, which all ranks know alike."""
+    writer = checkpointing_context.get(async_checkpoint.ASYNC_WRITER_KEY)
+    iteration = async_checkpoint.in_flight_iteration(writer)
+    if iteration is None:
+        return
+    ft = state.fault_tolerance
+    try:  # a blocking wait lasts up to a whole write: fault tolerance's checkpointing section
+        with ft.checkpointing() if blocking and ft is not None else contextlib.nullcontext():
+            finished = async_checkpoint.finalize_async_save(writer, blocking)
+    except CheckpointSaveError as err:
+        _async_save_failed(state, checkpointing_context, iteration, err)
+        return
+    if finished is None:
+        return
+    checkpointing_context["last_saved_step"] = finished.iteration
+    checkpointing_context["last_save_time_s"] = finished.blocking_s
+    checkpointing_context[FAILED_SAVES] = 0
+    # The time-limit rule's expected save: the exit save is synchronous, and a background write
+    # (slowed by training beside it) takes at least as long.
+    state.last_save_s = finished.total_s
+    state.metrics.log_checkpoint_saved(finished.iteration, finished.blocking_s)
+    if state.progress is not None:
+        counters = finished.common["train_state"]
+        state.progress.saved_checkpoint(finished.iteration, counters["floating_point_operations_so_far"],
+                                        counters["consumed_train_samples"] * state.cfg.model.seq_length,
+                                        finished.blocking_s)
+
+
+def _async_save_failed(state: GlobalState, checkpointing_context: Dict[str, Any], iteration: int,
+                       err: CheckpointSaveError) -> None:
+    """The rule for a failed background save (every rank has ``err``; the tracker still names the
+    previous checkpoint): report it, go on training, and raise ``err``'s successor once
+    ``checkpoint.async_save_max_failures`` saves in a row have failed."""
+    failures = checkpointing_context.get(FAILED_SAVES, 0) + 1
+    checkpointing_context[FAILED_SAVES] = failures
+    limit = state.cfg.checkpoint.async_save_max_failures
+    stop = failures >= limit
+    action = "stopping" if stop else "training goes on; the next save retries"
+    last = checkpointing_context.get("last_saved_step")
+    if state.rank == 0:
+        kept = f"the last checkpoint is iteration {last}" if last else "no checkpoint of this run yet"
+        print(f"error: asynchronous checkpoint save of iteration {iteration} failed ({failures} in a row, "
+              f"checkpoint.async_save_max_failures = {limit}): {action}; {kept}", file=sys.stderr, flush=True)
+        if state.progress is not None:
+            try:
+                state.progress.checkpoint_save_failed(iteration, failures, stop, checkpointing._one_line(str(err)))
+            except OSError as write_err:  # the disk may be the cause: the error is what matters
+                print(f"warning: could not record the failed save in the progress log: {write_err}",
+                      file=sys.stderr, flush=True)
+    if stop:
+        raise CheckpointSaveError(f"{failures} checkpoint saves in a row failed (checkpoint.async_save_max_failures"
+                                  f" = {limit}); the last: {err}") from err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,14 +275,30 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
                                train_data_iterator) -> bool:
     """Save on ``checkpoint.save_interval``; on any exit reason save (unless this step is already
     saved, or nothing was trained yet) and return True. With work left and no cancel, rank 0 then
-    asks the batch script to requeue the job: the checkpoint it resumes from is durable by then."""
+    asks the batch script to requeue the job: the checkpoint it resumes from is durable by then.
+
+    With ``checkpoint.async_save`` the interval saves run in the background; a save in flight is
+    finalized as soon as every rank has written it, and before any exit save."""
     cfg, step = state.cfg, state.train_state.step
     reasons = exit_reasons(state)
+    writer = checkpointing_context.get(async_checkpoint.ASYNC_WRITER_KEY)
+    if async_checkpoint.in_flight_iteration(writer) is not None:
+        maybe_finalize_async_save(state, checkpointing_context, blocking=False)
+        in_flight = async_checkpoint.in_flight_iteration(writer)
+        if reasons and in_flight is not None:
+            if state.rank == 0:
+                print(f"stopping at iteration {step}: the asynchronous checkpoint save of iteration {in_flight} "
+                      f"is still being written; finishing it before the exit save", flush=True)
+            maybe_finalize_async_save(state, checkpointing_context, blocking=True)
     can_save = bool(cfg.checkpoint.save)
     saved_now = checkpointing_context.get("last_saved_step") == step
     args = (state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context)
     if can_save and step > 0 and not saved_now and cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-        save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
+        if writer is not None and not reasons:
+            start_async_save_and_time(state, model, optimizer, opt_param_scheduler, checkpointing_context,
+                                      train_data_iterator)
+        else:  # an exit save is synchronous: the requeued job must find it durable
+            save_checkpoint_and_time(*args, train_data_iterator=train_data_iterator)
     if not reasons:
         return False
     if can_save and step > 0 and checkpointing_context.get("last_saved_step") != step:

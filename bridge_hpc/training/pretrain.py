@@ -26,11 +26,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import ProgressLog, longest_recent_save_s
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training import checkpointing
+from bridge_hpc.training import async_checkpoint, checkpointing
 from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig
 from bridge_hpc.training.data import build_data_iterator, build_datasets
 from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.gpt import gpt_model_provider
+from bridge_hpc.training.metrics import RunStart
 from bridge_hpc.training.state import GlobalState, StopSignalRecorder
 from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.tokenizers import build_tokenizer_for
@@ -81,6 +82,7 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
     try:
         _setup_and_train(state, forward_step_func, checkpointing_context)
     except BaseException:
+        _stop_async_writer(checkpointing_context, abandon=True)  # a save in flight is not waited for
         if state.progress is not None:
             last_saved = checkpointing_context.get("last_saved_step", 0)
             # Under ft_launcher a failure (a peer hung or died, or this rank failed) is followed by an
@@ -93,9 +95,18 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
                 logging.getLogger(__name__).warning("could not record the failure in the progress log: %s", err)
         raise
     finally:
+        _stop_async_writer(checkpointing_context, abandon=False)
         state.close()
         if cfg.checkpoint.save:
             checkpointing.release_checkpoint_folder(cfg.checkpoint.save)
+
+
+def _stop_async_writer(checkpointing_context: dict, abandon: bool) -> None:
+    """Stop this rank's checkpoint worker (``checkpoint.async_save``): a live child process would keep
+    the interpreter from exiting. After the loop's exit the save in flight is finalized already."""
+    writer = checkpointing_context.pop(async_checkpoint.ASYNC_WRITER_KEY, None)
+    if writer is not None:
+        writer.close(abandon=abandon)
 
 
 def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpointing_context: dict) -> None:
@@ -110,6 +121,11 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
         # Before anything writes into the folder (FT state, progress log, checkpoints): a second job
         # training into the same folder fails here, on every rank, naming the job that holds it.
         checkpointing.lock_checkpoint_folder(cfg.checkpoint.save)
+        if cfg.checkpoint.async_save:
+            # Started now, so that its process start (seconds of imports) overlaps model building
+            # and checkpoint loading instead of stalling the first save.
+            checkpointing_context[async_checkpoint.ASYNC_WRITER_KEY] = async_checkpoint.AsyncCheckpointWriter(
+                cfg.train.exit_signal, on_gpu=torch.cuda.is_available()).start()
     # Fault tolerance reports "setup" from here (before the model build and checkpoint load, which
     # its setup timeout must cover); straggler detection agrees on its node map (collective).
     ft = state.fault_tolerance = FaultTolerance(cfg.ft, checkpoint_dir=cfg.checkpoint.save)
@@ -119,21 +135,25 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     state.straggler_detector = StragglerDetector(cfg.nvrx_straggler,
                                                  clock="wall" if torch.cuda.is_available() else "process")
     state.straggler_detector.setup()
+    in_process, last_step_time = state.inprocess_restart or (0, None)
+    # An in-process re-run's start-up counts from its own start, not from the process start.
+    process_age_s = None if in_process else _process_age_s()
+    started_at = time.time() - (process_age_s or 0.0)
+    restart_count = env.restart_count + ft.restart_count + in_process
     if cfg.logger.log_progress and cfg.checkpoint.save and state.rank == 0:
         path = run_folder.checkpoint_file(cfg.checkpoint.save, run_folder.PROGRESS_FILE)
         state.logged_save_s = longest_recent_save_s(path)
         state.progress = ProgressLog(path, env.job_id or "none", state.world_size)
         # A restart inside the allocation (ft_launcher's new workers, or the in-process wrapper's next
         # attempt): charge the time since the failed run's last step to that run, cause "fault".
-        in_process, last_step_time = state.inprocess_restart or (0, None)
         if ft.restart_count > 0:
             lost_s = ft.seconds_lost_before_restart()
             state.progress.restart("fault", lost_s if lost_s is not None else 0.0)
         elif in_process > 0:
             state.progress.restart("fault", time.time() - last_step_time if last_step_time else 0.0)
-        state.progress.starting_job(restart_count=run_restart_count(path, env.job_id, env.restart_count,
-                                                                    ft.restart_count + in_process),
-                                    startup_s=None if in_process else _process_age_s())
+        restart_count = run_restart_count(path, env.job_id, env.restart_count, ft.restart_count + in_process)
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        state.progress.starting_job(restart_count=restart_count, startup_s=process_age_s, device=device)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
                                                  cfg.model.pipeline_model_parallel_size)
@@ -145,6 +165,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     scheduler = setup_scheduler(cfg, optimizer)
     load_start = time.perf_counter()
     data_state = checkpointing.load_checkpoint(state, model, optimizer, scheduler)
+    load_s = time.perf_counter() - load_start
     ts = state.train_state
     if ts.step > 0:  # a checkpoint was loaded: reuse the timeouts computed before
         ft.load_state_dict(state.checkpoint_extra.get("fault_tolerance", {}))
@@ -152,8 +173,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     if data_state is not None:
         checkpointing_context["last_saved_step"] = ts.step
         if state.progress is not None:
-            state.progress.loaded_checkpoint(ts.step, time.perf_counter() - load_start,
-                                             ts.floating_point_operations_so_far)
+            state.progress.loaded_checkpoint(ts.step, load_s, ts.floating_point_operations_so_far)
         if data_state.get("consumed_samples") != ts.consumed_train_samples:
             raise RuntimeError(f"checkpoint data position {data_state} disagrees with train_state "
                                f"consumed_train_samples={ts.consumed_train_samples}")
@@ -168,7 +188,8 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
                                    cfg.rng.seed, stop, gbs)
     ts.do_train, ts.do_valid = train_it is not None, valid_it is not None
 
-    state.metrics.open(resume_step=ts.step)
+    state.metrics.open(ts.step, RunStart(restart_count=restart_count, load_s=load_s if data_state is not None else None,
+                                         started_at=started_at))
     if ts.do_train and not cfg.train.skip_train and ts.step < cfg.train.train_iters:
         train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, checkpointing_context)
     elif cfg.train.skip_train and ts.do_valid:

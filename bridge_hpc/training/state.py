@@ -120,15 +120,15 @@ DistributedSignalHandler = StopSignalRecorder
 class GlobalState:
     """Everything the loop shares: ``cfg``, ``train_state``, ``timers``, loggers, signal handler.
 
-    The TensorBoard writer is created on first use and only on the last rank (as in Bridge), so
-    ranks that never log never import tensorboard.
+    The TensorBoard writer exists only on the last rank (as in Bridge), so ranks that never log never
+    import tensorboard, and only from ``metrics.open()`` on: it must know the step the run resumes at
+    (see :mod:`bridge_hpc.training.metrics`).
     """
 
     def __init__(self) -> None:
         self.cfg: Optional[ConfigContainer] = None
         self.train_state = TrainState()
         self._timers: Optional[Timers] = None
-        self._tensorboard_logger = None
         self._metrics = None
         self.signal_handler: Optional[StopSignalRecorder] = None
         self.exit_reasons: List[str] = []
@@ -176,14 +176,9 @@ class GlobalState:
 
     @property
     def tensorboard_logger(self):
-        """The SummaryWriter on the last rank when ``logger.tensorboard_dir`` is set, else None."""
-        if self._tensorboard_logger is None and self.cfg is not None and self.cfg.logger.tensorboard_dir:
-            if self.rank == self.world_size - 1:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tensorboard_logger = SummaryWriter(log_dir=self.cfg.logger.tensorboard_dir,
-                                                         max_queue=1000)
-        return self._tensorboard_logger
+        """Bridge's name for the SummaryWriter: on the last rank while TensorBoard is on
+        (``logger.tensorboard_dir``) and the run's metrics are open, else None."""
+        return self._metrics.writer if self._metrics is not None else None
 
     @property
     def metrics(self):
@@ -192,7 +187,7 @@ class GlobalState:
             from bridge_hpc.training.metrics import MetricsLogger
 
             log = self.cfg.logger
-            self._metrics = MetricsLogger(log.metrics_file, self.rank, lambda: self.tensorboard_logger,
+            self._metrics = MetricsLogger(log.metrics_file, self.rank, self.world_size, log.tensorboard_dir,
                                           log.tensorboard_log_interval)
         return self._metrics
 
@@ -200,8 +195,5 @@ class GlobalState:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        if self._tensorboard_logger is not None:
-            self._tensorboard_logger.close()
-            self._tensorboard_logger = None
         if self.signal_handler is not None:
             self.signal_handler.release()

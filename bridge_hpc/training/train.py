@@ -199,7 +199,7 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
         for key, value in values.items():
             parts.append(f"{key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E}")
         print(" | ".join(parts), flush=True)
-    state.metrics.log_scalars({f"{key} validation": value for key, value in values.items()}, step)
+    state.metrics.validation(step, values)
     if collected is not None:
         process_non_loss_data_func(collected, step, state.tensorboard_logger)
     return values
@@ -283,12 +283,13 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
             global_state.straggler_stop = True
 
         # 3. log, evaluate, housekeeping
-        learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
-        training_log(loss_dict, learning_rate, skipped_iter, grad_norm, num_zeros_in_grad, step_time_s,
-                     global_state, global_state.metrics)
+        # (an evaluation first, so that its loss joins this step's record in metrics.jsonl)
         if cfg.train.eval_interval and ts.step % cfg.train.eval_interval == 0 and valid_data_iterator is not None:
             evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
                                        model, process_non_loss_data_func, non_loss_data_func)
+        learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
+        training_log(loss_dict, learning_rate, skipped_iter, grad_norm, num_zeros_in_grad, step_time_s,
+                     global_state, global_state.metrics)
         post_training_step_callbacks(model, step_flops, None, ts.step, prof, cfg)
         if prof is not None and ts.step >= cfg.profiling.profile_step_end:
             prof = None

@@ -1,0 +1,330 @@
+"""Background checkpoint saves (``checkpoint.async_save = true``) on CPU.
+
+Every run is a real 2-rank torchrun job over gloo on the tiny GPT of tests/data/tiny.toml; the shards
+are written by each rank's persistent checkpoint worker (nvidia-resiliency-ext's AsyncCallsQueue),
+and the checkpoints are the real files that a resume loads. The reference is a straight 40-step run
+with synchronous saves: a save must not change what training computes, so every resumed run must
+reproduce its losses bit for bit.
+
+* SIGKILL of the whole job (ranks, checkpoint workers, their helpers) at seeded random instants while
+  saves are being written, ten times: the last finalized checkpoint always verifies and loads, the
+  tracker names it, and the run finished from it reproduces the straight run.
+* A checkpoint worker killed: that save fails on every rank and is reported, the tracker keeps naming
+  the previous checkpoint, a new worker takes over and the next save succeeds; training goes on.
+* A full disk: each failed save is reported, and after ``checkpoint.async_save_max_failures`` failures
+  in a row the run stops with an error naming the cause; the last checkpoint stays intact.
+
+About 150 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+import pytest
+import torch
+from bridge_test_helpers import assert_bitwise_equal, free_port, model_params
+
+from bridge_hpc.contracts import run_folder
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.report.progress import CHECKPOINT_SAVE_FAILED, parse_events
+from bridge_hpc.training import checkpointing
+from bridge_hpc.training.checkpoint_worker import WORKER_NAME
+from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint, iteration_dir, verify_checkpoint
+from bridge_hpc.training.config import CheckpointConfig
+from bridge_hpc.training.metrics import read_metrics
+
+TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
+ITERS = 40
+ASYNC = ("checkpoint.async_save=true", "logger.log_progress=true")
+#: A run takes 10-20 s here; one still going after this is hanging.
+RUN_TIMEOUT_S = 150
+
+
+def _job(directory) -> str:
+    os.makedirs(directory, exist_ok=True)
+    job = os.path.join(directory, "job.toml")
+    shutil.copy(TINY, job)
+    return job
+
+
+def _run_dir(job: str) -> str:
+    return os.path.join(os.path.dirname(job), "runs", "tiny")
+
+
+def _ckpts(job: str) -> str:
+    return os.path.join(_run_dir(job), run_folder.CHECKPOINTS_DIR)
+
+
+def _start(job: str, *overrides: str, stdout=subprocess.PIPE) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "bridge_hpc.training.run", job]
+    for item in overrides:
+        cmd += ["--set", item]
+    stderr = subprocess.STDOUT if stdout == subprocess.PIPE else stdout
+    return subprocess.Popen(cmd, cwd=os.path.dirname(job), stdout=stdout, stderr=stderr, text=True,
+                            start_new_session=True)
+
+
+def _descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (from /proc): ranks, their checkpoint workers and helpers."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every process it started, by PID (torchrun puts each rank in a session of
+    its own, so a process-group kill would miss them)."""
+    for pid in [proc.pid] + _descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=30)
+
+
+def _processes_in(folder) -> List[int]:
+    """Processes whose working directory is under ``folder`` (ranks and everything they started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cwd = os.readlink(f"/proc/{entry}/cwd")
+            except OSError:
+                continue
+            if cwd == str(folder) or cwd.startswith(f"{folder}/"):
+                found.append(int(entry))
+    return found
+
+
+def _assert_no_process_left(folder, grace_s: float = 10.0) -> None:
+    """Nothing a run started outlives it: checkpoint workers die with their rank, the processes a
+    worker forks die with it, the write-results Manager ends within a second of its rank."""
+    deadline = time.time() + grace_s
+    while _processes_in(folder) and time.time() < deadline:
+        time.sleep(0.2)
+    left = _processes_in(folder)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes left behind: {left}"
+
+
+def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S):
+    """Wait for a run; a hanging one is killed and fails the test. Returns (exit status, output)."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        pytest.fail(f"the run hung (killed after {timeout} s)")
+    return proc.returncode, output
+
+
+def _run(job: str, *overrides: str) -> str:
+    status, output = _finish(_start(job, *overrides))
+    assert status == 0, output[-6000:]
+    return output
+
+
+def _tracked(ckpts: str) -> Optional[int]:
+    try:
+        with open(os.path.join(ckpts, TRACKER)) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _failed_saves(ckpts: str) -> list:
+    return [e for e in parse_events(os.path.join(ckpts, run_folder.PROGRESS_FILE)) if e.name == CHECKPOINT_SAVE_FAILED]
+
+
+def _saved(ckpts: str) -> List[int]:
+    return [int(e.fields["Iteration"]) for e in parse_events(os.path.join(ckpts, run_folder.PROGRESS_FILE))
+            if e.name == "Saved checkpoint"]
+
+
+def _assert_same_training(job: str, straight: str, scratch) -> None:
+    a = read_metrics(os.path.join(_run_dir(straight), run_folder.METRICS_FILE))
+    b = read_metrics(os.path.join(_run_dir(job), run_folder.METRICS_FILE))
+    assert sorted(b) == list(range(1, ITERS + 1))
+    for step in range(1, ITERS + 1):  # exact, not approximate
+        assert (b[step]["loss"], b[step]["grad_norm"]) == (a[step]["loss"], a[step]["grad_norm"]), step
+    final = f"iter_{ITERS:07d}"
+    assert_bitwise_equal(model_params(os.path.join(_ckpts(straight), final), str(scratch)),
+                         model_params(os.path.join(_ckpts(job), final), str(scratch)))
+
+
+def test_async_save_max_failures_must_allow_one_save():
+    CheckpointConfig(save="ckpt", async_save=True).finalize()
+    with pytest.raises(ConfigError) as err:
+        CheckpointConfig(save="ckpt", async_save=True, async_save_max_failures=0).finalize()
+    assert err.value.key == "checkpoint.async_save_max_failures"
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> str:
+    """40 steps in one go, synchronous saves."""
+    job = _job(tmp_path_factory.mktemp("straight"))
+    _run(job)
+    return job
+
+
+def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straight, tmp_path):
+    """Saving every step in the background, SIGKILL everything at a random instant after the attempt's
+    first own save finalized (its worker is warm: the next saves overlap steps); check what a resume
+    would load after each kill, then finish the run."""
+    job = _job(tmp_path / "killed")
+    ckpts = _ckpts(job)
+    rng = random.Random(20261124)
+    last, kills, in_flight = 0, 0, 0
+    while kills < 10:
+        proc = _start(job, *ASYNC, "checkpoint.save_interval=1", stdout=subprocess.DEVNULL)
+        deadline = time.time() + RUN_TIMEOUT_S
+        while time.time() < deadline and proc.poll() is None and (_tracked(ckpts) or 0) <= last:
+            time.sleep(0.005)
+        if proc.poll() is not None:  # it ran to the end: the kills are done
+            assert proc.returncode == 0
+            break
+        time.sleep(rng.uniform(0.0, 0.5))
+        in_flight += bool(glob.glob(os.path.join(ckpts, "iter_*.tmp")))
+        _kill_tree(proc)
+        kills += 1
+
+        latest = find_latest_checkpoint(ckpts, world_size=2)
+        assert latest is not None
+        iteration = int(latest[-7:])
+        assert iteration >= last and _tracked(ckpts) == iteration  # the tracker names the newest finalized one
+        assert verify_checkpoint(latest, world_size=2) is None
+        common = torch.load(os.path.join(latest, checkpointing.COMMON_FILE), weights_only=False)
+        assert common["iteration"] == iteration == common["train_state"]["step"]
+        for rank in (0, 1):
+            per_rank = torch.load(os.path.join(latest, f"rank_{rank:05d}.pt"), weights_only=False)
+            assert per_rank["data"]["consumed_samples"] == 8 * iteration
+        assert model_params(latest, str(tmp_path))  # the shards load
+        last = iteration
+    assert kills == 10 and in_flight >= 8, (kills, in_flight)  # the kills hit saves being written
+
+    _assert_no_process_left(os.path.dirname(job))
+
+    _run(job, *ASYNC, "checkpoint.save_interval=1")
+    _assert_same_training(job, straight, tmp_path)
+    assert not [n for n in os.listdir(ckpts) if n.endswith((".tmp", ".del"))]
+    assert _tracked(ckpts) == ITERS
+
+
+def _worker_of_rank(torchrun_pid: int, rank: int) -> Optional[int]:
+    """The checkpoint worker (``bridge-ckpt``) whose parent is the given rank."""
+    for pid in _descendants(torchrun_pid):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() != WORKER_NAME:
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{parent}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return pid
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straight, tmp_path):
+    job = _job(tmp_path / "worker")
+    ckpts = _ckpts(job)
+    proc = _start(job, *ASYNC, "checkpoint.save_interval=8", "checkpoint.most_recent_k=-1")
+    deadline = time.time() + RUN_TIMEOUT_S
+    while _tracked(ckpts) != 8 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    worker = _worker_of_rank(proc.pid, 1)
+    assert worker is not None, "rank 1 has no checkpoint worker"
+    os.kill(worker, signal.SIGKILL)
+    status, output = _finish(proc)
+    assert status == 0, output[-6000:]
+
+    # Reported: the cause on stderr, the rule's decision, and a progress-log event.
+    failures = _failed_saves(ckpts)
+    assert len(failures) == 1, output[-4000:]
+    failed = int(failures[0].fields["Iteration"])
+    assert failed in (16, 24) and failures[0].fields["Action"] == "retry"
+    assert "died (killed by SIGKILL)" in failures[0].fields["Reason"]
+    assert (f"error: checkpoint save of iteration {failed} failed on rank 1: CheckpointWorkerDied: "
+            f"the checkpoint worker of rank 1 (pid {worker}) died (killed by SIGKILL)") in output, output[-4000:]
+    assert (f"error: asynchronous checkpoint save of iteration {failed} failed (1 in a row, "
+            f"checkpoint.async_save_max_failures = 3): training goes on; the next save retries; "
+            f"the last checkpoint is iteration {failed - 8}") in output
+    assert "rank 1 started a new checkpoint worker" in output
+    # Nothing of the failed save is left; every later save (with the new worker) made it.
+    assert checkpointing.complete_iterations(ckpts) == [i for i in (8, 16, 24, 32, 40) if i != failed]
+    assert _saved(ckpts) == [i for i in (8, 16, 24, 32, 40) if i != failed]
+    assert not glob.glob(os.path.join(ckpts, "iter_*.tmp"))
+    _assert_same_training(job, straight, tmp_path)
+    _assert_no_process_left(os.path.dirname(job))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2600 KiB tmpfs: the first checkpoint of the tiny model (about 1.6 MB) fits, a second does not."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
+    try:
+        yield str(mount_point)
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_fails_async_saves_until_the_run_stops(small_disk, tmp_path):
+    job = _job(tmp_path / "job")
+    ckpts = os.path.join(small_disk, "checkpoints")
+    start = time.monotonic()
+    status, output = _finish(_start(job, *ASYNC, f'checkpoint.save="{ckpts}"', "checkpoint.save_interval=2",
+                                    "checkpoint.most_recent_k=-1", "checkpoint.async_save_max_failures=2"))
+    assert status != 0, output[-4000:]
+    assert time.monotonic() - start < 90
+
+    # Each failure is reported with its cause; the second in a row stops the run with one clear line.
+    failures = _failed_saves(ckpts)
+    assert [(e.fields["Iteration"], e.fields["Failures in a row"], e.fields["Action"]) for e in failures] == [
+        ("4", "1", "retry"), ("6", "2", "stop")], output[-4000:]
+    for event, iteration in zip(failures, (4, 6)):
+        assert "no space left on device" in event.fields["Reason"] and f"iter_{iteration:07d}" in event.fields["Reason"]
+    assert ("error: rank failed: CheckpointSaveError: 2 checkpoint saves in a row failed "
+            "(checkpoint.async_save_max_failures = 2); the last: checkpoint save of iteration 6 failed") in output
+    ending = [e for e in parse_events(os.path.join(ckpts, run_folder.PROGRESS_FILE)) if e.name == "Ending job"]
+    assert [e.fields["Reason"] for e in ending] == ["error"]
+    # It trained on past the first failure and stopped when the second was known (the step after that
+    # save started, or the one after: a save's outcome is checked after each step).
+    metrics = read_metrics(os.path.join(_run_dir(job), run_folder.METRICS_FILE))
+    assert max(metrics) == int(ending[0].fields["Iteration"]) in (7, 8)
+
+    # The checkpoint before the failures is intact and tracked; the failed ones left nothing.
+    assert _tracked(ckpts) == 2 and verify_checkpoint(iteration_dir(ckpts, 2), world_size=2) is None
+    assert sorted(n for n in os.listdir(ckpts) if n.startswith("iter_")) == ["iter_0000002"]
+    _assert_no_process_left(os.path.dirname(job))  # the failed rank left with os._exit
