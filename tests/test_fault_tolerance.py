@@ -263,16 +263,18 @@ def test_computed_timeouts_survive_a_requeue(tmp_path):
 
 def test_steptime_individual_score_is_against_the_usual_step_not_the_luckiest():
     # one rank, steps timed by a scripted clock, a report every 4 steps: one lucky fast window must not
-    # make every later window of a healthy rank look slow; a real slow-down is still flagged
+    # make every later window of a healthy rank look slow; one slow window alone (a spike) is only
+    # suspected; a slow-down that lasts two reports is flagged
     from bridge_hpc.training.config import NVRxStragglerDetectionConfig
-    from bridge_hpc.training.straggler import StragglerDetector
+    from bridge_hpc.training.straggler import STEPTIME_CONFIRM_REPORTS, StragglerDetector
 
+    assert STEPTIME_CONFIRM_REPORTS == 2
     det = StragglerDetector(NVRxStragglerDetectionConfig(enabled=True), backend="steptime", interval_steps=4)
     det.setup()
-    window_means = [1.0, 1.05, 0.95, 0.5, 1.0, 1.1, 1.0, 2.0]
+    window_means = [1.0, 1.05, 0.95, 0.5, 1.0, 2.0, 1.1, 1.0, 2.0, 2.0]
     ticks = iter([t for mean in window_means for _ in range(4) for t in (0.0, mean)])
     det._clock = lambda: next(ticks)
-    flagged, scores = [], []
+    flagged, suspected, scores = [], [], []
     for window in range(len(window_means)):
         for step in range(4):
             det.step_start()
@@ -280,8 +282,12 @@ def test_steptime_individual_score_is_against_the_usual_step_not_the_luckiest():
             det.check(window * 4 + step)
         scores.append(det.last_report.gpu_individual_perf_scores[0])
         flagged.append(det.last_report.flagged_ranks)
-    assert flagged == [[]] * 7 + [[0]], scores
-    assert min(scores[:7]) >= 0.9 and scores[7] == pytest.approx(0.5)
+        suspected.append(det.last_report.suspected_ranks)
+    assert flagged == [[]] * 9 + [[0]], scores
+    assert suspected == [[]] * 5 + [[0]] + [[]] * 2 + [[0], []], scores
+    # 1.0 before 3 earlier reports; then median of the earlier windows / this window, at most 1.0:
+    # window 4: median(1.0, 1.05, 0.95, 0.5) = 0.975; window 6: median of six = 1.0, / 1.1
+    assert scores == pytest.approx([1.0, 1.0, 1.0, 1.0, 0.975, 0.5, 1 / 1.1, 1.0, 0.5, 0.5])
     det.shutdown()
 
 
@@ -294,8 +300,8 @@ def test_steptime_flags_the_slow_rank_not_the_ranks_waiting_for_it():
     det = StragglerDetector(NVRxStragglerDetectionConfig(enabled=True), backend="steptime", interval_steps=1)
     det.setup()
     det._world = 2
-    mine = [1.0, 1.0, 1.0, 1.5]
-    other_means, other_scores = iter([1.0, 1.0, 1.0, 4.0]), iter([1.0, 1.0, 1.0, 0.25])
+    mine = [1.0, 1.0, 1.0, 1.5, 1.5]
+    other_means, other_scores = iter([1.0, 1.0, 1.0, 4.0, 4.0]), iter([1.0, 1.0, 1.0, 0.25, 0.25])
     ticks = iter([t for mean in mine for t in (0.0, mean)])
     det._clock = lambda: next(ticks)
     gathered = []
@@ -309,6 +315,8 @@ def test_steptime_flags_the_slow_rank_not_the_ranks_waiting_for_it():
         det.step_start()
         det.step_end()
         det.check(step)
+        if step == 3:  # the first slow report: suspected, not flagged
+            assert det.last_report.flagged_ranks == [] and det.last_report.suspected_ranks == [1]
     report = det.last_report
     assert report.gpu_individual_perf_scores == {0: pytest.approx(1 / 1.5), 1: 0.25}
     assert report.stragglers == {"straggler_gpus_relative": {1}, "straggler_gpus_individual": {1}}
@@ -324,7 +332,7 @@ def test_cpu_straggler_detector_flags_slow_rank(tmp_path):
         for rank in (0, 1):
             procs.append(subprocess.Popen(
                 [sys.executable, str(STRAGGLER_WORKER), "--out", str(tmp_path), "--steps", "40",
-                 "--slow-rank", "1", "--slow-from", "10", "--interval", "5"],
+                 "--slow-rank", "1", "--slow-from", "15", "--interval", "5"],
                 env=dict(env, RANK=str(rank)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 start_new_session=True))
         logs = [p.communicate(timeout=50)[0] for p in procs]
@@ -342,8 +350,11 @@ def test_cpu_straggler_detector_flags_slow_rank(tmp_path):
         assert last["stragglers"]["straggler_gpus_individual"] == [1]
         assert last["gpu_relative_perf_scores"]["1"] < 0.7 and last["gpu_relative_perf_scores"]["0"] == 1.0
         assert last["backend"] == "steptime"
-    # stop_if_detected: both ranks stop at the same iteration, the first report after the slow-down
-    assert results[0]["stopped_at"] == results[1]["stopped_at"] == 14
+        assert [r["iteration"] for r in reports] == [4, 9, 14, 19, 24]
+        assert [r["suspected_ranks"] for r in reports] == [[], [], [], [1], []]
+    # stop_if_detected: both ranks stop at the same iteration, the second report after the slow-down
+    # (the first suspects rank 1, the second confirms it)
+    assert results[0]["stopped_at"] == results[1]["stopped_at"] == 24
 
 
 # -- under Slurm: one launcher per node started by srun ---------------------------------------------

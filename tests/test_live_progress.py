@@ -175,7 +175,7 @@ def test_follow_redraws_one_screen_in_a_terminal_and_prints_plain_lines_through_
         bar_screen = wait_for_screen(tmux, "submit", lambda s: 0 < shown_step(s) < STEPS and "tok/s" in s, 240,
                                      "a progress bar with the step")
         bar_lines = [line for line in bar_screen.splitlines() if "tok/s" in line]
-        assert len(bar_lines) == 1 and bar_lines[0].startswith("[#"), bar_screen
+        assert len(bar_lines) == 1 and re.match(r"\[[#-]+\] +\d+/%d " % STEPS, bar_lines[0]), bar_screen
 
         # bridge-status --follow in a terminal: one screen, updated in place
         status_cmd = shlex.join([sys.executable, "-m", "bridge_hpc.cli.status", str(run_dir), "--follow"])

@@ -4,8 +4,9 @@ The job (configs/local-tiny.toml with ``[nvrx_straggler] enabled, stop_if_detect
 user's forward step (tests/data/faulty_forward_step.py) that, in the job's first Slurm run only, makes
 rank 1 burn extra CPU on every forward pass from step SLOW_FROM on. On CPU the detector compares the
 ranks' step times (process CPU time: a rank waiting in the gradient all-reduce for the straggler does
-not look slow itself). The first report after the slow-down must flag rank 1 and no report before it
-may flag anyone; the job must then checkpoint, stop (recorded as "straggler"), be requeued, finish in
+not look slow itself), and flags a rank slow in two reports in a row. Rank 1 must be flagged by the
+second or third report after the slow-down (the first may hold only a few slow steps), and no report
+before it may flag anyone; the job must then checkpoint, stop (recorded as "straggler"), be requeued, finish in
 its second run, and log the same losses bit for bit as an uninterrupted run. On a one-node cluster
 the requeue cannot avoid the straggler's node (the job would never start again); on two nodes the
 second run must run on the other node (``[slurm] exclude_straggler_nodes``).
@@ -71,8 +72,11 @@ def run_with_a_straggler(run_dir: Path, reference: Path):
     first_flag, ranks = flagged[0]
     assert ranks == "[1]", flagged
     assert first_flag >= SLOW_FROM, flagged  # ... and flagged no one
-    # the first report after the slow-down flagged it (a report interval holds at least one slow step)
-    assert [it for it in reports if SLOW_FROM < it < first_flag] == [], (reports, first_flag)
+    # flagged once confirmed: at most two reports after the slow-down went by without a flag, and the one
+    # just before the flag suspected rank 1
+    assert len([it for it in reports if SLOW_FROM < it < first_flag]) <= 2, (reports, first_flag)
+    suspected = [int(m.group(1)) for m in rank0(r"straggler report @(\d+): ranks \[1\] below a threshold")]
+    assert suspected and suspected[-1] == max(it for it in reports if it < first_flag), (suspected, reports)
     assert f"exiting at iteration {first_flag}: straggler (recorded as straggler)" in log
 
     runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))

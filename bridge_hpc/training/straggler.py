@@ -16,6 +16,12 @@ Two backends behind one interface and one report shape:
   got slower by waiting for them in collectives (gloo's waits cost process CPU time as well).
   ``interval`` comes from ``report_time_interval`` (seconds) divided by the measured step time,
   agreed by all ranks after ``warmup_steps`` steps (or is given directly).
+  A rank counts as a straggler only once it has been below a threshold in
+  :data:`STEPTIME_CONFIRM_REPORTS` consecutive reports: process CPU time on shared cores has
+  one-window spikes (a page-cache write-back, a garbage collection, a logging thread), and stopping a
+  job costs a requeue, while a real straggler stays slow. Below a threshold once, a rank is logged as
+  suspected. The individual score also waits for :data:`STEPTIME_MIN_BASELINE_REPORTS` earlier
+  reports: a median of one or two windows is no baseline.
 
 Where the loop calls it::
 
@@ -67,6 +73,7 @@ class StragglerReport:
     rank_to_node: Dict[int, str]
     mean_step_time_s: Dict[int, float] = field(default_factory=dict)  # steptime backend only
     stragglers: Dict[str, Set[int]] = field(default_factory=dict)
+    suspected_ranks: List[int] = field(default_factory=list)  # steptime: below a threshold, not yet confirmed
 
     @property
     def flagged_ranks(self) -> List[int]:
@@ -88,12 +95,18 @@ class StragglerReport:
             "gpu_individual_perf_scores": self.gpu_individual_perf_scores,
             "rank_to_node": self.rank_to_node, "mean_step_time_s": self.mean_step_time_s,
             "stragglers": {k: sorted(v) for k, v in self.stragglers.items()},
-            "flagged_ranks": self.flagged_ranks,
+            "flagged_ranks": self.flagged_ranks, "suspected_ranks": self.suspected_ranks,
         }
 
 
 #: How many earlier reports the steptime backend's individual score takes its median over.
 INDIVIDUAL_BASELINE_REPORTS = 64
+
+#: Consecutive reports below a threshold before the steptime backend flags a rank (see the module doc).
+STEPTIME_CONFIRM_REPORTS = 2
+
+#: Earlier reports the steptime backend's individual score needs before it can fall below 1.0.
+STEPTIME_MIN_BASELINE_REPORTS = 3
 
 #: Where nvidia-resiliency-ext keeps its straggler detector, newest layout first.
 NVRX_STRAGGLER_MODULES = ("nvidia_resiliency_ext.attribution.straggler", "nvidia_resiliency_ext.straggler")
@@ -170,6 +183,7 @@ class StragglerDetector:
         self._steps = 0
         self._next_check: Optional[int] = None
         self._earlier_means: Deque[float] = collections.deque(maxlen=INDIVIDUAL_BASELINE_REPORTS)
+        self._below: Dict[str, Dict[int, int]] = {}  # steptime: consecutive reports below each threshold
         self._rank_to_node: Dict[int, str] = {}
         self._section = None  # nvrx: the open detection_section context
         self._device = "cpu"
@@ -309,8 +323,10 @@ class StragglerDetector:
         means = self._all_gather(mean)
         fastest = min(means)
         rel = {r: (fastest / m if m > 0 else 1.0) for r, m in enumerate(means)}
-        baseline = statistics.median(self._earlier_means) if self._earlier_means else mean
-        indiv_mine = min(1.0, baseline / mean) if mean > 0 else 1.0
+        if len(self._earlier_means) >= STEPTIME_MIN_BASELINE_REPORTS and mean > 0:
+            indiv_mine = min(1.0, statistics.median(self._earlier_means) / mean)
+        else:
+            indiv_mine = 1.0
         self._earlier_means.append(mean)
         indiv = dict(enumerate(self._all_gather(indiv_mine)))
         rel_thr = self.cfg.gpu_relative_perf_threshold
@@ -319,18 +335,38 @@ class StragglerDetector:
         slow_individual = {r for r, s in indiv.items() if s < ind_thr}
         if slow_relative:  # the others' slow-down is their wait for these ranks (see the module doc)
             slow_individual &= slow_relative
+        # every rank holds the same gathered values, so every rank confirms the same ranks
+        confirmed = {"straggler_gpus_relative": self._confirm("relative", slow_relative),
+                     "straggler_gpus_individual": self._confirm("individual", slow_individual)}
         stragglers: Dict[str, Set[int]] = {}
         if self.cfg.calc_relative_gpu_perf:
-            stragglers["straggler_gpus_relative"] = slow_relative
+            stragglers["straggler_gpus_relative"] = confirmed["straggler_gpus_relative"]
         if self.cfg.calc_individual_gpu_perf:
-            stragglers["straggler_gpus_individual"] = slow_individual
+            stragglers["straggler_gpus_individual"] = confirmed["straggler_gpus_individual"]
+        flagged = set().union(*stragglers.values()) if stragglers else set()
+        suspected = set()
+        if self.cfg.calc_relative_gpu_perf:
+            suspected |= slow_relative
+        if self.cfg.calc_individual_gpu_perf:
+            suspected |= slow_individual
         return StragglerReport(
             iteration=iteration, backend="steptime",
             gpu_relative_perf_scores=rel if self.cfg.calc_relative_gpu_perf else {},
             gpu_individual_perf_scores=indiv if self.cfg.calc_individual_gpu_perf else {},
             rank_to_node=dict(self._rank_to_node), mean_step_time_s=dict(enumerate(means)),
-            stragglers=stragglers,
+            stragglers=stragglers, suspected_ranks=sorted(suspected - flagged),
         )
+
+    def _confirm(self, kind: str, below: Set[int]) -> Set[int]:
+        """Count this report in each rank's run of reports below ``kind``'s threshold; the ranks whose
+        run has reached :data:`STEPTIME_CONFIRM_REPORTS`."""
+        runs = self._below.setdefault(kind, {})
+        for rank in list(runs):
+            if rank not in below:
+                del runs[rank]
+        for rank in below:
+            runs[rank] = runs.get(rank, 0) + 1
+        return {rank for rank, n in runs.items() if n >= STEPTIME_CONFIRM_REPORTS}
 
     def _all_gather(self, value: float) -> List[float]:
         import torch
@@ -396,6 +432,9 @@ class StragglerDetector:
             best = ", ".join(f"rank {r}: {s:.2f}" for r, s in ordered[-n:][::-1])
             logger.info("straggler report @%d (%s) %s perf scores: worst [%s] best [%s]",
                         report.iteration, report.backend, name, worst, best)
+        if report.suspected_ranks:
+            logger.info("straggler report @%d: ranks %s below a threshold, flagged if the next report agrees",
+                        report.iteration, report.suspected_ranks)
         if report.flagged_ranks:
             nodes = {r: report.rank_to_node.get(r, "?") for r in report.flagged_ranks}
             logger.warning("straggler report @%d: flagged ranks %s (nodes %s)",
