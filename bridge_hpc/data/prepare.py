@@ -33,6 +33,7 @@ import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -51,8 +52,13 @@ from bridge_hpc.training.tokenizers import build_tokenizer
 
 #: Format version of shard records and the manifest.
 FORMAT = 1
-#: Lines per unit of work sent to a worker: large enough that pickling costs little per document.
-CHUNK_LINES = 512
+#: Bytes of input per unit of work sent to a worker (whole lines, so a little more): large enough
+#: that sending it costs little per document, small enough that the last blocks of a file keep
+#: every worker busy until close to the end.
+BLOCK_BYTES = 256 * 1024
+#: Blocks per worker sent ahead of the one the writer waits for. Results come back in input order,
+#: so a worker that finishes early idles unless blocks after the awaited one are already queued.
+BLOCKS_IN_FLIGHT = 8
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _SHARD_SUFFIXES = (".gz", ".jsonl", ".json")
 
@@ -218,15 +224,22 @@ class _HashingReader(io.RawIOBase):
         super().close()
 
 
-def _numbered_chunks(stream, size: int) -> Iterator[List[Tuple[int, bytes]]]:
-    chunk: List[Tuple[int, bytes]] = []
-    for number, line in enumerate(stream, start=1):
-        chunk.append((number, line))
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+def line_blocks(stream, size: int) -> Iterator[Tuple[int, bytes]]:
+    """``(number of the first line, bytes)``: the stream cut into blocks of whole lines, about ``size``
+    bytes each (a block ends at the first newline after ``size`` bytes, or at the end of the file).
+
+    Blocks rather than lists of lines: one ``read`` and one pickled object per block, so the process
+    that reads does no work per line (it shares the cores with the workers that do).
+    """
+    number = 1
+    while True:
+        block = stream.read(size)
+        if not block:
+            return
+        if not block.endswith(b"\n"):
+            block += stream.readline()
+        yield number, block
+        number += block.count(b"\n")
 
 
 def _sha256_file(path: Path) -> str:
@@ -250,9 +263,9 @@ def source_info(path: Path) -> SourceInfo:
 
 @dataclass
 class _Encoded:
-    """One chunk's documents: per json key the concatenated ids and each document's length."""
+    """One block's documents: per json key the ids of all its documents, concatenated, as the bytes
+    of the shard's dtype (what the ``.bin`` holds), and each document's length in tokens."""
 
-    lines: int
     bad: List[Tuple[int, Optional[str], str]]  # (line number, json key or None, message)
     tokens: Dict[str, bytes]
     lengths: Dict[str, List[int]]
@@ -261,20 +274,27 @@ class _Encoded:
 _WORKER: Dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_cfg: TokenizerConfig, json_keys: Sequence[str], append_eod: bool, dtype: str) -> None:
-    """Build the tokenizer once per process (not once per chunk)."""
-    tokenizer = build_tokenizer(tokenizer_cfg)
-    _WORKER.update(tokenizer=tokenizer, keys=list(json_keys), eod=tokenizer.eod if append_eod else None, dtype=dtype)
+def _init_worker(tokenizer_cfg: TokenizerConfig, json_keys: Sequence[str], append_eod: bool, dtype: str,
+                 tokenizer: Any = None) -> None:
+    """Set up a process to encode blocks: build the tokenizer once per process (not once per block),
+    unless one is given (the process that already built it encodes too)."""
+    if tokenizer is None:
+        tokenizer = build_tokenizer(tokenizer_cfg)
+    _WORKER.update(tokenizer=tokenizer, keys=list(json_keys), eod=(tokenizer.eod,) if append_eod else (), dtype=dtype)
 
 
-def _encode_chunk(chunk: List[Tuple[int, bytes]]) -> _Encoded:
+def _encode_block(block: Tuple[int, bytes]) -> _Encoded:
+    """Parse and tokenize one block's lines (in a worker, or in the main process with one worker)."""
     import numpy as np
 
+    first, data = block
     tokenizer, keys, eod, dtype = _WORKER["tokenizer"], _WORKER["keys"], _WORKER["eod"], _WORKER["dtype"]
-    ids: Dict[str, List[int]] = {k: [] for k in keys}
+    # Per key: each document's ids (and the EOD) in order, joined into bytes once at the end;
+    # np.fromiter over the chained lists costs less than extending one list and converting it.
+    pieces: Dict[str, List[Sequence[int]]] = {k: [] for k in keys}
     lengths: Dict[str, List[int]] = {k: [] for k in keys}
     bad: List[Tuple[int, Optional[str], str]] = []
-    for number, line in chunk:
+    for number, line in enumerate(data.split(b"\n"), start=first):
         if not line.strip():
             continue  # blank lines (a trailing newline, a gap) carry no document
         try:
@@ -296,28 +316,33 @@ def _encode_chunk(chunk: List[Tuple[int, bytes]]) -> _Encoded:
             texts.append(doc[key])
         else:
             for key, text in zip(keys, texts):
-                doc_ids = list(tokenizer.tokenize(text)) if text else []
-                if doc_ids and eod is not None:
-                    doc_ids.append(eod)  # as preprocess_data.py: an empty document gets no EOD
-                ids[key].extend(doc_ids)
-                lengths[key].append(len(doc_ids))
-    return _Encoded(lines=len(chunk), bad=bad, lengths=lengths,
-                    tokens={k: np.asarray(v, dtype=dtype).tobytes() for k, v in ids.items()})
+                doc_ids = tokenizer.tokenize(text) if text else ()
+                n = len(doc_ids)
+                if n:
+                    pieces[key].append(doc_ids)
+                    if eod:  # as preprocess_data.py: an empty document gets no EOD
+                        pieces[key].append(eod)
+                        n += 1
+                lengths[key].append(n)
+    tokens = {k: np.fromiter(itertools.chain.from_iterable(pieces[k]), dtype=dtype, count=sum(lengths[k])).tobytes()
+              for k in keys}
+    return _Encoded(bad=bad, lengths=lengths, tokens=tokens)
 
 
-def _encode_all(chunks: Iterator[List[Tuple[int, bytes]]], workers: int, initargs: tuple) -> Iterator[_Encoded]:
-    """Encoded chunks in input order. With several workers, at most ``2 x workers`` chunks are in
-    flight, so a large file is never read into memory ahead of the writer."""
+def _encode_all(blocks: Iterator[Tuple[int, bytes]], workers: int, initargs: tuple, tokenizer: Any) -> Iterator[_Encoded]:
+    """Encoded blocks in input order. One worker: encoded here, with ``tokenizer`` (no second process,
+    no second tokenizer). Several: a pool, with at most :data:`BLOCKS_IN_FLIGHT` ``x workers`` blocks
+    in flight, so a large file is never read into memory far ahead of the writer."""
     if workers <= 1:
-        _init_worker(*initargs)
-        for chunk in chunks:
-            yield _encode_chunk(chunk)
+        _init_worker(*initargs, tokenizer=tokenizer)
+        for block in blocks:
+            yield _encode_block(block)
         return
     with multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
         pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
-            if len(pending) >= 2 * workers:
+        for block in blocks:
+            pending.append(pool.apply_async(_encode_block, (block,)))
+            if len(pending) >= BLOCKS_IN_FLIGHT * workers:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
@@ -416,6 +441,60 @@ def is_up_to_date(record: Optional[ShardRecord], source: Path, settings: Dict[st
     return _sha256_file(source) == record.source.sha256  # touched but unchanged
 
 
+@dataclass
+class WrittenFiles:
+    """Sizes and sha256 of a finished ``.bin``/``.idx`` pair."""
+
+    bin_bytes: int
+    idx_bytes: int
+    bin_sha256: str
+    idx_sha256: str
+
+
+class DatasetWriter:
+    """One indexed dataset (``<prefix>.bin`` / ``.idx``), written through megatron-core's
+    ``IndexedDatasetBuilder`` a block of documents at a time.
+
+    Why not ``builder.add_document`` once per document: that is a numpy copy, a write and two list
+    appends per document, in the one process that also reads the input and feeds the workers.
+    :meth:`add_documents` does what that many ``add_document(ids, [n])`` calls do (the same bytes
+    written in the same order, the same ``sequence_lengths`` and ``document_indices``) with one
+    write per block, so the files are byte for byte the same (tests/test_prepare_data.py proves it);
+    the ``.idx`` is still written by the builder's own ``finalize``. The ``.bin`` is hashed as it is
+    written, so it is never read back; the ``.idx`` (20 bytes per document) is hashed once written.
+    """
+
+    def __init__(self, prefix: str, dtype: type):
+        import numpy as np
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        self.prefix = prefix
+        self.builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+        self.tokens = 0
+        self._itemsize = np.dtype(dtype).itemsize
+        self._bin_sha256 = hashlib.sha256()
+
+    def add_documents(self, ids: bytes, lengths: Sequence[int]) -> None:
+        """Append documents: ``ids`` are their tokens, concatenated, as bytes of the builder's dtype;
+        ``lengths`` their lengths in tokens, in order."""
+        builder = self.builder
+        builder.data_file.write(ids)
+        self._bin_sha256.update(ids)
+        first = len(builder.sequence_lengths)
+        builder.sequence_lengths.extend(lengths)
+        builder.document_indices.extend(range(first + 1, first + len(lengths) + 1))
+        self.tokens += len(ids) // self._itemsize
+
+    def finalize(self) -> WrittenFiles:
+        """Close the ``.bin``, write the ``.idx``; their sizes and checksums."""
+        self.builder.finalize(self.prefix + ".idx")
+        return WrittenFiles(bin_bytes=os.path.getsize(self.prefix + ".bin"), idx_bytes=os.path.getsize(self.prefix + ".idx"),
+                            bin_sha256=self._bin_sha256.hexdigest(), idx_sha256=_sha256_file(Path(self.prefix + ".idx")))
+
+    def close(self) -> None:
+        self.builder.data_file.close()
+
+
 def _write_json_atomically(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
@@ -431,7 +510,7 @@ def prepare_shard(input_path: Path, output_prefix: str, tokenizer_cfg: Tokenizer
     complete, then the record is written (:func:`record_path`): an interrupted run leaves no file that
     looks finished. ``on_bad_line`` is ``"fail"`` (ConfigError naming ``file:line``) or ``"skip"``.
     """
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from megatron.core.datasets.indexed_dataset import DType
 
     input_path = Path(input_path).absolute()
     shard = shard_name(input_path)
@@ -447,23 +526,25 @@ def prepare_shard(input_path: Path, output_prefix: str, tokenizer_cfg: Tokenizer
     Path(output_prefix).absolute().parent.mkdir(parents=True, exist_ok=True)
     if progress:
         progress.begin(shard)
-    builders = {k: IndexedDatasetBuilder(tmps[k] + ".bin", dtype=dtype) for k in json_keys}
+    writers: Dict[str, DatasetWriter] = {}
     documents, skipped = 0, 0
-    counts = {k: 0 for k in json_keys}
     try:
+        for key in json_keys:
+            writers[key] = DatasetWriter(tmps[key], dtype)
         with _HashingReader(open(input_path, "rb")) as reader:
             stream = gzip.GzipFile(fileobj=reader, mode="rb") if input_path.name.endswith(".gz") else io.BufferedReader(reader)
             initargs = (tokenizer_cfg, list(json_keys), append_eod, dtype.__name__)
-            encoded_chunks = _encode_all(_numbered_chunks(stream, CHUNK_LINES), workers, initargs)
+            encoded_blocks = _encode_all(line_blocks(stream, BLOCK_BYTES), workers, initargs, tokenizer)
             try:
-                for encoded in encoded_chunks:
+                for encoded in encoded_blocks:
                     if encoded.bad:
                         if on_bad_line == "fail":
                             number, key, message = encoded.bad[0]
                             raise ConfigError(message + " (--on-bad-line skip drops such lines)",
                                               path=f"{input_path}:{number}", key=key)
                         skipped += len(encoded.bad)
-                    _add_documents(builders, encoded, dtype, counts)
+                    for key, writer in writers.items():
+                        writer.add_documents(encoded.tokens[key], encoded.lengths[key])
                     n_docs = len(encoded.lengths[json_keys[0]])
                     documents += n_docs
                     if progress:
@@ -471,24 +552,23 @@ def prepare_shard(input_path: Path, output_prefix: str, tokenizer_cfg: Tokenizer
             except (gzip.BadGzipFile, EOFError, zlib.error) as err:
                 raise ConfigError(f"not a readable gzip file ({err})", path=str(input_path), key="--input") from None
             finally:
-                encoded_chunks.close()  # stops the worker pool at once when a bad line ends the shard
+                encoded_blocks.close()  # stops the worker pool at once when a bad line ends the shard
             source = SourceInfo(path=str(input_path), size=st.st_size, mtime_ns=st.st_mtime_ns, sha256=reader.drain())
         if documents == 0:
             raise ConfigError("no documents: the corpus is empty" + (f" ({skipped} bad lines skipped)" if skipped else ""),
                               path=str(input_path), key="--input")
         outputs = {}
-        for key, builder in builders.items():
-            builder.finalize(tmps[key] + ".idx")
-            outputs[key] = OutputFiles(
-                prefix=finals[key], documents=documents, tokens=counts[key],
-                bin_bytes=os.path.getsize(tmps[key] + ".bin"), idx_bytes=os.path.getsize(tmps[key] + ".idx"),
-                bin_sha256=_sha256_file(Path(tmps[key] + ".bin")), idx_sha256=_sha256_file(Path(tmps[key] + ".idx")))
+        for key, writer in writers.items():
+            written = writer.finalize()
+            outputs[key] = OutputFiles(prefix=finals[key], documents=documents, tokens=writer.tokens,
+                                       bin_bytes=written.bin_bytes, idx_bytes=written.idx_bytes,
+                                       bin_sha256=written.bin_sha256, idx_sha256=written.idx_sha256)
         for key in json_keys:
             os.replace(tmps[key] + ".bin", finals[key] + ".bin")
             os.replace(tmps[key] + ".idx", finals[key] + ".idx")
     finally:
-        for builder in builders.values():
-            builder.data_file.close()
+        for writer in writers.values():
+            writer.close()
         for tmp in tmps.values():
             for suffix in (".bin", ".idx"):
                 if os.path.exists(tmp + suffix):
@@ -499,18 +579,6 @@ def prepare_shard(input_path: Path, output_prefix: str, tokenizer_cfg: Tokenizer
     if progress:
         progress.shard_done()
     return record
-
-
-def _add_documents(builders, encoded: _Encoded, dtype, counts: Dict[str, int]) -> None:
-    import numpy as np
-
-    for key, builder in builders.items():
-        ids = np.frombuffer(encoded.tokens[key], dtype=dtype)
-        offset = 0
-        for n in encoded.lengths[key]:
-            builder.add_document(ids[offset:offset + n], [n])
-            offset += n
-        counts[key] += offset
 
 
 # ---------------------------------------------------------------------------------------------
