@@ -717,7 +717,7 @@ def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, s
                 raise where.error(f"{section}.{key}", str(err)) from None
             training[section][key] = str(path if path.is_absolute() else base / path)
     dataset = training.get("dataset")
-    if dataset is not None and dataset_config_class(dataset) is GPTDatasetConfig:
+    if dataset is not None and issubclass(dataset_config_class(dataset), GPTDatasetConfig):
         dataset = absolute_dataset_paths(dataset, str(base))
         cache = dataset.get("path_to_cache") or run_folder.DATASET_CACHE_DIR
         if isinstance(cache, str):

@@ -8,7 +8,7 @@ Users already have tools that parse it, some by position (Megatron itself reads 
 ``Saved checkpoint`` line as the 8th tab-separated token), so bridge_hpc keeps the standard events and
 fields exactly where Megatron puts them and only *appends*: extra fields go after the standard ones,
 extra events (``Loaded checkpoint``, ``First step``, ``Ending job``, ``Restart``, ``Checkpoint
-fallback``) use the same
+fallback``, ``Checkpoint save failed``, ``Result validation``) use the same
 ``Key: value`` style.  These extra events are what make goodput computable: why a run ended, and the
 time spent on start-up, checkpoint load and save and on steps that were lost.
 
@@ -34,6 +34,9 @@ RESTART = "Restart"
 CHECKPOINT_FALLBACK = "Checkpoint fallback"
 #: A background (asynchronous) checkpoint save that failed; the tracker still names the previous one.
 CHECKPOINT_SAVE_FAILED = "Checkpoint save failed"
+#: A loss that failed result validation and the re-run of its step (``[rerun_state_machine]``): which
+#: check, on how many ranks, whether the re-run reproduced it, and whether training went on.
+RESULT_VALIDATION = "Result validation"
 
 SAVE_EVENTS = (SAVED_CHECKPOINT, SAVING_ASYNC)
 
@@ -41,7 +44,12 @@ SAVE_EVENTS = (SAVED_CHECKPOINT, SAVING_ASYNC)
 #: H100 80GB HBM3") or "cpu". Megatron's "# GPUs" counts ranks whatever they run on; this says on what.
 DEVICE = "Device"
 
-END_REASONS = ("signal", "time_limit", "duration", "interval", "done", "error", "fault", "straggler", "cancelled")
+#: Why a run ended. The last four come from result validation (:mod:`bridge_hpc.training.rerun`): a
+#: NaN / Inf loss (or another fatal check) that its step's re-run reproduced, which stops the job for
+#: good; and ``transient_fault``, a fatal result the re-run did not reproduce (suspect hardware), after
+#: which the job is requeued to redo the step.
+END_REASONS = ("signal", "time_limit", "duration", "interval", "done", "error", "fault", "straggler", "cancelled",
+               "nan_loss", "inf_loss", "invalid_result", "transient_fault")
 
 
 def format_time(epoch: float) -> str:
@@ -323,6 +331,13 @@ class ProgressLog:
         log sees why the run resumed further back than the tracker said."""
         self._write(CHECKPOINT_FALLBACK, [("Damaged", damaged), ("Moved to", moved_to), ("Reason", reason),
                                           ("Using", using)])
+
+    def result_validation(self, iteration: int, check: str, diagnosis: str, ranks: int, action: str) -> None:
+        """Step ``iteration`` failed ``check`` (e.g. ``nan_loss``, ``spiky_loss``) on ``ranks`` ranks and was
+        re-run on the same batch: ``diagnosis`` "deterministic" (the re-run reproduced it) or "transient";
+        ``action`` "continue" (training went on with the re-run's result) or "stop"."""
+        self._write(RESULT_VALIDATION, [("Iteration", str(iteration)), ("Check", check), ("Diagnosis", diagnosis),
+                                        ("Ranks", str(ranks)), ("Action", action)])
 
     def checkpoint_save_failed(self, iteration: int, failures: int, stop: bool, reason: str) -> None:
         """A background save of ``iteration`` failed (``failures`` in a row); the run stops (``stop``)

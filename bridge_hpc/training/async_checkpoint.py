@@ -180,15 +180,30 @@ class AsyncCheckpointWriter:
         return self
 
     def _start_results_queue(self, module) -> None:
+        # Forked, not spawned as megatron-core does: a spawned server re-imports torch and megatron
+        # before it serves (16 s of the first save's blocking time on an H100, measured). The server
+        # only relays pickled write results; it never touches CUDA, so forking a CUDA process is safe.
         with stop_signals_blocked(self.stop_signals):
-            manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))
+            manager = SyncManager(ctx=torch.multiprocessing.get_context("fork"))
             manager.start(initializer=end_with_parent, initargs=(os.getpid(),))
-        module._results_queue = manager.Queue()
+        results = manager.Queue()
+        # The Manager unpickles what is put into its queue: the first write results (DCP's
+        # WriteResult) made it import torch, seconds inside the first save's background write
+        # (8 s of a 10 s first save on CPU, benchmarks/checkpoint.py). Their classes, put once now,
+        # make it import those modules at start-up instead.
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.storage import WriteResult
+
+        results.put([WriteResult, _StorageInfo])
+        results.get()
+        module._results_queue = results
         self._results_manager = (module, manager)
 
     def _start_worker(self) -> None:
         self.queue = self._queue_class(persistent=True)
-        warm_up = self.request_class(prepare_worker, (os.getpid(), self.stop_signals, _writer_module(self.on_gpu)), [])
+        device = torch.cuda.current_device() if self.on_gpu else None
+        warm_up = self.request_class(prepare_worker, (os.getpid(), self.stop_signals, _writer_module(self.on_gpu),
+                                                      device), [])
         with stop_signals_blocked(self.stop_signals):
             self.queue.schedule_async_request(warm_up)  # spawns the worker; does not wait for it
 
@@ -263,7 +278,8 @@ class AsyncCheckpointWriter:
         results.put(item)
         if isinstance(item, BaseException):
             return item
-        expected = len(pending.request.async_fn_args[1])  # one result list per file written
+        buckets = pending.request.async_fn_args[1]  # None where the worker stages them (preload_fn)
+        expected = len(buckets) if buckets is not None else len(item)  # one result list per file written
         if len(item) != expected:
             return RuntimeError(f"the checkpoint worker wrote {len(item)} of {expected} files")
         return None
@@ -419,7 +435,8 @@ def _megatron_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str,
         (v.key, tuple(v.global_shape), tuple(v.global_offset), str(v.dtype)) if isinstance(v, ShardedTensor)
         else (v.key, type(v).__name__) if isinstance(v, ShardedBase) else (type(v).__name__,)
         for v in nested_values(sharded))
-    strategy = writer.plans.get(structure, lambda: TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True))
+    strategy = writer.plans.get(structure, lambda: TorchDistSaveShardedStrategy(
+        "torch_dist", 1, thread_count=checkpointing.SAVE_WRITE_THREADS, cached_metadata=True))
     megatron_request = dist_checkpointing.save(sharded, tmp, sharded_strategy=strategy, async_sharded_save=True)
     fields = megatron_request._asdict()
     request = writer.request_class(fields["async_fn"], tuple(fields["async_fn_args"]), [],

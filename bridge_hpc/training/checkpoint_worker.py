@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from typing import Iterator, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 from bridge_hpc.contracts import signals
 
@@ -70,17 +70,25 @@ def _after_fork_in_child() -> None:
     _die_with_parent(_forked_by)
 
 
-def prepare_worker(parent_pid: int, stop_signals: Tuple[str, ...], writer_module: str) -> None:
+def prepare_worker(parent_pid: int, stop_signals: Tuple[str, ...], writer_module: str,
+                   cuda_device: Optional[int] = None) -> None:
     """The first request every checkpoint worker runs, in the worker: die with the rank (an orphan
     would wait for requests forever), and make every process it forks (the writers of each save) die
     with it (one whose worker died mid-save waits forever for its next message); ignore the rank's
     stop signals; name the process ``bridge-ckpt``; import the module of the write function now
-    rather than in the first save."""
+    rather than in the first save. ``cuda_device`` (GPU runs): the worker copies the rank's tensors
+    to pinned host memory itself, so its CUDA context and host allocator are created now too,
+    overlapped with model building, not inside the first save's blocking part."""
     _die_with_parent(parent_pid)
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
     signals.ignore(stop_signals)
     _prctl(_PR_SET_NAME, WORKER_NAME.encode())
     importlib.import_module(writer_module)
+    if cuda_device is not None:
+        torch = importlib.import_module("torch")
+        torch.cuda.set_device(cuda_device)
+        torch.empty(1, device="cuda")
+        torch.empty(1, pin_memory=True)
 
 
 def end_with_parent(parent_pid: int) -> None:

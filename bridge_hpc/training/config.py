@@ -87,8 +87,19 @@ class OptimizerConfig:
     bf16: bool = False
     fp16: bool = False
     use_distributed_optimizer: bool = False
+    #: The optimizer step's kernels (see bridge_hpc.training.optimizer): torch's fused AdamW on the fp32
+    #: main params and foreach gradient norm, clipping and copy-back, on GPU and CPU alike (2.6x faster
+    #: than megatron-core's torch-only fallbacks on an H100 without Apex or Transformer Engine; 3x on
+    #: CPU). Same Adam math, not bitwise the same sums: false gives megatron-core's own step (GPU) or
+    #: torch's default AdamW (CPU) when a run must match those bit for bit.
+    fused_step: bool = True
+    #: Per-parameter settings, ``[[optimizer.overrides]]`` tables (see ParamGroupOverrideConfig);
+    #: finalize() turns each table into a ParamGroupOverrideConfig.
+    overrides: List[Union["ParamGroupOverrideConfig", Dict[str, Any]]] = field(default_factory=list)
 
     def finalize(self) -> None:
+        self.overrides = [ParamGroupOverrideConfig.from_table(entry, f"optimizer.overrides[{i}]")
+                          for i, entry in enumerate(self.overrides)]
         _check(self.lr is not None, "optimizer.lr", "must be set")
         _check(self.lr > 0, "optimizer.lr", "must be > 0")
         if self.min_lr is None:
@@ -99,6 +110,84 @@ class OptimizerConfig:
         _check(0 <= self.adam_beta2 < 1, "optimizer.adam_beta2", "must be in [0, 1)")
         _check(self.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0")
         _check(not (self.bf16 and self.fp16), "optimizer.fp16", "bf16 and fp16 are exclusive")
+
+
+@dataclass
+class ParamGroupOverrideConfig:
+    """One ``[[optimizer.overrides]]`` table: optimizer settings for the parameters it names.
+
+    ``params``: shell-style patterns (``fnmatch``) on parameter names as the model names them, the
+    data-parallel wrappers' ``module.`` prefixes removed: ``"*.bias"``, ``"*layernorm*"``,
+    ``"embedding.*"``, ``"output_layer.weight"``. ``wd_mult`` scales the weight decay; ``lr_mult``
+    scales the whole learning-rate schedule (its peak ``optimizer.lr`` and floor ``optimizer.min_lr``);
+    ``max_lr`` / ``min_lr`` set the peak and floor directly (megatron-core's ParamGroupOverride keys).
+    A parameter takes the default first (no weight decay for biases and 1-D parameters, as in Megatron
+    Bridge), then every matching table in file order, later ones winning. The same resolved settings
+    become megatron-core's ``config_overrides`` on GPU and the torch optimizer's parameter groups on CPU.
+    """
+
+    params: List[str] = field(default_factory=list)
+    lr_mult: Optional[float] = None
+    max_lr: Optional[float] = None
+    min_lr: Optional[float] = None
+    wd_mult: Optional[float] = None
+
+    @classmethod
+    def from_table(cls, entry: Union["ParamGroupOverrideConfig", Dict[str, Any]], key: str) -> "ParamGroupOverrideConfig":
+        """A checked override from a TOML table (or an instance built in Python); errors name ``key``."""
+        if not isinstance(entry, cls):
+            entry = build_dataclass(cls, key, entry, lambda k, message: ConfigError(message, key=k))
+        entry.check(key)
+        return entry
+
+    def settings(self) -> Dict[str, float]:
+        """The keys this table sets, as megatron-core's ParamGroupOverride names them (``lr_mult``
+        stays a multiplier here: :mod:`bridge_hpc.training.optimizer` resolves it against the lr)."""
+        names = ("lr_mult", "max_lr", "min_lr", "wd_mult")
+        return {name: float(getattr(self, name)) for name in names if getattr(self, name) is not None}
+
+    def check(self, key: str) -> None:
+        _check(bool(self.params) and all(isinstance(p, str) and p for p in self.params), f"{key}.params",
+               'must list at least one parameter-name pattern, e.g. params = ["*.bias"]')
+        _check(bool(self.settings()), key, "sets nothing: give at least one of lr_mult, max_lr, min_lr, wd_mult")
+        _check(self.lr_mult is None or (self.max_lr is None and self.min_lr is None), f"{key}.lr_mult",
+               "cannot be combined with max_lr or min_lr (lr_mult scales both)")
+        _check(self.lr_mult is None or self.lr_mult >= 0, f"{key}.lr_mult", "must be >= 0")
+        _check(self.max_lr is None or self.max_lr >= 0, f"{key}.max_lr", "must be >= 0")
+        _check(self.min_lr is None or self.min_lr >= 0, f"{key}.min_lr", "must be >= 0")
+        _check(self.min_lr is None or self.max_lr is None or self.min_lr <= self.max_lr, f"{key}.min_lr",
+               f"must be <= max_lr ({self.max_lr})")
+        _check(self.wd_mult is None or self.wd_mult >= 0, f"{key}.wd_mult", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class OptimizerConfigOverrideProviderContext:
+    """What an :class:`OptimizerConfigOverrideProvider` sees (Megatron Bridge's names): the scheduler
+    and optimizer sections and the model chunks, as the optimizer will get them (wrapped for data
+    parallelism). ``model`` is a module or a list of them; typed loosely so this module needs no torch."""
+
+    scheduler_config: SchedulerConfig
+    optimizer_config: OptimizerConfig
+    model: Any
+
+
+@dataclass
+class OptimizerConfigOverrideProvider:
+    """Per-parameter optimizer settings (Megatron Bridge's class; ``ConfigContainer.
+    optimizer_config_override_provider``). Subclass and override :meth:`build_config_overrides` for
+    rules that TOML patterns cannot say; its result is megatron-core's
+    ``dict[ParamKey, ParamGroupOverride]``, used as is on GPU and applied the same way on CPU."""
+
+    def build_config_overrides(self, context: OptimizerConfigOverrideProviderContext) -> Optional[Dict[Any, Any]]:
+        """The default: no weight decay for biases and 1-D parameters (norms), then the
+        ``[[optimizer.overrides]]`` tables; ``None`` when no parameter gets any override (megatron-core
+        then applies its own standard rule, which is the same)."""
+        from bridge_hpc.training.optimizer import default_config_overrides
+
+        return default_config_overrides(context)
+
+    def finalize(self) -> None:
+        """Nothing to check (``ConfigContainer.finalize_sections`` calls it on every section)."""
 
 
 @dataclass
@@ -246,11 +335,23 @@ class LoggerConfig:
     timing_log_level: Literal[-1, 0, 1, 2] = 0
     log_timers_to_tensorboard: bool = False
     log_params_norm: bool = False
+    # Megatron's step reports (bridge_hpc.training.utils.train_utils.training_log): computed on log steps only
+    # (step % log_interval == 0), so they add nothing to the steps in between.
+    log_throughput: bool = False
+    log_throughput_to_tensorboard: bool = False
+    throughput_window_size: int = 100
+    log_memory_to_tensorboard: bool = False
+    memory_keys: Optional[Dict[str, str]] = None
+    log_l2_norm_grad_to_tensorboard: bool = False
+    log_runtime_to_tensorboard: bool = False
+    runtime_time_unit: Literal["seconds", "minutes", "hours", "days"] = "hours"
     metrics_file: Optional[str] = None
     logging_level: int = 20  # Python logging level of bridge_hpc's own messages (20 = INFO)
 
     def finalize(self) -> None:
         _check(self.log_interval > 0, "logger.log_interval", "must be > 0")
+        _check(self.throughput_window_size >= 2, "logger.throughput_window_size",
+               "must be >= 2 (a rate needs the times of two steps)")
         _check(self.logging_level in (10, 20, 30, 40, 50), "logger.logging_level",
                "must be a Python logging level: 10 (DEBUG), 20 (INFO), 30 (WARNING), 40 or 50")
         _check(self.tensorboard_log_interval > 0, "logger.tensorboard_log_interval", "must be > 0")
@@ -270,6 +371,10 @@ class ProfilingConfig:
     profile_step_end: int = 12
     profile_ranks: List[int] = field(default_factory=lambda: [0])
     record_shapes: bool = False
+    # CUDA allocator history from the start (train_utils.start_memory_history_recording), dumped at
+    # profile_step_end to <memory_snapshot_path stem>_<rank><ext> for pytorch.org/memory_viz.
+    record_memory_history: bool = False
+    memory_snapshot_path: str = "snapshot.pickle"
 
     def finalize(self) -> None:
         _check(self.profile_step_end > self.profile_step_start, "profiling.profile_step_end",
@@ -389,6 +494,89 @@ class InProcessRestartConfig:
                              ("monitor_process_interval", "soft_timeout"), ("monitor_thread_interval", "soft_timeout")):
             _check(getattr(self, small) < getattr(self, large), f"inprocess_restart.{large}",
                    f"must be > inprocess_restart.{small} ({getattr(self, small):g})")
+
+
+@dataclass
+class RerunStateMachineConfig:
+    """megatron-core's rerun state machine: Megatron Bridge's fields and defaults (``[rerun_state_machine]``).
+
+    ``check_for_nan_in_loss`` rejects a NaN or Inf loss (fatal), ``check_for_spiky_loss`` one at or
+    above ``spiky_loss_factor`` x the largest of the first 100 losses (not fatal). With
+    ``rerun_mode = "validate_results"`` a rejected step runs again on the same micro-batches and RNG
+    state, which tells a deterministic fault from a transient one; ``"disabled"`` (the default) stops
+    the rank at a rejected fatal check without a re-run, as megatron-core does;
+    ``"report_determinism_stats"`` runs every step twice and logs how far the results differ.
+    ``error_injection_rate`` N > 0 injects a rejected result once in about N validations, of
+    ``error_injection_type``, to try the machinery. What happens after a verdict:
+    :mod:`bridge_hpc.training.rerun`.
+    """
+
+    error_injection_rate: int = 0
+    error_injection_type: Literal["correct_result", "transient_error", "persistent_error"] = "transient_error"
+    rerun_mode: Literal["disabled", "validate_results", "report_determinism_stats"] = "disabled"
+    check_for_nan_in_loss: bool = True
+    check_for_spiky_loss: bool = False
+    spiky_loss_factor: float = 10.0
+
+    def finalize(self) -> None:
+        _check(self.error_injection_rate >= 0, "rerun_state_machine.error_injection_rate",
+               "must be >= 0 (0: no injection; N: about once in N result validations)")
+        _check(self.error_injection_rate == 0 or self.rerun_mode == "validate_results",
+               "rerun_state_machine.error_injection_rate",
+               f"injects errors only with rerun_mode = \"validate_results\" (got {self.rerun_mode!r})")
+        _check(self.spiky_loss_factor > 1 and self.spiky_loss_factor != float("inf"),
+               "rerun_state_machine.spiky_loss_factor",
+               f"must be a finite number > 1 (a loss this many times the largest seen is spiky), got "
+               f"{self.spiky_loss_factor!r}")
+
+
+#: What tensor inspection needs and bridge_hpc lacks; :meth:`TensorInspectConfig.finalize` names it.
+TENSOR_INSPECT_PACKAGE = "nvdlfw_inspect"
+
+
+@dataclass
+class TensorInspectConfig:
+    """Nvidia-DL-Framework-Inspect (``nvdlfw_inspect``) tensor statistics: Megatron Bridge's fields.
+
+    Accepted and checked so that Bridge recipes with a ``[tensor_inspect]`` section (or
+    ``tensor_inspect = TensorInspectConfig(enabled=False)``) run unchanged. Inspection itself is not
+    available: it hooks Transformer Engine layers through TE's debug features
+    (``transformer_engine.debug``) and the ``nvdlfw_inspect`` package, and bridge_hpc neither installs
+    them nor calls the inspector from its loop. So ``enabled = true`` is refused at submission with
+    a ConfigError that says which of the two is missing here, rather than training silently without
+    the statistics the job asked for. ``features`` is a table of feature settings or the path of
+    their YAML file; ``feature_dirs`` the folders searched for feature code; ``log_dir`` the folder of
+    the statistics (Bridge: the checkpoint folder when unset); ``init_training_step`` the step the
+    inspector starts counting from on a resume.
+    """
+
+    enabled: bool = False
+    features: Optional[Union[Dict[str, Any], str, os.PathLike]] = None
+    feature_dirs: Optional[List[str]] = None
+    log_dir: Optional[str] = None
+    init_training_step: int = 0
+
+    def finalize(self) -> None:
+        if isinstance(self.features, os.PathLike):
+            self.features = os.fspath(self.features)
+        _check(not isinstance(self.features, str) or self.features.strip() != "", "tensor_inspect.features",
+               "expected a table of feature settings or the path of a YAML file, got an empty string")
+        for i, folder in enumerate(self.feature_dirs or []):
+            _check(isinstance(folder, str) and folder.strip() != "", "tensor_inspect.feature_dirs",
+                   f"entry {i} must be a folder path, got {folder!r}")
+        _check(self.log_dir is None or self.log_dir.strip() != "", "tensor_inspect.log_dir",
+               "expected a folder path, got an empty string")
+        _check(self.init_training_step >= 0, "tensor_inspect.init_training_step", "must be >= 0")
+        if self.enabled:
+            import importlib.util
+
+            missing = [name for name in (TENSOR_INSPECT_PACKAGE, "transformer_engine")
+                       if importlib.util.find_spec(name) is None]
+            why = (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed here, and "
+                   if missing else "")
+            raise ConfigError(f"tensor inspection is not available in bridge_hpc: {why}its training loop does "
+                              "not call the inspector. Set tensor_inspect.enabled = false (or remove the "
+                              "[tensor_inspect] section)", key="tensor_inspect.enabled")
 
 
 @dataclass
@@ -754,9 +942,12 @@ def read_index_header(prefix: str, key: str) -> IndexedDatasetHeader:
 def dataset_config_class(body: Dict[str, Any]) -> type:
     """The dataset config a ``[dataset]`` table selects: fine-tuning data when it names a ``dataset_root``
     (indexed-data keys beside it are then unknown keys), indexed data when it names any prefixes, else
-    mock data."""
+    mock data. Indexed data with any ``fim_*`` key is fill-in-the-middle data (:class:`GPTFIMDatasetConfig`);
+    a ``fim_*`` key without prefixes selects it too, so that the missing ``data_path`` is what is reported."""
     if body.get("dataset_root") is not None:
         return FinetuningDatasetConfig
+    if any(str(k).startswith("fim_") for k in body):
+        return GPTFIMDatasetConfig
     return GPTDatasetConfig if any(body.get(k) is not None for k in GPT_DATASET_PATH_KEYS) else MockGPTDatasetConfig
 
 
@@ -896,6 +1087,92 @@ class GPTDatasetConfig(DatasetProvider):
         return build_gpt_datasets(self, context)
 
 
+#: ``fim_extra_tokens`` keys (Bridge's): the three sentinels, padding and end of document.
+FIM_TOKEN_KEYS = ("prefix", "middle", "suffix", "pad", "eod")
+#: Megatron-LM's FIM sentinel names, used for the keys ``fim_extra_tokens`` leaves out; ``eod`` left
+#: out means the tokenizer's own end-of-document token.
+DEFAULT_FIM_TOKENS = {"prefix": "<fim_prefix>", "middle": "<fim_middle>", "suffix": "<fim_suffix>", "pad": "<fim_pad>"}
+
+
+@dataclass(init=False)
+class GPTFIMDatasetConfig(GPTDatasetConfig):
+    """Fill-in-the-middle on indexed data: Megatron Bridge's ``GPTFIMDatasetConfig`` (Megatron-LM's FIM).
+
+    Any ``fim_*`` key in ``[dataset]`` selects it (see :func:`dataset_config_class`); the rest of the
+    table is :class:`GPTDatasetConfig`'s. megatron-core has no FIM dataset, so
+    :class:`bridge_hpc.training.fim.GPTFIMDataset` adds it to megatron-core's ``GPTDataset``: every
+    end-of-document-separated segment of a sample is, with probability ``fim_rate``, cut at two
+    random points into prefix, middle and suffix and rewritten as PSM
+    ``<prefix> prefix <suffix> suffix <middle> middle`` or, with probability ``fim_spm_rate``, SPM
+    ``<prefix> <suffix> suffix <middle> prefix middle``; the sample is then cut back to its length.
+    With ``fim_split_sample`` (a token, e.g. a file separator) a segment that contains it is, with
+    probability ``fim_rate``, split there and each fragment gets FIM with ``fim_fragment_rate``;
+    fragments whose text starts with ``fim_no_prefix`` are left as they are.
+
+    ``fim_extra_tokens`` names the sentinel tokens (keys ``prefix``, ``middle``, ``suffix``, ``pad``,
+    ``eod``); keys left out take Megatron-LM's ``<fim_prefix>``, ``<fim_middle>``, ``<fim_suffix>``,
+    ``<fim_pad>`` and the tokenizer's end-of-document token. Each must be one token of the run's
+    tokenizer (for the byte-level one: list them in ``[tokenizer] special_tokens``); that is checked
+    when the datasets are built, a ConfigError naming ``dataset.fim_extra_tokens.<key>``. Unset
+    rates take Megatron-LM's defaults: ``fim_rate`` 0.5, ``fim_spm_rate`` 0.5.
+
+    What differs from Megatron-LM, and why: the cut points fall between tokens, not characters, so
+    no text is re-tokenized and a FIM segment holds exactly the segment's tokens plus the three
+    sentinels (no tokenizer drift, and never shorter, so the ``pad`` token is accepted for Bridge
+    recipes but never needed); and the random draws come from ``(random_seed, split, sample
+    index)``, not from one generator shared by every read, so a sample's FIM form does not depend on
+    which samples were read before it, which exact resume and loader workers need.
+    """
+
+    fim_rate: Optional[float] = None
+    fim_spm_rate: Optional[float] = None
+    fim_extra_tokens: Optional[Dict[str, str]] = None
+    fim_split_sample: Optional[str] = None
+    fim_fragment_rate: Optional[float] = None
+    fim_no_prefix: Optional[str] = None
+
+    def __init__(self, fim_rate: Optional[float] = None, fim_spm_rate: Optional[float] = None,
+                 fim_extra_tokens: Optional[Dict[str, str]] = None, fim_split_sample: Optional[str] = None,
+                 fim_fragment_rate: Optional[float] = None, fim_no_prefix: Optional[str] = None, **kwargs: Any):
+        self.fim_rate = fim_rate
+        self.fim_spm_rate = fim_spm_rate
+        self.fim_extra_tokens = fim_extra_tokens
+        self.fim_split_sample = fim_split_sample
+        self.fim_fragment_rate = fim_fragment_rate
+        self.fim_no_prefix = fim_no_prefix
+        super().__init__(**kwargs)
+
+    def finalize(self) -> None:
+        super().finalize()
+        if self.fim_rate is None:
+            self.fim_rate = 0.5
+        if self.fim_spm_rate is None:
+            self.fim_spm_rate = 0.5
+        for key in ("fim_rate", "fim_spm_rate", "fim_fragment_rate"):
+            value = getattr(self, key)
+            _check(value is None or 0 <= value <= 1, f"dataset.{key}", f"must be a probability in [0, 1], got {value!r}")
+        tokens = dict(self.fim_extra_tokens or {})
+        for name, token in tokens.items():
+            _check(name in FIM_TOKEN_KEYS, f"dataset.fim_extra_tokens.{name}",
+                   f"unknown key{did_you_mean(name, FIM_TOKEN_KEYS)}; known keys: {', '.join(FIM_TOKEN_KEYS)}")
+            _check(isinstance(token, str) and token != "", f"dataset.fim_extra_tokens.{name}",
+                   f"expected a token (a non-empty string), got {token!r}")
+        self.fim_extra_tokens = {**DEFAULT_FIM_TOKENS, **tokens}
+        sentinels = [self.fim_extra_tokens[k] for k in ("prefix", "middle", "suffix")]
+        _check(len(set(sentinels)) == 3, "dataset.fim_extra_tokens",
+               f"prefix, middle and suffix must be three different tokens, got {sentinels}")
+        _check(self.fim_split_sample is None or self.fim_split_sample != "", "dataset.fim_split_sample",
+               "expected a token to split samples at, got an empty string")
+        if self.fim_split_sample is not None:
+            _check(self.fim_fragment_rate is not None, "dataset.fim_fragment_rate",
+                   "must be set with dataset.fim_split_sample (the FIM rate of each fragment)")
+        else:
+            _check(self.fim_fragment_rate is None, "dataset.fim_fragment_rate",
+                   "is only used with dataset.fim_split_sample; remove it or set fim_split_sample")
+        _check(self.fim_no_prefix is None or self.fim_no_prefix != "", "dataset.fim_no_prefix",
+               "expected the text that exempts a fragment from FIM, got an empty string")
+
+
 #: The jsonl files of a fine-tuning ``dataset_root`` (Megatron Bridge's names), per split.
 FINETUNING_FILES = {"train": "training.jsonl", "valid": "validation.jsonl", "test": "test.jsonl"}
 
@@ -992,7 +1269,9 @@ SECTIONS: Dict[str, type] = {
     "nvrx_straggler": NVRxStragglerDetectionConfig,
     "profiling": ProfilingConfig,
     "inprocess_restart": InProcessRestartConfig,
+    "rerun_state_machine": RerunStateMachineConfig,
     "tokenizer": TokenizerConfig,
+    "tensor_inspect": TensorInspectConfig,
 }
 
 #: Top-level sections of a job file that belong to the launcher, not to training.
@@ -1018,8 +1297,15 @@ class ConfigContainer:
     nvrx_straggler: Optional[NVRxStragglerDetectionConfig] = None
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     inprocess_restart: Optional[InProcessRestartConfig] = None
+    rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     tokenizer: Optional[TokenizerConfig] = None
+    tensor_inspect: Optional[TensorInspectConfig] = None
+    #: Python-level hook (not a TOML section): TOML users write [[optimizer.overrides]] instead.
+    optimizer_config_override_provider: OptimizerConfigOverrideProvider = field(
+        default_factory=OptimizerConfigOverrideProvider)
     data_parallel_size: int = field(default=1, init=False)
+    #: Whether every section's deferred finalize() has run (:meth:`finalize_sections`).
+    sections_finalized: bool = field(default=False, init=False, repr=False, compare=False)
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -1065,9 +1351,13 @@ class ConfigContainer:
                 yield f.name, value
 
     def finalize_sections(self) -> None:
-        """Run every section's deferred ``finalize()``; :meth:`from_sections` does it once."""
+        """Run every section's deferred ``finalize()``, once: :meth:`from_sections` does it for a job
+        file, :func:`runtime_config_update` for a container built in Python; later calls do nothing."""
+        if self.sections_finalized:
+            return
         for _, section in self.sections():
             section.finalize()
+        self.sections_finalized = True
 
     # -- cross-section checks -----------------------------------------------------------------
     def check_data_needs(self) -> None:
@@ -1088,18 +1378,28 @@ class ConfigContainer:
                        f"{self.dataset.dataset_root} has no {FINETUNING_FILES['train']}, and train.train_iters is "
                        f"{self.train.train_iters}")
 
+    def get_data_parallel_size(self, world_size: int) -> int:
+        """``world_size`` over the model-parallel size (tensor x pipeline x context parallel)."""
+        m = self.model
+        model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+        _check(world_size % model_parallel == 0, "model.tensor_model_parallel_size",
+               f"world size {world_size} is not divisible by the model-parallel size {model_parallel}")
+        return world_size // model_parallel
+
+    def set_data_parallel_size(self) -> None:
+        """Set ``data_parallel_size`` from the world (torch.distributed's, else ``$WORLD_SIZE``, else 1)
+        without the other checks of :meth:`validate`. (Bridge also copies it to its communication-overlap
+        config, which bridge_hpc does not have.)"""
+        self.data_parallel_size = self.get_data_parallel_size(_world_size())
+
     def validate(self, world_size: Optional[int] = None) -> None:
         """Check that the (finalized) sections agree with each other and with the world; fills the
         fields that depend on it (data-parallel size, decay and warm-up iterations).
 
         ``world_size`` defaults to torch.distributed's when it is up, else ``$WORLD_SIZE``, else 1.
         """
-        world_size = world_size or _world_size()
         m, t = self.model, self.train
-        model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
-        _check(world_size % model_parallel == 0, "model.tensor_model_parallel_size",
-               f"world size {world_size} is not divisible by the model-parallel size {model_parallel}")
-        self.data_parallel_size = world_size // model_parallel
+        self.data_parallel_size = self.get_data_parallel_size(world_size or _world_size())
         _check(t.global_batch_size % (t.micro_batch_size * self.data_parallel_size) == 0, "train.global_batch_size",
                f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) "
                f"x data-parallel size ({self.data_parallel_size})")
@@ -1117,10 +1417,8 @@ class ConfigContainer:
                 self.dataset.vocab_size = m.vocab_size
             _check(self.dataset.vocab_size <= m.vocab_size, "dataset.vocab_size",
                    f"must be <= model.vocab_size ({m.vocab_size})")
-        if self.optimizer.bf16 != m.bf16 or self.optimizer.fp16 != m.fp16:
-            raise ConfigError("model and optimizer precision must agree (bf16/fp16)", key="optimizer.bf16")
-        _check(not self.ddp.use_distributed_optimizer or self.optimizer.use_distributed_optimizer,
-               "optimizer.use_distributed_optimizer", "must match ddp.use_distributed_optimizer")
+        _validate_mixed_precision_consistency(self)
+        _validate_and_sync_distributed_optimizer_settings(self)
         s = self.scheduler
         if s.lr_decay_iters is None:
             s.lr_decay_iters = t.train_iters
@@ -1170,6 +1468,90 @@ class ConfigContainer:
 
 
 # ---------------------------------------------------------------------------------------------
+# Runtime update: Megatron Bridge's last step before the ranks build anything
+# ---------------------------------------------------------------------------------------------
+
+
+def runtime_config_update(cfg: ConfigContainer) -> None:
+    """Finalize and cross-check ``cfg`` on the ranks, before the model is built: Bridge's function.
+
+    ``pretrain`` calls it once torch.distributed is up (and after the tokenizer has set
+    ``model.vocab_size``). In order:
+
+    1. the sections' deferred ``finalize()``, if they have not run (a container built in Python;
+       :meth:`ConfigContainer.from_sections` has already run them for a job file);
+    2. the data-parallel size from the world size (:meth:`ConfigContainer.set_data_parallel_size`);
+    3. :meth:`ConfigContainer.validate`: batch sizes against the data-parallel size, dataset against
+       model, mixed precision (model and optimizer must agree), the distributed-optimizer setting
+       made the same in ``ddp`` and ``optimizer`` when either turns it on, scheduler iterations.
+
+    Bridge's other steps have nothing to act on here: precision is set by ``model.bf16`` /
+    ``optimizer.bf16`` (there is no ``mixed_precision`` recipe string to resolve) and there is no
+    communication-overlap config. Raises ConfigError naming the key.
+    """
+    cfg.finalize_sections()
+    cfg.set_data_parallel_size()
+    cfg.validate()
+
+
+def mimo_runtime_config_update(cfg: ConfigContainer) -> None:
+    """Bridge's :func:`runtime_config_update` for MIMO (multi-module) models: always a ConfigError here.
+
+    In Bridge it exists because a ``MimoModelProvider`` lacks the model fields the standard update
+    reads; it keeps the model-agnostic steps (section finalize, distributed-optimizer sync,
+    deterministic-mode checks), hard-codes a data-parallel size of 1 and skips mixed precision,
+    communication overlap and model checks. bridge_hpc builds one kind of model, a megatron-core GPT
+    (:class:`GPTModelConfig`), and has no MIMO model, so no config here is one it applies to: for a
+    GPT the kept steps are all in :func:`runtime_config_update`, and the skipped ones, and a
+    data-parallel size taken from the world, are needed. Raises a ConfigError naming ``model`` and
+    changes nothing, so that calling the wrong one is not silently half-done.
+    """
+    if isinstance(cfg.model, GPTModelConfig):
+        raise ConfigError("is a GPT model (GPTModelConfig), not a MIMO model: use runtime_config_update(cfg). "
+                          "mimo_runtime_config_update is Megatron Bridge's variant for MimoModelProvider models, "
+                          "which bridge_hpc does not have", key="model")
+    raise ConfigError(f"is a {type(cfg.model).__name__}: bridge_hpc has no MIMO models (Megatron Bridge's "
+                      "MimoModelProvider) and builds only GPT models (GPTModelConfig), which runtime_config_update "
+                      "finalizes", key="model")
+
+
+def _validate_and_sync_distributed_optimizer_settings(config: ConfigContainer) -> None:
+    """Turn the distributed optimizer on in both ``ddp`` and ``optimizer`` when either has it (Bridge's rule).
+
+    megatron-core needs both: DDP lays out its gradient buffers for the optimizer to shard, and the
+    optimizer shards its state over them; one without the other fails or trains wrong. A mismatch
+    is a warning (rank 0), not an error, as in Bridge.
+    """
+    ddp_setting = config.ddp.use_distributed_optimizer
+    optimizer_setting = config.optimizer.use_distributed_optimizer
+    if ddp_setting or optimizer_setting:
+        if ddp_setting != optimizer_setting and _rank() == 0:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "distributed optimizer settings were not in sync: ddp.use_distributed_optimizer=%s, "
+                "optimizer.use_distributed_optimizer=%s; enabling the distributed optimizer in both",
+                ddp_setting, optimizer_setting)
+        config.ddp.use_distributed_optimizer = True
+        config.optimizer.use_distributed_optimizer = True
+
+
+def _validate_mixed_precision_consistency(config: ConfigContainer) -> None:
+    """Model and optimizer must name the same precision (bf16, fp16 or neither).
+
+    Stricter than Bridge, which only requires it with a precision-aware optimizer: here
+    ``model.bf16`` / ``fp16`` wraps the model in megatron-core's Float16Module and ``optimizer.bf16`` /
+    ``fp16`` picks its mixed-precision optimizer, and each needs the other.
+    """
+    m, o = config.model, config.optimizer
+    _check(not (m.bf16 and m.fp16), "model.fp16", "bf16 and fp16 are exclusive")
+    _check(not (o.bf16 and o.fp16), "optimizer.fp16", "bf16 and fp16 are exclusive")
+    _check(o.bf16 == m.bf16 and o.fp16 == m.fp16, "optimizer.bf16",
+           f"model and optimizer precision must agree (model: bf16={m.bf16}, fp16={m.fp16}; optimizer: "
+           f"bf16={o.bf16}, fp16={o.fp16})")
+
+
+# ---------------------------------------------------------------------------------------------
 # Helpers: checking keys and types
 # ---------------------------------------------------------------------------------------------
 
@@ -1188,3 +1570,15 @@ def _world_size() -> int:
     except ImportError:
         pass
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _rank() -> int:
+    """This process's rank, as :func:`_world_size` finds the world (torch.distributed, else ``$RANK``)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", "0"))

@@ -29,6 +29,7 @@ from bridge_hpc.training.config import (
     DatasetProvider,
     FinetuningDatasetConfig,
     GPTDatasetConfig,
+    GPTFIMDatasetConfig,
     read_index_header,
 )
 
@@ -230,7 +231,9 @@ def build_gpt_datasets(config: GPTDatasetConfig, context: DatasetBuildContext) -
     ``config`` must have been validated (``seq_length`` and ``path_to_cache`` filled). First the token
     ids are checked against the model's vocabulary (:func:`check_token_ids`), then megatron-core's
     builder runs on every rank: with torch.distributed up it builds each dataset on rank 0 first
-    (writing the index cache), waits at a barrier, and the other ranks then load those indices.
+    (writing the index cache), waits at a barrier, and the other ranks then load those indices. A
+    :class:`GPTFIMDatasetConfig` builds :class:`bridge_hpc.training.fim.GPTFIMDataset` instead, its
+    sentinel tokens resolved against the tokenizer first.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
@@ -241,17 +244,23 @@ def build_gpt_datasets(config: GPTDatasetConfig, context: DatasetBuildContext) -
                          "bridge_hpc.training.tokenizers.build_tokenizer_for(cfg) and pass it to build_datasets")
     if context.vocab_size is not None:
         check_token_ids(config.prefixes(), context.vocab_size, config.path_to_cache)
-    mcore_config = MCoreGPTDatasetConfig(
+    dataset_class, config_class, extra = GPTDataset, MCoreGPTDatasetConfig, {}
+    if isinstance(config, GPTFIMDatasetConfig):
+        from bridge_hpc.training.fim import GPTFIMDataset, MCoreGPTFIMDatasetConfig, fim_settings
+
+        dataset_class, config_class = GPTFIMDataset, MCoreGPTFIMDatasetConfig
+        extra = {"fim": fim_settings(config, context.tokenizer)}
+    mcore_config = config_class(
         random_seed=config.random_seed, sequence_length=config.seq_length, blend=config.blend,
         blend_per_split=config.blend_per_split, split=config.split, path_to_cache=config.path_to_cache,
         mmap_bin_files=config.mmap_bin_files, tokenizer=context.tokenizer,
         reset_position_ids=config.reset_position_ids, reset_attention_mask=config.reset_attention_mask,
         eod_mask_loss=config.eod_mask_loss, create_attention_mask=config.create_attention_mask,
         num_dataset_builder_threads=config.num_dataset_builder_threads,
-        mid_level_dataset_surplus=config.mid_level_dataset_surplus,
+        mid_level_dataset_surplus=config.mid_level_dataset_surplus, **extra,
     )
     sizes = [context.train_samples, context.valid_samples, context.test_samples]
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, mcore_config).build()
+    train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, mcore_config).build()
     return train, valid, test
 
 

@@ -30,28 +30,36 @@ stops with :class:`~bridge_hpc.training.checkpointing.CheckpointSaveError`.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
+from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.requeue import request_requeue
+from bridge_hpc.report import progress as progress_log
 from bridge_hpc.slurm import query
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training import async_checkpoint, checkpointing
+from bridge_hpc.training import async_checkpoint, checkpointing, rerun
 from bridge_hpc.training.checkpointing import CheckpointSaveError
+from bridge_hpc.training.config import ConfigContainer
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.utils.train_utils import comm_device
 
 #: Exit reason -> the progress log's ``Ending job`` reason; the first that holds is reported (work
 #: done outranks the rest: nothing is left to requeue for).
-PROGRESS_REASONS = {"train_iters reached": "done", "straggler": "straggler", "signal received": "signal",
-                    "time limit": "time_limit",
+PROGRESS_REASONS = {"train_iters reached": "done",
+                    # a step that failed result validation (bridge_hpc.training.rerun): it did not count
+                    rerun.EXIT_NAN_LOSS: "nan_loss", rerun.EXIT_INF_LOSS: "inf_loss",
+                    rerun.EXIT_INVALID_RESULT: "invalid_result", rerun.EXIT_TRANSIENT_FAULT: "transient_fault",
+                    "straggler": "straggler", "signal received": "signal", "time limit": "time_limit",
                     "exit_duration_in_mins": "duration", "exit_interval": "interval"}
-#: ``Ending job`` reasons after which the job is not requeued.
-FINAL_REASONS = ("done", "cancelled")
+#: ``Ending job`` reasons after which the job is not requeued (a fault its step's re-run reproduced
+#: would only recur).
+FINAL_REASONS = ("done", "cancelled", "nan_loss", "inf_loss", "invalid_result")
 
 #: Kept free before Slurm's end time on top of one (slowest) step and one save: the exit itself and
 #: slack for a save slower than the last one.
@@ -66,6 +74,121 @@ TIME_LIMIT_WARNING_WINDOW_S = 300.0
 
 
 # ---------------------------------------------------------------------------------------------
+# Forward pre-hooks (megatron-core DDP with overlapped parameter all-gather)
+# ---------------------------------------------------------------------------------------------
+
+
+def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_optimizer: bool,
+                                    overlap_param_gather: bool) -> bool:
+    """Whether checkpoint saves must turn megatron-core DDP's forward pre-hooks off (Bridge's rule).
+
+    With the distributed optimizer and ``overlap_param_gather``, ``optimizer.step()`` updates only
+    this rank's shard of the parameters; the all-gather that brings the other shards is started by
+    forward pre-hooks during the next forward. Between the step and that forward the model's
+    parameters are stale outside the local shard, and a save would write them.
+    :func:`disable_forward_pre_hook` with ``param_sync=True`` finishes the all-gather first.
+    Megatron FSDP gathers parameters its own way, so the rule does not apply to it (this toolkit
+    has no FSDP: callers pass False).
+    """
+    return not use_megatron_fsdp and use_distributed_optimizer and overlap_param_gather
+
+
+def enable_forward_pre_hook(model: List[Any]) -> None:
+    """Register megatron-core DDP's forward pre-hooks again on every model chunk (after
+    :func:`disable_forward_pre_hook`). Raises TypeError for a chunk that is not megatron-core DDP."""
+    for chunk in _megatron_ddp_chunks(model):
+        chunk.enable_forward_pre_hook()
+
+
+def disable_forward_pre_hook(model: List[Any], param_sync: bool = True) -> None:
+    """Remove megatron-core DDP's forward pre-hooks from every model chunk; with ``param_sync`` first
+    run the parameter all-gather synchronously, so that every chunk holds its current parameters.
+    Raises TypeError for a chunk that is not megatron-core DDP."""
+    for chunk in _megatron_ddp_chunks(model):
+        chunk.disable_forward_pre_hook(param_sync=param_sync)
+
+
+def _megatron_ddp_chunks(model: List[Any]) -> List[Any]:
+    from megatron.core.distributed import DistributedDataParallel
+
+    for chunk in model:
+        if not isinstance(chunk, DistributedDataParallel):
+            raise TypeError(f"forward pre-hooks exist only on megatron-core DistributedDataParallel chunks (the GPU "
+                            f"path); got {type(chunk).__module__}.{type(chunk).__qualname__}")
+    return list(model)
+
+
+@contextlib.contextmanager
+def forward_pre_hooks_off(state: GlobalState, model: List[Any]):
+    """Parameters all-gathered and forward pre-hooks off inside, on again after, when
+    :func:`should_disable_forward_pre_hook` holds for ``ddp.use_distributed_optimizer`` and
+    ``ddp.overlap_param_gather`` (exactly when megatron-core DDP registers the hooks). Nothing to do
+    on CPU: there the chunks are torch DDP, which ignores both settings and has no such hooks."""
+    d = state.cfg.ddp
+    toggle = should_disable_forward_pre_hook(False, d.use_distributed_optimizer, d.overlap_param_gather)
+    if toggle:
+        from megatron.core.distributed import DistributedDataParallel
+
+        toggle = all(isinstance(chunk, DistributedDataParallel) for chunk in model)
+    if not toggle:
+        yield
+        return
+    disable_forward_pre_hook(model, param_sync=True)
+    try:
+        yield
+    finally:
+        enable_forward_pre_hook(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# The progress log's baseline and the save line (Megatron Bridge's names)
+# ---------------------------------------------------------------------------------------------
+
+
+def get_start_time_from_progress_log(cfg: ConfigContainer) -> Tuple[datetime.datetime, float]:
+    """Start time of the earliest job with this world size, and the FLOPs of the last saved checkpoint
+    before it: the baseline of the cumulative throughput (Megatron Bridge's name and result).
+
+    Reads ``<checkpoint.save>/progress.txt``; "earliest" counts from the last line written with another
+    world size (a run at another size restarts the search). The world size is torch.distributed's,
+    else the launcher's (``WORLD_SIZE`` / ``SLURM_NTASKS``). The rule itself is
+    :func:`bridge_hpc.report.progress.cumulative_baseline`, which the progress log's writer uses too.
+    Raises ValueError when ``checkpoint.save`` is unset or the log has no ``Starting job`` line of this
+    world size, FileNotFoundError when there is no log.
+    """
+    if cfg.checkpoint.save is None:
+        raise ValueError("get_start_time_from_progress_log needs checkpoint.save (the folder of progress.txt)")
+    path = run_folder.checkpoint_file(cfg.checkpoint.save, run_folder.PROGRESS_FILE)
+    world_size = dist.get_world_size() if dist.is_initialized() else JobEnvironment.from_env().world_size
+    start, flops = progress_log.cumulative_baseline(progress_log.parse_events(path), world_size)
+    if start is None:
+        raise ValueError(f"{path} has no 'Starting job' line with # GPUs: {world_size} after the last line of "
+                         f"another world size")
+    return datetime.datetime.fromtimestamp(start), flops
+
+
+def compute_throughputs_and_append_to_progress_log(state: GlobalState,
+                                                   num_floating_point_operations_so_far: float) -> None:
+    """Append the ``Saved checkpoint`` line of the save just made: iteration, job and cumulative
+    TFLOP/s/GPU, FLOPs so far, tokens (consumed samples x sequence length), then bridge_hpc's ``Save
+    seconds`` (``state.last_save_s``). Megatron Bridge's name; returns nothing, as there.
+
+    Job throughput counts from this run's process start and the FLOPs of the checkpoint it loaded;
+    cumulative throughput from the baseline of :func:`get_start_time_from_progress_log`, read once
+    when the run's ``Starting job`` line was written (the file changes only by this writer meanwhile).
+    The computation and the line's format are :meth:`bridge_hpc.report.progress.ProgressLog.saved_checkpoint`.
+    A no-op where there is no progress log (``logger.log_progress`` off, no ``checkpoint.save``, or
+    not rank 0). Unlike Bridge, a save with ``checkpoint.async_save`` is logged when it is durable (by
+    :func:`maybe_finalize_async_save`), as ``Saved checkpoint``; this function logs synchronous saves.
+    """
+    if state.progress is None:
+        return
+    ts = state.train_state
+    state.progress.saved_checkpoint(ts.step, num_floating_point_operations_so_far,
+                                    ts.consumed_train_samples * state.cfg.model.seq_length, state.last_save_s)
+
+
+# ---------------------------------------------------------------------------------------------
 # Saving
 # ---------------------------------------------------------------------------------------------
 
@@ -73,23 +196,23 @@ TIME_LIMIT_WARNING_WINDOW_S = 300.0
 def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_scheduler,
                              num_floating_point_operations_so_far: float, checkpointing_context: Dict[str, Any],
                              non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
-    """Save a checkpoint of the current step, timed, and remember that this step is saved."""
+    """Save a checkpoint of the current step, timed, and remember that this step is saved.
+
+    With ``ddp.use_distributed_optimizer`` and ``ddp.overlap_param_gather`` (GPU) the forward pre-hooks
+    are off during the save and the parameters all-gathered before it (:func:`forward_pre_hooks_off`)."""
     timer = state.timers("save-checkpoint", log_level=0)
     timer.start(barrier=True)
     ft = state.fault_tolerance
     with ft.checkpointing() if ft is not None else contextlib.nullcontext():  # a long save is not a hang
-        checkpointing.save_checkpoint(state, model, optimizer, opt_param_scheduler, train_data_iterator)
+        with forward_pre_hooks_off(state, model):
+            checkpointing.save_checkpoint(state, model, optimizer, opt_param_scheduler, train_data_iterator)
     timer.stop(barrier=True)
     if state.straggler_detector is not None:
         state.straggler_detector.restart_window()  # the steps right after a save are not judged
     checkpointing_context["last_saved_step"] = state.train_state.step
     checkpointing_context["last_save_time_s"] = state.last_save_s = timer.elapsed(reset=True)
     state.metrics.log_checkpoint_saved(state.train_state.step, state.last_save_s)
-    if state.progress is not None:
-        ts = state.train_state
-        state.progress.saved_checkpoint(ts.step, num_floating_point_operations_so_far,
-                                        ts.consumed_train_samples * state.cfg.model.seq_length,
-                                        checkpointing_context["last_save_time_s"])
+    compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
 
 
 #: ``checkpointing_context`` key: background saves that failed since the last one that finalized.
@@ -106,7 +229,9 @@ def start_async_save_and_time(state: GlobalState, model, optimizer, opt_param_sc
     try:
         # Not in fault tolerance's checkpointing section: it is short, and the section's timeout is
         # computed from the first save it sees, which must be a whole write.
-        async_checkpoint.start_async_save(state, model, optimizer, opt_param_scheduler, writer, train_data_iterator)
+        with forward_pre_hooks_off(state, model):  # the snapshot must hold all-gathered parameters
+            async_checkpoint.start_async_save(state, model, optimizer, opt_param_scheduler, writer,
+                                              train_data_iterator)
     except CheckpointSaveError as err:
         _async_save_failed(state, checkpointing_context, state.train_state.step, err)
         return
@@ -230,6 +355,8 @@ def exit_reasons(state: GlobalState) -> List[str]:
         reasons.append("train_iters reached")
     if t.exit_interval and ts.step % t.exit_interval == 0 and ts.step > state.run_start_step:
         reasons.append("exit_interval")
+    if rerun.stop_reason() is not None:  # the ranks agreed on it (rerun.report_rerun)
+        reasons.append(rerun.stop_reason())
     # -- per-rank observations: agreed on with one all-reduce -------------------------------------
     local = {
         "signal received": signal_seen(state),

@@ -34,8 +34,12 @@ from typing import Any, Dict, Optional
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.report.curves import VALIDATION_LOSS
 
-#: metrics.jsonl key -> TensorBoard tag. Other keys (further losses of the loss function) keep their name.
+#: metrics.jsonl key -> TensorBoard tag. Other keys (further losses of the loss function) keep their name;
+#: so do the reports of ``train_utils.training_log`` on log steps, whose keys are Megatron Bridge's tags
+#: (``memory/...``, ``throughput/...``, ``time/...``, ``l2_norm/grad/...``). Where the throughput report's
+#: rolling ``throughput/tokens_per_sec`` is in a record it comes after ``tokens_per_s`` and is the value written.
 TENSORBOARD_TAGS = {
+    "params_norm": "params-norm",
     "loss": "lm loss",
     "lr": "learning-rate",
     "grad_norm": "grad-norm",

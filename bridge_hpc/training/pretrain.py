@@ -26,16 +26,18 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import ProgressLog, longest_recent_save_s
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training import async_checkpoint, checkpointing
-from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig
+from bridge_hpc.training import async_checkpoint, checkpointing, rerun
+from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig, runtime_config_update
 from bridge_hpc.training.data import build_data_iterator, build_datasets
 from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.gpt import gpt_model_provider
 from bridge_hpc.training.metrics import RunStart
+from bridge_hpc.training.optimizer import TorchOptimizer, setup_optimizer  # noqa: F401  (TorchOptimizer: old import path)
 from bridge_hpc.training.state import GlobalState, StopSignalRecorder
 from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.tokenizers import build_tokenizer_for
 from bridge_hpc.training.train import evaluate_and_print_results, train
+from bridge_hpc.training.utils.train_utils import start_memory_history_recording
 
 
 def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
@@ -96,6 +98,7 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
         raise
     finally:
         _stop_async_writer(checkpointing_context, abandon=False)
+        rerun.destroy_rerun_state()
         state.close()
         if cfg.checkpoint.save:
             checkpointing.release_checkpoint_folder(cfg.checkpoint.save)
@@ -114,9 +117,12 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     env = initialize_distributed(cfg.dist, store=state.restart_store)
     state.rank, state.world_size = dist.get_rank(), dist.get_world_size()
     # The tokenizer sets the model's vocabulary size (when [model] leaves it to the tokenizer), so it is
-    # built before validation (mock data copies model.vocab_size there) and before the model.
+    # built before the runtime update's validation (mock data copies model.vocab_size there) and before
+    # the model. (A config built in Python gets its sections finalized first, as the tokenizer needs;
+    # runtime_config_update does not finalize them twice.)
+    cfg.finalize_sections()
     state.tokenizer = build_tokenizer_for(cfg)
-    cfg.validate(state.world_size)
+    runtime_config_update(cfg)
     if cfg.checkpoint.save:
         # Before anything writes into the folder (FT state, progress log, checkpoints): a second job
         # training into the same folder fails here, on every rank, naming the job that holds it.
@@ -159,7 +165,9 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
                                                  cfg.model.pipeline_model_parallel_size)
     set_random_seed(cfg.rng.seed + (10 * parallel_state.get_data_parallel_rank()
                                     if cfg.rng.data_parallel_random_init else 0))
+    rerun.init_rerun_state(cfg.rerun_state_machine)  # megatron-core's rerun state machine (train_step uses it)
 
+    start_memory_history_recording(cfg.profiling)  # before the model: its allocations are in the history
     model = setup_model(cfg)
     optimizer = setup_optimizer(cfg, model)
     scheduler = setup_scheduler(cfg, optimizer)
@@ -311,74 +319,6 @@ def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module) -> torch.nn.Module:
     )
     return DistributedDataParallel(config=model.config if hasattr(model, "config") else model.module.config,
                                    ddp_config=ddp_config, module=model)
-
-
-class TorchOptimizer:
-    """A torch optimizer behind the part of megatron's optimizer interface the loop uses.
-
-    ``step()`` clips and returns ``(update_successful, grad_norm, num_zeros_in_grad)``; a
-    non-finite gradient norm skips the update, as megatron's optimizer does.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter], clip_grad: float):
-        self.optimizer = optimizer
-        self.params = params
-        self.clip_grad = clip_grad
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
-
-    def step(self):
-        max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        if not np.isfinite(grad_norm):
-            return False, grad_norm, None
-        self.optimizer.step()
-        return True, grad_norm, None
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-
-def setup_optimizer(cfg: ConfigContainer, model: List[torch.nn.Module]):
-    """AdamW/SGD (torch) on CPU, megatron-core's optimizer on GPU.
-
-    As in megatron, biases and other 1-D parameters (norms) get no weight decay: their group has
-    ``wd_mult = 0``, which the scheduler honours when it sets weight decay each step.
-    """
-    o = cfg.optimizer
-    if torch.cuda.is_available():
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        dtype = torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32
-        mcore_cfg = OptimizerConfig(
-            optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
-            clip_grad=o.clip_grad, bf16=o.bf16, fp16=o.fp16, params_dtype=dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer,
-        )
-        return get_megatron_optimizer(mcore_cfg, model)
-    params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim > 1], "wd_mult": 1.0, "lr_mult": 1.0},
-        {"params": [p for p in params if p.ndim <= 1], "wd_mult": 0.0, "lr_mult": 1.0},
-    ]
-    if o.optimizer == "adam":
-        inner = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                                  weight_decay=o.weight_decay)
-    else:
-        inner = torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay)
-    return TorchOptimizer(inner, params, o.clip_grad)
 
 
 def setup_scheduler(cfg: ConfigContainer, optimizer) -> OptimizerParamScheduler:

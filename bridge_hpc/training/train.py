@@ -15,15 +15,28 @@ import gc
 import math
 import os
 import time
+from collections import deque
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-from bridge_hpc.training.exit_policy import (  # noqa: F401 - Bridge's names in bridge.training.train
+from bridge_hpc.training import rerun
+
+# Bridge's names in bridge.training.train. They live with the save path they serve (exit_policy
+# imports nothing from this module, which imports it).
+from bridge_hpc.training.exit_policy import (  # noqa: F401
     any_rank,
     checkpoint_and_decide_exit,
+    compute_throughputs_and_append_to_progress_log,
+    disable_forward_pre_hook,
+    enable_forward_pre_hook,
+    forward_pre_hooks_off,
+    get_start_time_from_progress_log,
     save_checkpoint_and_time,
+    should_disable_forward_pre_hook,
     signal_seen,
 )
 from bridge_hpc.training.fault_tolerance import FaultTolerance
@@ -61,7 +74,8 @@ def finalize_grads(model: List[torch.nn.Module]) -> None:
 
 
 def forward_backward(forward_step_func: Callable, data_iterator, model: List[torch.nn.Module], num_microbatches: int,
-                     optimizer=None, forward_only: bool = False, collect_non_loss_data: bool = False) -> List[Any]:
+                     optimizer=None, forward_only: bool = False, collect_non_loss_data: bool = False,
+                     validate_loss: Optional[Callable[[torch.Tensor], None]] = None) -> List[Any]:
     """Run ``num_microbatches`` forward (and backward) steps; return what each loss function reported.
 
     Semantics of megatron-core's ``forward_backward_no_pipelining`` (whose token counter lives on
@@ -69,7 +83,8 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
     has its loss divided by the token count and the number of micro-batches; ``(loss, report)`` by
     the number of micro-batches; with ``collect_non_loss_data`` it is called as
     ``loss_func(output, non_loss_data=True)`` and whatever it returns is collected. Gradients are
-    synchronized only on the last micro-batch (``no_sync`` before).
+    synchronized only on the last micro-batch (``no_sync`` before). ``validate_loss`` gets each
+    micro-batch's loss as the loss function returned it (:func:`bridge_hpc.training.rerun.validate_loss`).
     """
     chunk = model[0]
     store: List[Any] = []
@@ -83,6 +98,8 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
             store.append(loss_func(output, non_loss_data=True))
             return
         outputs = loss_func(output)
+        if validate_loss is not None and len(outputs) in (2, 3):
+            validate_loss(outputs[0])
         if len(outputs) == 3:
             loss, num_tokens, report = outputs
             loss = loss / torch.clamp(num_tokens, min=1) / num_microbatches
@@ -127,15 +144,25 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     grad_norm, num_zeros_in_grad)``. ``forward_step_func`` must already be prepared
     (:func:`prepare_forward_step_func`). An optimizer step that reports failure (fp16 overflow,
     non-finite gradients) is a skipped iteration: the scheduler does not advance.
+
+    megatron-core's rerun state machine (:mod:`bridge_hpc.training.rerun`) decides how often the
+    forward/backward runs: again on the same micro-batches (``data_iterator`` a ``RerunDataIterator``)
+    when a loss failed validation. When it says stop, the step is abandoned before the optimizer step.
     """
     cfg = global_state.cfg
     timers = global_state.timers
-    zero_grads(model, optimizer)
+    rerun_state_machine = get_rerun_state_machine()
+    validate = partial(rerun.validate_loss, config=cfg.rerun_state_machine)
 
     timers("forward-backward", log_level=1).start()
-    reports = forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(global_state),
-                               optimizer=optimizer)
+    while rerun_state_machine.should_run_forward_backward(data_iterator):
+        zero_grads(model, optimizer)
+        reports = forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(global_state),
+                                   optimizer=optimizer, validate_loss=validate)
     timers("forward-backward", log_level=1).stop()
+    should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
+    if should_exit:
+        return {}, 1, should_checkpoint, should_exit, exit_code, None, None
 
     timers("optimizer", log_level=1).start()
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -264,32 +291,52 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
     # Fault tolerance (section "step" / heartbeats) and straggler timing around each step; no-ops when off.
     ft = global_state.fault_tolerance or FaultTolerance(None)
     straggler = global_state.straggler_detector or StragglerDetector(None)
+    # Steps read through a replaying wrapper (a re-run reads the same micro-batches); checkpoints
+    # record the position of the iterator itself.
+    step_iterator = rerun.RerunDataIterator(train_data_iterator) if train_data_iterator is not None else None
+    # End-of-step times for logger.log_throughput_to_tensorboard (train_utils.report_throughput's window).
+    history_wct = deque(maxlen=cfg.logger.throughput_window_size) if cfg.logger.log_throughput_to_tensorboard else None
+    report_memory_flag = True
     while True:
         # 1. one optimizer step
         ft.step_start(ts.step)
         ft.maybe_simulate_fault(ts.step)
         straggler.step_start()
         timers("interval-time", log_level=0).start()
-        loss_dict, skipped_iter, _, _, _, grad_norm, num_zeros_in_grad = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+        start_position = rerun.position_of(train_data_iterator)
+        loss_dict, skipped_iter, _, should_exit, _, grad_norm, num_zeros_in_grad = train_step(
+            forward_step_func, step_iterator, model, optimizer, scheduler, global_state)
         timers("interval-time", log_level=0).stop()
         straggler.step_end()
         ft.step_end(ts.step)
         step_time_s = timers("interval-time", log_level=0).elapsed(reset=True)
+        rerun.report_rerun(global_state, ts.step + 1, should_exit)  # collective only after a re-run
+        if should_exit:
+            # The step failed result validation and does not count: save the one before (at the data
+            # position this step started from) and stop, for the reason rerun.report_rerun agreed on.
+            checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                       checkpointing_context, start_position)
+            break
 
         # 2. counters; the straggler verdict (collective on report steps, the same on every rank)
         step_flops = _count_step(global_state, step_time_s, skipped_iter)
+        if history_wct is not None:
+            history_wct.append(time.time() - global_state.start_time)
         if straggler.check(ts.step):
             global_state.straggler_stop = True
 
         # 3. log, evaluate, housekeeping
         # (an evaluation first, so that its loss joins this step's record in metrics.jsonl)
         if cfg.train.eval_interval and ts.step % cfg.train.eval_interval == 0 and valid_data_iterator is not None:
-            evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func, valid_data_iterator,
-                                       model, process_non_loss_data_func, non_loss_data_func)
+            # As Megatron: with overlapped param all-gather the shards from the last optimizer step
+            # arrive only in the next training forward, so evaluation gathers them first.
+            with forward_pre_hooks_off(global_state, model):
+                evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func,
+                                           valid_data_iterator, model, process_non_loss_data_func, non_loss_data_func)
         learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
-        training_log(loss_dict, learning_rate, skipped_iter, grad_norm, num_zeros_in_grad, step_time_s,
-                     global_state, global_state.metrics)
+        report_memory_flag = training_log(loss_dict, learning_rate, skipped_iter, grad_norm, num_zeros_in_grad,
+                                          step_time_s, global_state, global_state.metrics, model=model,
+                                          history_wct=history_wct, report_memory_flag=report_memory_flag)
         post_training_step_callbacks(model, step_flops, None, ts.step, prof, cfg)
         if prof is not None and ts.step >= cfg.profiling.profile_step_end:
             prof = None

@@ -16,12 +16,20 @@ the job (``SLURM_RESTART_COUNT``) and the first worker group of that run (``TORC
 * ``TEST_SAVE_DELAY = "<seconds>"``: every checkpoint save takes this much longer (a slow file
   system: a save longer than the FT step timeout, which must not be taken for a hang). The rank's
   ``checkpointing.save_checkpoint`` is wrapped when this module is imported.
+* ``TEST_BAD_LOSS = "<kind>:<step>:<rank>[:<factor>],..."``: that rank's training loss of that step
+  (1-based: the step logged as ``iteration <step>``) is spoiled, for the result-validation tests
+  (``[rerun_state_machine]``). ``nan`` / ``inf`` / ``spike`` (times ``factor``) spoil every attempt of
+  the step in every run: a deterministic fault, which the step's re-run reproduces.
+  ``transient_nan`` / ``transient_spike`` spoil only the first attempt in the job's first run (Slurm
+  restart 0, first worker group), as a hardware fault would: the re-run gets the true loss.
 
 Each fault prints one line with its wall-clock time, which the tests read.
 """
 
 import os
 import time
+
+import torch
 
 from bridge_hpc.training import checkpointing
 from bridge_hpc.training.gpt import forward_step as gpt_forward_step
@@ -38,6 +46,8 @@ if float(os.environ.get("TEST_SAVE_DELAY", "0") or 0) > 0:
 
 
 _announced = []
+#: (kind, step) of the transient faults this process has injected: the re-run of the step is spared.
+_spoiled = set()
 
 
 def _this_run(slurm_restart: str) -> bool:
@@ -71,4 +81,25 @@ def forward_step(state, data_iterator, model):
             print(f"TEST SLOW rank {rank} from step {step} at {time.time():.3f}", flush=True)
         _burn(float(slow[3]))
     time.sleep(float(os.environ.get("TEST_STEP_SLEEP", "0")))
-    return gpt_forward_step(state, data_iterator, model)
+    output, loss_func = gpt_forward_step(state, data_iterator, model)
+    for fault in filter(None, os.environ.get("TEST_BAD_LOSS", "").split(",")):
+        kind, at, on_rank, *factor = fault.split(":")
+        if int(at) != step + 1 or int(on_rank) != rank or not model.training:  # not an evaluation
+            continue
+        if kind.startswith("transient_"):
+            if not _this_run("0") or (kind, step + 1) in _spoiled:
+                continue
+            _spoiled.add((kind, step + 1))
+        print(f"TEST BAD LOSS {kind} rank {rank} step {step + 1} at {time.time():.3f}", flush=True)
+        scale = {"nan": float("nan"), "inf": float("inf")}.get(kind.replace("transient_", ""))
+        return output, _spoil(loss_func, scale if scale is not None else float(factor[0]))
+    return output, loss_func
+
+
+def _spoil(loss_func, scale: float):
+    """The loss function with its loss (and reported loss) multiplied by ``scale``."""
+    def spoiled(output_tensor):
+        loss, num_tokens, report = loss_func(output_tensor)
+        return loss * scale, num_tokens, {key: value * torch.tensor([scale, 1.0]) for key, value in report.items()}
+
+    return spoiled

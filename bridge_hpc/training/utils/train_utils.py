@@ -1,4 +1,12 @@
-"""Helpers the loop calls: forward-step state injection, loss reduction, FLOPs and the step log.
+"""Helpers the loop calls: forward-step state injection, loss reduction, FLOPs, the step log and its
+reports (memory, throughput, runtime, gradient and parameter norms), the model-parallel collectives
+behind them, and model hooks (value head, frozen MoE router) for external trainers.
+
+The names, signatures and behaviour are those of Megatron Bridge's
+``megatron.bridge.training.utils.train_utils``, so code written against Bridge works unchanged.
+Where this module differs it says so in the function's docstring; the differences are that nothing
+assumes a CUDA device (collectives use the CPU under gloo, see :func:`comm_device`), and that the
+step reports run on log steps (``step % logger.log_interval == 0``) rather than every TensorBoard step.
 
 The injection rules are Megatron Bridge's, so a Bridge ``forward_step`` works unchanged:
 ``(data_iterator, model)``, ``(data_iterator, model, return_schedule_plan=False)``,
@@ -12,15 +20,29 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
+import os
 import time
+from collections import defaultdict
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
+import torch.nn as nn
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 
-from bridge_hpc.training.state import GlobalState
+from bridge_hpc.training.config import ProfilingConfig, TrainingConfig
+from bridge_hpc.training.state import GlobalState, TrainState
 
 logger = logging.getLogger(__name__)
+
+#: Model chunks as the loop passes them around (one per virtual pipeline stage; one here).
+ModelList = list[MegatronModule]
+#: A hook applied to the model chunks before they are wrapped for data parallelism.
+ModelHook = Callable[[ModelList], Optional[ModelList]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,18 +158,680 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# Model hooks: a value head, a frozen MoE router
+# ---------------------------------------------------------------------------------------------
+
+
+class LinearForLastLayer(nn.Linear):
+    """Final replicated projection head compatible with Megatron output-layer calls.
+
+    megatron-core's ``GPTModel`` calls its output layer as ``output_layer(hidden, weight=...,
+    runtime_gather_output=...)`` and unpacks ``(logits, bias)``; this head accepts (and ignores) those
+    arguments so it can replace ``output_layer`` as a value/reward head: a plain replicated linear
+    projection without bias, computed in fp32. With sequence parallelism the activations arrive split
+    along the sequence, so the output is gathered back to the full sequence.
+    """
+
+    def __init__(self, input_size: int, output_size: int, sequence_parallel: bool) -> None:
+        """Initialize a replicated final projection.
+
+        Args:
+            input_size: Hidden dimension of the transformer output.
+            output_size: Output dimension of the value/reward head.
+            sequence_parallel: Whether to gather sequence-parallel activations.
+        """
+        super().__init__(in_features=input_size, out_features=output_size, bias=False)
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            # megatron-core's DDP all-reduces the gradients of parameters marked so over the TP group.
+            self.weight.sequence_parallel = True
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None) -> tuple[torch.Tensor, None]:
+        """Run the final projection and return Megatron-style ``(output, bias)``."""
+        del weight, runtime_gather_output
+        logits = super().forward(input_).float()
+        if self.sequence_parallel:
+            logits = tensor_parallel.gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=False)
+        return logits, None
+
+
+def create_value_head_hook(hidden_size: int, sequence_parallel: bool, output_size: int = 1) -> ModelHook:
+    """Create a pre-wrap hook that replaces the final pipeline stage output head.
+
+    The hook sets ``output_layer`` of each chunk that holds the last pipeline stage (per virtual
+    stage with interleaved pipelines) to a :class:`LinearForLastLayer`, so the model returns
+    ``[batch, seq, output_size]`` values instead of vocabulary logits. Apply it before the model is
+    wrapped for data parallelism (the wrapper registers the parameters it reduces).
+
+    Args:
+        hidden_size: Hidden dimension of the transformer output.
+        sequence_parallel: Whether the model uses sequence parallelism.
+        output_size: Number of outputs produced by the final head.
+
+    Returns:
+        A model hook suitable for external trainer provider construction.
+
+    (Bridge also registers the head with its Hugging Face conversion mappings; this toolkit has no
+    such conversion, so there is nothing to register.)
+    """
+
+    def hook(model: Union[ModelList, MegatronModule]) -> ModelList:
+        model_chunks = _ensure_model_list(model)
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1 and vp_size is not None:
+            post_process = [parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+                            for vp in range(vp_size)]
+        else:
+            post_process = [parallel_state.is_pipeline_last_stage()]
+        if len(post_process) != len(model_chunks):
+            raise ValueError("Model list length and pipeline post-process list length must match. "
+                             f"Got {len(model_chunks)} model chunks and {len(post_process)} post-process flags.")
+        for chunk, is_last in zip(model_chunks, post_process):
+            if is_last:
+                chunk.output_layer = LinearForLastLayer(input_size=hidden_size, output_size=output_size,
+                                                        sequence_parallel=sequence_parallel)
+        return model_chunks
+
+    return hook
+
+
+def make_value_model(hidden_size: int, sequence_parallel: bool) -> ModelHook:
+    """Create a value-head hook compatible with existing external trainer code (one output)."""
+    return create_value_head_hook(hidden_size=hidden_size, sequence_parallel=sequence_parallel)
+
+
+def freeze_moe_router(model: Union[ModelList, MegatronModule]) -> ModelList:
+    """Freeze MoE router and shared-expert gate parameters in model chunks.
+
+    For every ``decoder.layers[i].mlp``: the router's ``weight`` and ``bias`` and the shared experts'
+    ``gate_weight`` and ``gate_bias``, where present, get ``requires_grad = False``. A dense layer
+    (no router) and a model without a decoder are left as they are. Chunks already wrapped (DDP,
+    Float16Module) are looked into through ``.module`` (Bridge applies it before wrapping); note that
+    a wrapper built before the freeze still holds gradient buffers for these parameters.
+
+    Args:
+        model: Single Megatron module or list of virtual-pipeline model chunks.
+
+    Returns:
+        The normalized model chunk list with router parameters frozen in place.
+    """
+    model_chunks = _ensure_model_list(model)
+    for chunk in model_chunks:
+        inner = chunk
+        while not hasattr(inner, "decoder") and isinstance(getattr(inner, "module", None), nn.Module):
+            inner = inner.module
+        layers = getattr(getattr(inner, "decoder", None), "layers", None)
+        if layers is None:
+            continue
+        for layer in layers:
+            mlp = getattr(layer, "mlp", None)
+            if mlp is None:
+                continue
+            router = getattr(mlp, "router", None)
+            if router is not None:
+                _freeze_parameter_if_present(router, "weight")
+                _freeze_parameter_if_present(router, "bias")
+            shared_experts = getattr(mlp, "shared_experts", None)
+            if shared_experts is not None:
+                _freeze_parameter_if_present(shared_experts, "gate_weight")
+                _freeze_parameter_if_present(shared_experts, "gate_bias")
+    return model_chunks
+
+
+def _ensure_model_list(model: Union[ModelList, MegatronModule]) -> ModelList:
+    return model if isinstance(model, list) else [model]
+
+
+def _freeze_parameter_if_present(module: object, name: str) -> None:
+    parameter = getattr(module, name, None)
+    if isinstance(parameter, torch.Tensor):
+        parameter.requires_grad = False
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA memory history
+# ---------------------------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    """This process's global rank; before torch.distributed is up, the launcher's RANK (else 0)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def memory_snapshot_file(profiling: ProfilingConfig, rank: int, tag: str = "") -> str:
+    """Where a rank's snapshot goes: ``<memory_snapshot_path stem>_<tag><rank><ext>`` (Bridge's names:
+    ``snapshot_0.pickle`` at ``profile_step_end``, ``snapshot_oom_rank-0.pickle`` on an out-of-memory)."""
+    base, ext = os.path.splitext(profiling.memory_snapshot_path)
+    return f"{base}_{tag}{rank}{ext}"
+
+
+def start_memory_history_recording(profiling: Optional[ProfilingConfig]) -> None:
+    """Enable the CUDA caching allocator trace so memory snapshots contain history.
+
+    ``torch.cuda.memory._snapshot()`` only includes allocation/free events and Python stack context
+    after ``_record_memory_history()`` has been enabled. Without this call, dumped snapshots contain
+    only the current live allocations: no timeline, no call sites.
+
+    Must be invoked before model construction so every tensor allocation is captured. Guarded by
+    ``profile_ranks`` so only ranks that will dump a snapshot pay the recording overhead. Does
+    nothing unless ``profiling.record_memory_history``. The snapshot is written by :func:`training_log`
+    at step ``profiling.profile_step_end`` (and on an out-of-memory error) and opens in
+    https://pytorch.org/memory_viz.
+
+    Without a CUDA device there is no caching allocator to trace: a warning says so and nothing is
+    recorded (no snapshot will be written).
+    """
+    if profiling is None or not profiling.record_memory_history:
+        return
+    rank = _rank()
+    if rank not in profiling.profile_ranks:
+        return
+    if not torch.cuda.is_available():
+        logger.warning("profiling.record_memory_history is on, but rank %d has no CUDA device: CUDA memory "
+                       "history is not recorded and no snapshot will be written", rank)
+        return
+    # Up to 100k alloc/free events, each with its Python and C++ stack (memory_viz shows the call sites).
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def _oom_observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+        """Dump a snapshot on OOM, to see what was live at the failure."""
+        filename = memory_snapshot_file(profiling, rank, "oom_rank-")
+        torch.cuda.memory._dump_snapshot(filename)
+        logger.info("[OOM] rank %d saved memory snapshot to %s", rank, filename)
+
+    if hasattr(torch._C, "_cuda_attach_out_of_memory_observer"):
+        torch._C._cuda_attach_out_of_memory_observer(_oom_observer)
+    logger.info("Memory history recording enabled (rank %d); snapshots will be written to '%s'.", rank,
+                memory_snapshot_file(profiling, rank))
+
+
+def _maybe_dump_memory_snapshot(profiling: ProfilingConfig, step: int) -> Optional[str]:
+    """At ``profile_step_end``, on profiled ranks with CUDA: write the allocator snapshot; returns its path."""
+    rank = _rank()
+    if (not profiling.record_memory_history or step != profiling.profile_step_end
+            or rank not in profiling.profile_ranks or not torch.cuda.is_available()):
+        return None
+    filename = memory_snapshot_file(profiling, rank)
+    torch.cuda.memory._dump_snapshot(filename)
+    logger.info("Saved memory snapshot to %s", filename)
+    return filename
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms
+# ---------------------------------------------------------------------------------------------
+
+#: ``torch.cuda.memory_stats()`` key -> the name :func:`report_memory` reports it under ("bytes"
+#: becomes "gigabytes" in the name, as the value is converted).
+MEMORY_KEYS: dict[str, str] = {
+    "allocated_bytes.all.current": "mem-allocated-bytes",
+    "active_bytes.all.current": "mem-active-bytes",
+    "inactive_split_bytes.all.current": "mem-inactive-bytes",
+    "reserved_bytes.all.current": "mem-reserved-bytes",
+    "allocated_bytes.all.peak": "mem-max-allocated-bytes",
+    "active_bytes.all.peak": "mem-max-active-bytes",
+    "inactive_split_bytes.all.peak": "mem-max-inactive-bytes",
+    "reserved_bytes.all.peak": "mem-max-reserved-bytes",
+    "num_alloc_retries": "mem-alloc-retires",
+    "allocation.all.current": "mem-allocated-count",
+}
+
+
+def param_is_not_shared(param: nn.Parameter) -> bool:
+    """Check if a parameter is marked as not shared.
+
+    megatron-core marks the second copy of a tied weight (the output layer's copy of the word
+    embeddings on the last pipeline stage) ``shared = True``; norms count it once, on the first stage.
+
+    Returns:
+        bool: True if the parameter does not have a 'shared' attribute or if param.shared is False.
+    """
+    return not hasattr(param, "shared") or not param.shared
+
+
+def _norm_squared(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared L2 norms of ``tensors`` as a 1-element fp32 tensor on ``device`` (for collectives).
+
+    ``torch._foreach_norm`` computes the per-tensor norms in one fused kernel per device and dtype on
+    CUDA (what Bridge gets from apex/TE's ``multi_tensor_l2norm``) and works on CPU too.
+    """
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(list(tensors))
+    return torch.stack([n.float().to(device) for n in norms]).square().sum().reshape(1)
+
+
+def calc_params_l2_norm(model: Union[MegatronModule, list[MegatronModule]], model_config: Any,
+                        use_megatron_fsdp: bool = False, force_create_fp32_copy: bool = False) -> float:
+    """Calculate the L2 norm of model parameters across all GPUs.
+
+    Handles parameter sharding (DP, TP, PP, EP) and different parameter types (dense, MoE, sharded
+    main params), as megatron does: a parameter is counted on one rank only (tensor-parallel
+    duplicates, i.e. parameters not split over TP, are counted on TP rank 0; ``shared`` copies of tied
+    weights are skipped); dense squared norms are summed over the model-parallel group (TP x PP),
+    expert ones over expert-TP x EP x PP, sharded fp32 main parameters (distributed optimizer) over
+    DP x CP. Every rank gets the same value. Collective: every rank of the job must call it.
+
+    Args:
+        model (Union[torch.nn.Module, list[torch.nn.Module]]): The model or list of model chunks.
+        model_config: The model configuration object (its ``bf16`` says whether parameters are bf16).
+        use_megatron_fsdp: Parameters are DTensors of Megatron FSDP (see :func:`calc_dtensor_params_l2_norm`).
+        force_create_fp32_copy (bool, optional): If True, always creates an FP32 copy for norm
+            calculation, ignoring potential `main_param` attributes. Defaults to False.
+
+    Returns:
+        float: The L2 norm of all parameters.
+    """
+    if not isinstance(model, list):
+        model = [model]
+    if use_megatron_fsdp:
+        params = []
+        for chunk in model:
+            chunk.stop_communication()
+            for name, param in chunk.named_parameters():
+                if not hasattr(param, "_local_tensor"):
+                    raise RuntimeError(f"Megatron FSDP requires parameters are PyTorch DTensor. "
+                                       f"Parameter {name} is not a DTensor.")
+                params.append(param)
+        return calc_dtensor_params_l2_norm(params)
+
+    params_data: List[torch.Tensor] = []
+    moe_params_data: List[torch.Tensor] = []
+    sharded_params_data: List[torch.Tensor] = []
+    data_parallel_group = None
+    for chunk in model:
+        for param in chunk.parameters():
+            data_parallel_group = get_data_parallel_group_if_dtensor(param, data_parallel_group)
+            if not param_is_not_tensor_parallel_duplicate(param):
+                continue
+            is_expert = not getattr(param, "allreduce", True)
+            if not is_expert and not param_is_not_shared(param):
+                continue
+            param = to_local_if_dtensor(param)
+            target = moe_params_data if is_expert else params_data
+            if model_config.bf16:
+                if not force_create_fp32_copy and hasattr(param, "main_param"):
+                    if getattr(param, "main_param_sharded", False):
+                        if param.main_param is not None:
+                            sharded_params_data.append(param.main_param)
+                    else:
+                        target.append(param.main_param)
+                else:
+                    # No fp32 main copy to read: make one, so the norm is not computed in bf16.
+                    target.append(param.data.float())
+            else:
+                target.append(param.data)
+
+    device = comm_device()
+    dist = torch.distributed
+    norm_2 = _norm_squared(params_data, device)
+    if data_parallel_group is not None:
+        dist.all_reduce(norm_2, op=dist.ReduceOp.SUM, group=data_parallel_group)
+    # Main parameters sharded by the distributed optimizer: each DP x CP rank holds a slice.
+    sharded_norm_2 = _norm_squared(sharded_params_data, device)
+    dist.all_reduce(sharded_norm_2, op=dist.ReduceOp.SUM, group=parallel_state.get_data_parallel_group(
+        with_context_parallel=True))
+    norm_2 += sharded_norm_2
+    # Expert norms count even on ranks without expert parameters (zeros), so every rank joins the
+    # same collectives whatever its layers.
+    moe_norm_2 = _norm_squared(moe_params_data, device)
+    dense_group = parallel_state.get_model_parallel_group()
+    expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+    if dist.get_process_group_ranks(dense_group) == dist.get_process_group_ranks(expert_group):
+        norm_2 += moe_norm_2
+        dist.all_reduce(norm_2, op=dist.ReduceOp.SUM, group=dense_group)
+    else:
+        dist.all_reduce(norm_2, op=dist.ReduceOp.SUM, group=dense_group)
+        dist.all_reduce(moe_norm_2, op=dist.ReduceOp.SUM, group=expert_group)
+        norm_2 += moe_norm_2
+    return norm_2.item() ** 0.5
+
+
+def calc_dtensor_params_l2_norm(params) -> float:
+    """Calculate l2 norm of DTensor parameters.
+
+    Local shards are grouped by their DTensor spec; a group's squared norm is summed over each mesh
+    dimension the spec shards along (``Shard``) and taken once along replicated ones (``Replicate``).
+    Other placements (``Partial``) raise. Collective over the meshes' groups.
+    """
+    params_data = defaultdict(list)
+    for param in params:
+        params_data[param._spec].append(param._local_tensor)
+    device = comm_device()
+    total_norm_2 = torch.zeros(1, dtype=torch.float32, device=device)
+    for dtensor_spec, local_tensors in params_data.items():
+        norm_2 = _norm_squared([t for t in local_tensors if t.numel() > 0], device)
+        for pg, placement in zip(dtensor_spec.device_mesh.get_all_groups(), dtensor_spec.placements):
+            if placement.is_shard():
+                torch.distributed.all_reduce(norm_2, op=torch.distributed.ReduceOp.SUM, group=pg)
+            elif placement.is_replicate():
+                pass  # every rank of this dimension holds the same values: count them once
+            else:
+                raise RuntimeError(f"Unsupported placement {placement} for Megatron FSDP.")
+        total_norm_2 += norm_2
+    return total_norm_2.item() ** 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives over model-parallel groups
+# ---------------------------------------------------------------------------------------------
+
+
+def reduce_max_stat_across_model_parallel_group(stat: Optional[float], mp_group) -> Optional[float]:
+    """Calculates the max of a stat across the model parallel group.
+
+    Handles cases where some ranks might have the stat as None (e.g., grad norm on ranks without an
+    optimizer). (Bridge stands None in as -1.0, so a stat of -1.0 everywhere reads as None there;
+    here the stand-in is -inf.)
+
+    Args:
+        stat (float): The statistic value (or None) on the current rank.
+        mp_group: The process group to reduce across (typically pg_collection.mp).
+
+    Returns:
+        float: The maximum value of the statistic across the model parallel group, or None if all
+        ranks had None.
+    """
+    value = torch.tensor([float("-inf") if stat is None else float(stat)], dtype=torch.float32,
+                         device=comm_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=mp_group)
+    result = value.item()
+    return None if result == float("-inf") else result
+
+
+def logical_and_across_model_parallel_group(input: bool, mp_group) -> bool:
+    """Performs a logical AND operation across the model parallel group.
+
+    Args:
+        input (bool): The boolean value on the current rank.
+        mp_group: The process group to reduce across (typically pg_collection.mp).
+
+    Returns:
+        bool: The result of the logical AND across all ranks in the group.
+    """
+    value = torch.tensor([1 if input is True else 0], dtype=torch.int, device=comm_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=mp_group)
+    return bool(value.item())
+
+
+def reduce_max_memory_across_pp_group(memory_report: dict[str, Union[int, float]],
+                                      pp_group) -> dict[str, Union[int, float]]:
+    """Reduce per-rank memory metrics across the PP group with MAX.
+
+    With pipeline parallelism, peak GPU memory is typically dominated by the first PP stage
+    (activation buildup), while TensorBoard writes on the last rank only; without aggregation the
+    logged values would reflect only the last PP stage and under-report true peak headroom.
+
+    This helper performs a single bulk all-reduce with MAX over the PP group so that the writer rank
+    emits the per-metric peak across the pipeline. Counter-style integer keys (e.g. ``alloc_retries``)
+    are preserved as ``int`` so dashboards continue to render them correctly.
+
+    No-op when distributed is uninitialized, the PP group has a single rank, or the report is empty.
+    All ranks of the group must pass the same keys in the same order.
+
+    Args:
+        memory_report: Mapping of metric name to per-rank value.
+        pp_group: The pipeline-parallel process group to reduce across.
+
+    Returns:
+        A new dict with values replaced by the per-metric MAX across the PP group, or the input report
+        unchanged when no reduction is needed.
+    """
+    if not memory_report:
+        return memory_report
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return memory_report
+    size = getattr(pp_group, "size", None)
+    if not callable(size) or size() <= 1:
+        return memory_report
+    keys = list(memory_report.keys())
+    values = torch.tensor([memory_report[k] for k in keys], dtype=torch.float64, device=comm_device())
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=pp_group)
+    reduced: dict[str, Union[int, float]] = {}
+    for key, max_val in zip(keys, values.tolist()):
+        original = memory_report[key]
+        reduced[key] = int(max_val) if isinstance(original, int) and not isinstance(original, bool) else max_val
+    return reduced
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports (one dict of TensorBoard tag -> value each)
+# ---------------------------------------------------------------------------------------------
+
+
+def report_memory(memory_keys: Optional[dict[str, str]]) -> dict:
+    """Logs the memory usage of the model, from ``torch.cuda.memory_stats()`` of the current device.
+
+    The statistics recorded by default (:data:`MEMORY_KEYS`): current and peak allocated, active,
+    inactive (non-releasable) and reserved memory, in gigabytes (10^9 bytes, rounded to 5 significant
+    digits; "bytes" in the name becomes "gigabytes"), the number of failed cudaMalloc calls that
+    caused a cache flush and retry (``mem-alloc-retires``, Bridge's spelling) and the number of live
+    allocations.
+
+    Args:
+        memory_keys (dict[str, str], optional): A dict specifying memory statistics to log. Keys are
+            the names of memory statistics to log from `torch.cuda.memory_stats()`, and values are
+            the names they will be logged under. If not provided, the above statistics are logged.
+
+    Returns:
+        Memory metrics dictionary. Empty without CUDA (``memory_stats()`` has nothing to report).
+    """
+    memory_stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    memory_keys = memory_keys if memory_keys else MEMORY_KEYS
+    memory_report = {}
+    for torch_name, name in memory_keys.items():
+        if torch_name not in memory_stats:
+            continue
+        if "bytes" in torch_name:
+            gigabytes = memory_stats[torch_name] / 1.0e9
+            if gigabytes != 0:
+                order_of_magnitude = int(math.floor(math.log10(abs(gigabytes))))
+                gigabytes = round(gigabytes, -order_of_magnitude + 4)
+            memory_report[name.replace("bytes", "gigabytes")] = gigabytes
+        else:
+            memory_report[name] = memory_stats[torch_name]
+    return memory_report
+
+
+def report_l2_norm_grad(model: list[MegatronModule]) -> dict:
+    """Computes and logs the L2 norm of gradients.
+
+    L2 norms are calculated after the reduction of gradients across GPUs. This function iterates over
+    the parameters of the model and may cause a reduction in throughput while training large models.
+    In order to ensure the correctness of the norm, this function should be called after gradient
+    unscaling in cases where gradients are scaled. (After the optimizer step, as in the loop, the
+    gradients are also clipped: ``optimizer.clip_grad`` clips them in place.)
+
+    Records ``l2_norm/grad/<parameter name>`` for each parameter that requires a gradient and has one
+    (megatron-core DDP's ``main_grad``, else ``.grad``) and ``l2_norm/grad/global``, the square root of
+    the sum of their squares. The norms are of this rank's parameters (no model-parallel reduction).
+
+    Args:
+        model (Union[MegatronModule, list[MegatronModule]]): megatron model state.
+
+    Returns:
+        Dictionary with L2 norms for each layer.
+    """
+    names: List[str] = []
+    grads: List[torch.Tensor] = []
+    seen = set()
+    for chunk in _ensure_model_list(model):
+        for name, p in chunk.named_parameters():
+            grad = getattr(p, "main_grad", None)
+            if grad is None:
+                grad = p.grad
+            key = f"l2_norm/grad/{name}"
+            if p.requires_grad and grad is not None and key not in seen:
+                seen.add(key)
+                names.append(key)
+                grads.append(grad)
+    if not grads:
+        return {"l2_norm/grad/global": 0.0}
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(grads[0].device) for g in grads])
+    values = norms.tolist() + [float(norms.square().sum().sqrt())]  # one device sync for all of them
+    return dict(zip(names + ["l2_norm/grad/global"], values))
+
+
+_TIME_UNITS = {"seconds": 1, "minutes": 60, "hours": 60 * 60, "days": 60 * 60 * 24}
+
+
+def report_runtime(train_state: TrainState, start_time: int, seq_length: int, train_iters: int,
+                   time_unit: str = "seconds") -> dict:
+    """Estimates total training time.
+
+    The training time is computed by taking the time elapsed for the current duration and
+    multiplying out to the full extended length of the training run. This is a best-attempt estimate:
+    it is inaccurate if throughput changes, and on a resumed run (``start_time`` is this run's start
+    while ``train_state.step`` counts earlier runs' steps too) it is optimistic.
+
+    Records ``time/remaining_estimate`` (estimated time to completion), ``time/tokens`` (consumed
+    tokens), ``time/samples`` (consumed samples), ``time/batches`` (steps) and ``time/total`` (time
+    since ``start_time``), times in ``time_unit``.
+
+    Args:
+        train_state: the run's counters (``step`` >= 1).
+        start_time (int): time when training was started (``time.time()`` seconds).
+        seq_length (int): model sequence length.
+        train_iters (int): number of train iters to be done per training.
+        time_unit (str, optional): 'seconds', 'minutes', 'hours', or 'days'. Defaults to 'seconds'.
+    """
+    if time_unit not in _TIME_UNITS:
+        raise ValueError(f'Invalid time_unit: {time_unit}. Must be one of "seconds", "minutes", "hours", or "days".')
+    divider = _TIME_UNITS[time_unit]
+    elapsed_dur = train_state.step / train_iters
+    elapsed_time = time.time() - start_time
+    remaining_time = elapsed_time / elapsed_dur * (1 - elapsed_dur)
+    return {
+        "time/remaining_estimate": remaining_time / divider,
+        "time/tokens": train_state.consumed_train_samples * seq_length,
+        "time/samples": train_state.consumed_train_samples,
+        "time/batches": train_state.step,
+        "time/total": elapsed_time / divider,
+    }
+
+
+def report_throughput(train_config: TrainingConfig, iteration: int, seq_length: int, history_wct: list,
+                      window_size: int) -> dict:
+    """Logs the training throughput and utilization, once ``window_size`` step times are known.
+
+    ``history_wct`` holds the wall-clock time (seconds since the run's start) at the end of each
+    recent step, the last one being ``iteration``'s. The last ``window_size`` of them span
+    ``window_size - 1`` steps of ``global_batch_size`` samples of ``seq_length`` tokens each. (Bridge
+    uses its whole history, whose loop keeps ``window_size + 1`` times, against ``window_size - 1``
+    steps, which under-reports by 1/window_size; here the times and steps always match.)
+
+    Records ``throughput/batches_per_sec``, ``throughput/samples_per_sec``,
+    ``throughput/tokens_per_sec``, the same divided by the world size under ``throughput/device/``,
+    and ``throughput/micro_batch_size`` and ``throughput/global_batch_size``. Empty until the window
+    is full, or when the times do not advance (a logged warning).
+
+    Args:
+        train_config (TrainingConfig): model train config.
+        iteration (int): current train iteration.
+        seq_length (int): model sequence length.
+        history_wct (list): list of elapsed time per each iteration.
+        window_size (int, optional): Number of batches to use for a rolling average of throughput.
+
+    Returns:
+        Dictionary with throughput metrics.
+    """
+    if len(history_wct) < window_size:
+        return {}
+    wct = list(history_wct)[-window_size:]
+    elapsed_batches = window_size - 1
+    elapsed_samples = elapsed_batches * train_config.global_batch_size
+    elapsed_tokens = elapsed_samples * seq_length
+    elapsed_wct = wct[-1] - wct[0]
+    if elapsed_wct <= 0:
+        logger.warning("elapsed_wct is %s, skipping throughput calculation at iteration %d", elapsed_wct, iteration)
+        return {}
+    world_size = _world_size()
+    batches_per_sec = elapsed_batches / elapsed_wct
+    samples_per_sec = elapsed_samples / elapsed_wct
+    metrics = {
+        "throughput/batches_per_sec": batches_per_sec,
+        "throughput/samples_per_sec": samples_per_sec,
+        "throughput/device/batches_per_sec": batches_per_sec / world_size,
+        "throughput/device/samples_per_sec": samples_per_sec / world_size,
+        "throughput/micro_batch_size": train_config.micro_batch_size,
+        "throughput/global_batch_size": train_config.global_batch_size,
+    }
+    if elapsed_tokens > 0:
+        tokens_per_sec = elapsed_tokens / elapsed_wct
+        metrics["throughput/tokens_per_sec"] = tokens_per_sec
+        metrics["throughput/device/tokens_per_sec"] = tokens_per_sec / world_size
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
 # The step log
 # ---------------------------------------------------------------------------------------------
 
 
+def _log_step_reports(global_state: GlobalState, model: Optional[ModelList],
+                      history_wct: Optional[Sequence[float]]) -> Dict[str, Any]:
+    """The reports ``logger`` asks for, as TensorBoard tag -> value (``params_norm`` for the parameter
+    norm). Collective where a report is (parameter norm, memory over PP): every rank runs it on the
+    same steps with the same settings."""
+    cfg, ts = global_state.cfg, global_state.train_state
+    log = cfg.logger
+    reports: Dict[str, Any] = {}
+    if log.log_params_norm and model is not None:
+        reports["params_norm"] = calc_params_l2_norm(model, cfg.model)
+    if log.log_memory_to_tensorboard:
+        memory = report_memory(memory_keys=log.memory_keys)
+        pp_group = (parallel_state.get_pipeline_model_parallel_group()
+                    if parallel_state.model_parallel_is_initialized() else None)
+        memory = reduce_max_memory_across_pp_group(memory, pp_group)
+        reports.update({f"memory/{name}": value for name, value in memory.items()})
+    if log.log_throughput_to_tensorboard and history_wct is not None:
+        reports.update(report_throughput(cfg.train, ts.step, cfg.model.seq_length, list(history_wct),
+                                         log.throughput_window_size))
+    if log.log_runtime_to_tensorboard:
+        reports.update(report_runtime(ts, global_state.start_time, cfg.model.seq_length, cfg.train.train_iters,
+                                      log.runtime_time_unit))
+    if log.log_l2_norm_grad_to_tensorboard and model is not None:
+        reports.update(report_l2_norm_grad(model))
+    return reports
+
+
 def training_log(loss_dict: Dict[str, torch.Tensor], learning_rate: Optional[float], skipped_iter: int,
                  grad_norm: Optional[float], num_zeros_in_grad: Optional[int], step_time_s: float,
-                 global_state: GlobalState, metrics) -> None:
+                 global_state: GlobalState, metrics, *, model: Optional[ModelList] = None,
+                 history_wct: Optional[Sequence[float]] = None, report_memory_flag: bool = False) -> bool:
     """Record one finished step: every step to ``metrics`` (JSON lines, TensorBoard), and a human
-    line on rank 0 every ``logger.log_interval`` steps.
+    line on rank 0 every ``logger.log_interval`` steps. Returns the updated ``report_memory_flag``.
 
     The loss goes to the metrics file at full precision (``float`` of the reduced fp32 tensor) so
     two runs can be compared bit for bit.
+
+    On log steps (``step % logger.log_interval == 0``) only, so that the steps in between pay nothing,
+    the reports turned on in ``[logger]`` join the step's record (metrics.jsonl, and TensorBoard under
+    Megatron Bridge's tags): ``log_params_norm`` (``params-norm``, also on the console line; needs
+    ``model``), ``log_memory_to_tensorboard`` (``memory/...``, the MAX over pipeline stages),
+    ``log_throughput_to_tensorboard`` (``throughput/...`` over the last ``throughput_window_size`` times
+    of ``history_wct``), ``log_runtime_to_tensorboard`` (``time/...``) and
+    ``log_l2_norm_grad_to_tensorboard`` (``l2_norm/grad/...``; needs ``model``). TensorBoard writes a
+    record on multiples of ``tensorboard_log_interval``, so keep it a divisor of ``log_interval``.
+    With ``report_memory_flag`` the log step prints this rank's memory report once per data-parallel
+    group (as Bridge, until the run's second step: by then the optimizer state is allocated). At step
+    ``profiling.profile_step_end`` a CUDA memory snapshot is written when ``record_memory_history`` is on.
+
+    The reports that are collectives (parameter norm, memory over PP) must be called by every rank
+    on the same steps: this function is, by the loop.
+
+    ``model`` and ``history_wct`` are keyword arguments (the loop passes its model chunks and a deque
+    of ``time.time() - global_state.start_time`` at the end of each step, ``throughput_window_size``
+    long); this signature is not Bridge's (which takes the totals Megatron's console line needs).
     """
     cfg, ts = global_state.cfg, global_state.train_state
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
@@ -166,9 +850,13 @@ def training_log(loss_dict: Dict[str, torch.Tensor], learning_rate: Optional[flo
     )
     if num_zeros_in_grad is not None:
         record["num_zeros_in_grad"] = int(num_zeros_in_grad)
+    log_step = ts.step % cfg.logger.log_interval == 0
+    if log_step:
+        record.update(_log_step_reports(global_state, model, history_wct))
     metrics.log(record)
+    _maybe_dump_memory_snapshot(cfg.profiling, ts.step)
 
-    if ts.step % cfg.logger.log_interval == 0 and global_state.rank == 0:
+    if log_step and global_state.rank == 0:
         flops = num_floating_point_operations(cfg, cfg.train.global_batch_size)
         tflops = flops / step_time_s / 1e12 / max(global_state.world_size, 1) if step_time_s > 0 else 0.0
         parts = [
@@ -184,5 +872,16 @@ def training_log(loss_dict: Dict[str, torch.Tensor], learning_rate: Optional[flo
         parts += [f"{key}: {float(value):.6E}" for key, value in loss_dict.items()]
         if grad_norm is not None:
             parts.append(f"grad norm: {float(grad_norm):.3f}")
+        if "params_norm" in record:
+            parts.append(f"params norm: {record['params_norm']:.3f}")
         parts.append(f"number of skipped iterations: {skipped_iter:3d}")
         print(" | ".join(parts), flush=True)
+    if log_step and report_memory_flag:
+        memory = report_memory(cfg.logger.memory_keys)
+        dp_rank = parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+        if memory and dp_rank == 0:
+            line = " | ".join(f"{name}: {value}" for name, value in memory.items())
+            print(f"[Rank {global_state.rank}] (after {ts.step} iterations) memory (GB) | {line}", flush=True)
+        if ts.step > global_state.run_start_step + 1:
+            report_memory_flag = False
+    return report_memory_flag

@@ -1,0 +1,649 @@
+"""What bridge_hpc's training loop costs: ``pretrain`` against a bare loop of the same calls.
+
+The loops train the same GPT on the same data with the same seeds; only what is around the calls
+differs:
+
+- **bridge**: :func:`bridge_hpc.training.pretrain.pretrain`, the loop every rank runs, with the job's
+  defaults: metrics.jsonl on rank 0, TensorBoard on the last rank, the log line every
+  ``logger.log_interval`` steps, the exit checks and the loss reduction (an all-reduce each, every
+  step), the step timers. Evaluation and checkpoints are off (``eval_interval = 0``, no
+  ``checkpoint.save``): no save falls inside the timed steps either way, and the exit save after the
+  last step would only lengthen the run.
+- **bare**: a plain for-loop a user would write with the same pieces: the toolkit's GPT builder (the
+  model is not what is measured), the DDP wrapper and optimizer built directly (torch DDP and
+  ``torch.optim.AdamW`` with ``clip_grad_norm_`` on CPU, as the toolkit did there; megatron-core's
+  ``Float16Module``, ``DistributedDataParallel`` and ``get_megatron_optimizer`` on GPU),
+  megatron-core's ``OptimizerParamScheduler``, ``MockGPTDataset`` batches through a plain
+  ``DataLoader``. Per step: zero grads, forward, loss, backward (no gradient sync before the last
+  micro-batch), finalize grads, optimizer step, scheduler step; nothing else. Its losses are reduced
+  after the loop, with the toolkit's own reduction, so that loss curves compare bit for bit.
+- **bare-opt**: the bare loop with the optimizer the toolkit builds (``setup_optimizer``, with
+  whatever faster step it installs). Against it only the loop differs: ``loop_overhead`` in the JSON,
+  the figure of the CPU target (<= 3 %), and the losses should be bitwise equal
+  (``losses_bitwise_equal``). ``against_bare`` compares with the plain bare loop: the GPU target
+  (>= 1.15x a bare megatron-core loop).
+
+All are started the same way (``torchrun --standalone``, this file in worker mode) and timed at the
+same point: a clock read at the first micro-batch of every step, so a step's interval includes all
+the loop does between steps. A run's figure is its steady tokens/s: the steps after ``--warmup``,
+tokens over elapsed time (on GPU the device is synchronized at the window's two ends only), so
+periodic costs such as the log line count. Also reported: the median step, the fastest tenth of the
+steps (what a step costs when nothing else ran: robust to a shared machine's load spikes, and
+every-step costs of the loop are in it) and CPU seconds per step (all threads of each rank). Runs
+alternate (bare, bare-opt, bridge, bridge, bare-opt, bare, ...) ``--repeat`` times each, so a drift of
+the machine hits all; results are ratios of the medians over runs; overhead = reference tokens/s ÷
+bridge tokens/s − 1.
+
+- CPU (default without CUDA): 2 gloo ranks, ``configs/local-tiny.toml``'s model and batch
+  (``OMP_NUM_THREADS=1``).
+- GPU (``--device cuda``): one GPU, the 370 M GPT of ``benchmarks/indexed_vs_mock.py`` (24 layers,
+  hidden 1024, 16 heads, vocab 32768, seq 2048 × micro-batch 8, bf16, adam, dropout 0, untied
+  output layer, ``grad_reduce_in_fp32``), plus MFU: the toolkit's 6·N·tokens + attention FLOPs
+  (``num_floating_point_operations``) over the H100's dense bf16 peak.
+
+Run: ``python benchmarks/loop_overhead.py [--device cpu|cuda] [--repeat 3] [--steps N]``; prints a
+table and writes ``benchmarks/results/loop_overhead.json`` with every run's figures. ``--profile``
+also writes a CPU-time cProfile of rank 0 of each run (``*.prof`` and the top functions as text)
+next to it; ``--sections`` times the bridge loop's own pieces (``train.py``'s calls: the loss
+reduction, the exit checks, the step log, ...) on every rank and prints what each costs a step;
+``--loops bare-opt,bridge`` runs only some of the loops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from indexed_vs_mock import GPT_370M, job_toml, mock_section  # noqa: E402 - the issue's GPU shape, defined once
+
+TINY_JOB = ROOT / "configs" / "local-tiny.toml"
+#: NVIDIA H100 SXM dense bf16 peak, FLOP/s (the MFU denominator).
+H100_BF16_PEAK = 989e12
+TARGET_CPU_OVERHEAD = 0.03
+#: The issue's GPU target: tokens/s of the toolkit against a bare megatron-core loop.
+TARGET_GPU_SPEEDUP = 1.15
+#: The loops: a bare loop with the optimizer a user builds, the same loop with the toolkit's
+#: optimizer (only the loop then differs from pretrain), and pretrain.
+LOOPS = ("bare", "bare-opt", "bridge")
+DEFAULTS = {"cpu": {"ranks": 2, "steps": 150, "warmup": 20, "repeat": 3},
+            "cuda": {"ranks": 1, "steps": 40, "warmup": 10, "repeat": 2}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side (one process per rank, under torchrun)
+# ---------------------------------------------------------------------------------------------
+
+
+class StepClock:
+    """Reads the clock at the first micro-batch of every step, around whatever produces the batch
+    (the toolkit's forward step, or the bare loop's), so both loops are timed at the same point.
+
+    On GPU the device is synchronized only at the steady window's first and last step: the host
+    may run ahead in between, and the window's elapsed time is still the device's."""
+
+    def __init__(self, microbatches: int, window: tuple, cuda: bool, inner: Optional[Callable] = None):
+        self.microbatches = microbatches
+        self.window = window
+        self.cuda = cuda
+        self.inner = inner
+        self.calls = 0
+        self.stamps: List[float] = []
+        #: This process's CPU seconds (all its threads) at the same points: the work a step costs,
+        #: which other load on a shared machine disturbs far less than the wall clock.
+        self.cpu_stamps: List[float] = []
+
+    def tick(self) -> None:
+        if self.calls % self.microbatches == 0:
+            if self.cuda and len(self.stamps) in self.window:
+                import torch
+
+                torch.cuda.synchronize()
+            self.stamps.append(time.perf_counter())
+            self.cpu_stamps.append(time.process_time())
+        self.calls += 1
+
+    def __call__(self, state, data_iterator, model):
+        """Bridge's forward-step signature (``state`` first: the loop injects the GlobalState)."""
+        self.tick()
+        return self.inner(state, data_iterator, model)
+
+
+def _load_training_config(job: str, overrides: List[str]):
+    """The run's ConfigContainer as the ranks build it, evaluation and checkpoints off."""
+    from bridge_hpc.launch.jobconfig import load_job_config
+
+    cfg = load_job_config(job, overrides).training
+    cfg.checkpoint.save = cfg.checkpoint.load = None
+    cfg.checkpoint.save_interval = None
+    cfg.train.eval_interval = 0
+    return cfg
+
+
+def _world() -> tuple:
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+#: What the toolkit's loop does around the calls a bare loop makes too, by the names ``train.py``
+#: calls them (those it has): each is timed when ``--sections`` is given.
+LOOP_SECTIONS = ("train_step", "reduce_loss_dicts", "validate_loss", "checkpoint_and_decide_exit", "training_log",
+                 "_count_step", "post_training_step_callbacks", "zero_grads", "finalize_grads")
+
+
+def time_sections(module, names, totals: Dict[str, List[float]]) -> None:
+    """Wrap ``module``'s functions ``names`` (those it has) to add their wall and CPU seconds to
+    ``totals[name]`` (``[calls, wall_s, cpu_s]``). Benchmark instrumentation: a few µs a call."""
+    import functools
+
+    for name in names:
+        if name not in vars(module):
+            continue
+        inner = vars(module)[name]
+        totals[name] = [0, 0.0, 0.0]
+
+        def timed(*args, __inner=inner, __total=totals[name], **kwargs):
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return __inner(*args, **kwargs)
+            finally:
+                __total[0] += 1
+                __total[1] += time.perf_counter() - wall
+                __total[2] += time.process_time() - cpu
+
+        setattr(module, name, functools.wraps(inner)(timed))
+
+
+def bridge_worker(cfg, clock: StepClock, sections: Optional[Dict[str, List[float]]] = None) -> List[float]:
+    """``pretrain`` with the toolkit's GPT step behind ``clock``; returns the losses of metrics.jsonl.
+    ``sections``: time the loop's own pieces (:data:`LOOP_SECTIONS`) into it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from bridge_hpc.training.gpt_step import forward_step
+    from bridge_hpc.training.pretrain import pretrain
+
+    if sections is not None:
+        from bridge_hpc.training import train as train_module
+
+        time_sections(train_module, LOOP_SECTIONS, sections)
+        if importlib.util.find_spec("bridge_hpc.training.rerun") is not None:  # the result validation, where present
+            from bridge_hpc.training import rerun
+
+            time_sections(rerun, ("validate_loss",), sections)
+    clock.inner = forward_step
+    pretrain(cfg, clock)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    if _world()[0] != 0:
+        return []
+    with open(cfg.logger.metrics_file, encoding="utf-8") as f:
+        return [json.loads(line)["loss"] for line in f if line.strip()]
+
+
+def bare_worker(cfg, clock: StepClock, cuda: bool, toolkit_optimizer: bool) -> List[float]:
+    """The same model, data and megatron-core calls in a plain loop; returns the losses.
+
+    ``toolkit_optimizer``: the optimizer the toolkit builds (``setup_optimizer``, whatever faster
+    step it installs), so that only the loop differs from ``pretrain``; else the optimizer a user
+    builds from megatron-core (GPU) or torch (CPU) directly."""
+    import inspect
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from torch.utils.data import DataLoader
+
+    from bridge_hpc.training.data import MockGPTDataset
+    from bridge_hpc.training.gpt import gpt_model_provider
+    from bridge_hpc.training.losses import masked_token_loss
+    from bridge_hpc.training.utils.train_utils import reduce_loss_dicts
+
+    rank, world, local_rank = _world()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    cfg.validate(world)
+    parallel_state.initialize_model_parallel(1, 1)
+    seed = cfg.rng.seed
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if cuda:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    m, o, t, s = cfg.model, cfg.optimizer, cfg.train, cfg.scheduler
+    model = gpt_model_provider(m)
+    if cuda:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        if m.bf16 or m.fp16:
+            model = Float16Module(model.config, model)
+        d = cfg.ddp
+        model = DistributedDataParallel(
+            config=model.config, module=model,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
+                overlap_param_gather=d.overlap_param_gather, use_distributed_optimizer=d.use_distributed_optimizer,
+                average_in_collective=d.average_in_collective, bucket_size=d.bucket_size))
+        if not toolkit_optimizer:
+            dtype = torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32
+            optimizer = get_megatron_optimizer(OptimizerConfig(
+                optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
+                clip_grad=o.clip_grad, bf16=o.bf16, fp16=o.fp16, params_dtype=dtype,
+                use_distributed_optimizer=o.use_distributed_optimizer), [model])
+    else:
+        # As the toolkit on CPU: no buffer sync in forward (torch 2.13 renamed the option).
+        names = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in names else {"broadcast_buffers": False}
+        model = torch.nn.parallel.DistributedDataParallel(model, **no_sync)
+    if toolkit_optimizer:
+        from bridge_hpc.training.pretrain import setup_optimizer
+
+        optimizer = setup_optimizer(cfg, [model])
+    elif not cuda:
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.ndim > 1], "wd_mult": 1.0, "lr_mult": 1.0},
+                  {"params": [p for p in params if p.ndim <= 1], "wd_mult": 0.0, "lr_mult": 1.0}]
+        if o.optimizer == "adam":
+            torch_optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                                weight_decay=o.weight_decay)
+        else:
+            torch_optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay)
+        optimizer = _PlainStep(torch_optimizer, params, o.clip_grad)
+    gbs = t.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.lr_warmup_iters * gbs,
+        lr_decay_steps=max(s.lr_decay_iters, 1) * gbs, lr_decay_style=s.lr_decay_style, start_wd=s.start_weight_decay,
+        end_wd=s.end_weight_decay, wd_incr_steps=max(t.train_iters, 1) * gbs, wd_incr_style=s.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
+        wsd_decay_steps=s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None,
+        lr_wsd_decay_style=s.lr_wsd_decay_style)
+
+    # This rank's samples of every micro-batch, in the order the toolkit's sampler reads them.
+    mbs, steps, dp = t.micro_batch_size, t.train_iters, world
+    microbatches = gbs // (mbs * dp)
+    dataset = MockGPTDataset(steps * gbs, m.seq_length, cfg.dataset.vocab_size, cfg.dataset.random_seed, "train")
+    batches = [[i * mbs * dp + rank * mbs + j for j in range(mbs)] for i in range(steps * microbatches)]
+    workers = cfg.dataset.num_workers
+    # A private generator, as the toolkit's: drawing the loader's seed from the global RNG would
+    # shift the dropout stream and the losses with it.
+    loader = DataLoader(dataset, batch_sampler=batches, num_workers=workers, pin_memory=cuda and cfg.dataset.pin_memory,
+                        persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    data = iter(loader)
+    reports: List[List[Any]] = []
+    model.train()
+    for _ in range(steps):
+        if cuda:
+            model.zero_grad_buffer()
+        optimizer.zero_grad()
+        step_reports = []
+        for k in range(microbatches):
+            clock.tick()
+            batch = {key: value.to(device, non_blocking=True) for key, value in next(data).items()}
+            sync = model.no_sync() if k < microbatches - 1 else _nothing()
+            with sync:
+                output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                loss, num_tokens, report = masked_token_loss(batch["loss_mask"], output)
+                (loss / torch.clamp(num_tokens, min=1) / microbatches).backward()
+            step_reports.append(report)
+        if cuda:
+            finalize_model_grads([model])
+        update_successful = optimizer.step()[0]
+        if update_successful:
+            scheduler.step(increment=gbs)
+        reports.append(step_reports)
+    # After the timed loop: the losses, reduced as the toolkit's loop reduces them every step.
+    group = parallel_state.get_data_parallel_group()
+    losses = [float(reduce_loss_dicts(r, group)["lm loss"]) for r in reports]
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return losses
+
+
+class _PlainStep:
+    """A torch optimizer with clipping, as a user writes it; ``step()`` answers as megatron's does."""
+
+    def __init__(self, optimizer, params, clip_grad: float):
+        self.optimizer, self.params, self.clip_grad = optimizer, params, clip_grad
+        self.param_groups = optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> tuple:
+        import torch
+
+        if self.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad)
+        self.optimizer.step()
+        return True, None, None
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    import torch
+
+    rank, world, _ = _world()
+    cuda = args.device == "cuda"
+    cfg = _load_training_config(args.job, args.set)
+    t = cfg.train
+    microbatches = t.global_batch_size // (t.micro_batch_size * world)
+    clock = StepClock(microbatches, (args.warmup, t.train_iters - 1), cuda)
+    # The heavy imports first, so that a profile shows the run rather than the imports.
+    import megatron.core.optimizer  # noqa: F401
+
+    import bridge_hpc.training.pretrain  # noqa: F401
+
+    # CPU time, not wall time: waits (collectives, the loader) then count as nothing, and other
+    # load on the machine does not land on whatever function happened to be running.
+    profiler = cProfile.Profile(time.process_time) if args.profile and rank == 0 else None
+    if profiler is not None:
+        profiler.enable()
+    sections: Optional[Dict[str, List[float]]] = {} if args.sections else None
+    if args.worker == "bridge":
+        losses = bridge_worker(cfg, clock, sections)
+    else:
+        losses = bare_worker(cfg, clock, cuda, toolkit_optimizer=args.worker == "bare-opt")
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.out + ".prof")
+        with open(args.out + ".prof.txt", "w") as f:
+            stats = pstats.Stats(profiler, stream=f).sort_stats("tottime")
+            stats.print_stats(40)
+    Path(f"{args.out}.rank{rank}").write_text(json.dumps({"stamps": clock.stamps, "cpu_stamps": clock.cpu_stamps,
+                                                          "sections": sections}))
+    if rank == 0:
+        from bridge_hpc.training.utils.train_utils import num_floating_point_operations
+
+        result = {"kind": args.worker, "world_size": world, "optimizer_config": cfg.to_dict()["optimizer"],
+                  "microbatches": microbatches, "stamps": clock.stamps,
+                  "losses": losses, "tokens_per_step": t.global_batch_size * cfg.model.seq_length,
+                  "flops_per_step": num_floating_point_operations(cfg, t.global_batch_size),
+                  "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+        Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver side
+# ---------------------------------------------------------------------------------------------
+
+
+def run_one(kind: str, device: str, ranks: int, job: Path, overrides: List[str], warmup: int, out: Path,
+            profile: bool, sections: bool) -> Dict[str, Any]:
+    """One torchrun of ``kind`` (one of :data:`LOOPS`); returns the run's figures."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           str(Path(__file__).resolve()), "--worker", kind, "--device", device, "--job", str(job),
+           "--warmup", str(warmup), "--out", str(out)] + [f"--set={item}" for item in overrides]
+    if profile:
+        cmd.append("--profile")
+    if sections:
+        cmd.append("--sections")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n"
+                         f"{proc.stderr[-6000:]}")
+    raw = json.loads(out.read_text())
+    stamps = raw["stamps"]
+    intervals = [b - a for a, b in zip(stamps, stamps[1:])]
+    steady = intervals[warmup:]
+    window_s = stamps[-1] - stamps[warmup]
+    tokens = raw["tokens_per_step"]
+    # CPU seconds per steady step, each rank's, and their mean.
+    cpu, by_rank_sections = [], []
+    for rank in range(raw["world_size"]):
+        ranked = json.loads(Path(f"{out}.rank{rank}").read_text())
+        c = ranked["cpu_stamps"]
+        cpu.append((c[-1] - c[warmup]) / (len(c) - 1 - warmup))
+        by_rank_sections.append(ranked["sections"])
+    result = {
+        "kind": kind, "wall_s": wall, "steps_timed": len(steady), "window_s": window_s,
+        "tokens_per_s": tokens * len(steady) / window_s,
+        "median_step_s": statistics.median(steady),
+        "median_step_tokens_per_s": tokens / statistics.median(steady),
+        "p10_step_tokens_per_s": tokens / statistics.quantiles(steady, n=10)[0],
+        "cpu_s_per_step": statistics.mean(cpu), "cpu_s_per_step_by_rank": cpu,
+        "step_s": intervals, "losses": raw["losses"], "tokens_per_step": tokens,
+        "flops_per_step": raw["flops_per_step"], "peak_allocated_gib": raw["peak_allocated_gib"],
+        "world_size": raw["world_size"], "microbatches": raw["microbatches"],
+        "optimizer_config": raw["optimizer_config"],
+        # Whole run (warm-up included), per rank: {section: [calls, wall s, CPU s]}.
+        "sections_by_rank": by_rank_sections if sections and kind == "bridge" else None,
+    }
+    if device == "cuda":
+        result["tflops_per_s"] = raw["flops_per_step"] * len(steady) / window_s / 1e12
+        result["mfu"] = result["tflops_per_s"] * 1e12 / H100_BF16_PEAK
+    return result
+
+
+def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp: Path,
+              profile_dir: Optional[Path], kinds: tuple = LOOPS, sections: bool = False) -> Dict[str, Any]:
+    if steps < warmup + 3:
+        raise SystemExit(f"--steps ({steps}) must exceed --warmup ({warmup}) by at least 3")
+    common = [f"train.train_iters={steps}", "train.eval_interval=0"]
+    if device == "cpu":
+        job = TINY_JOB
+        shape = "configs/local-tiny.toml's model and batch"
+    else:
+        job = tmp / "gpt370m.toml"
+        job.write_text(job_toml(GPT_370M, steps, tmp / "unused", mock_section(GPT_370M), gpu=True))
+        shape = "370M GPT, seq 2048 x micro-batch 8, bf16, adam"
+    runs: List[Dict[str, Any]] = []
+    for i in range(repeat):
+        for kind in (kinds if i % 2 == 0 else kinds[::-1]):
+            name = f"{kind}{i}"
+            overrides = common + [f'job.run_dir="{tmp / name}"']
+            out = (profile_dir / f"loop_overhead_{name}.json") if profile_dir else tmp / f"{name}.json"
+            run = run_one(kind, device, ranks, job, overrides, warmup, out, profile_dir is not None, sections)
+            run["run"] = len(runs)
+            runs.append(run)
+            print(f"[loop-overhead] {kind} run {i + 1}/{repeat}: {run['tokens_per_s']:,.0f} tokens/s "
+                  f"(median step {run['median_step_s'] * 1e3:.1f} ms, CPU {run['cpu_s_per_step'] * 1e3:.1f} ms/step, "
+                  f"{run['wall_s']:.0f} s wall)", file=sys.stderr, flush=True)
+    by = {kind: [r for r in runs if r["kind"] == kind] for kind in kinds}
+    loops = {}
+    for kind, rs in by.items():
+        loops[kind] = {key: statistics.median(r[key] for r in rs)
+                       for key in ("tokens_per_s", "median_step_tokens_per_s", "p10_step_tokens_per_s",
+                                   "cpu_s_per_step")}
+        loops[kind]["losses_repeatable"] = all(r["losses"] == rs[0]["losses"] for r in rs)
+        loops[kind]["optimizer_config"] = rs[0]["optimizer_config"]
+        if device == "cuda":
+            loops[kind]["tflops_per_s"] = statistics.median(r["tflops_per_s"] for r in rs)
+            loops[kind]["mfu"] = statistics.median(r["mfu"] for r in rs)
+            loops[kind]["peak_allocated_gib"] = max(r["peak_allocated_gib"] for r in rs)
+    result: Dict[str, Any] = {
+        "device": _device_name(device), "shape": shape, "ranks": ranks, "steps": steps, "warmup": warmup,
+        "repeat": repeat, "order": [r["kind"] for r in runs], "loops": loops,
+    }
+    if "bridge" in by and "bare-opt" in by:
+        # Only the loop differs: the figure the CPU target (<= 3 %) is about; losses should be bitwise equal.
+        result["loop_overhead"] = compare(by["bare-opt"], by["bridge"], loops["bare-opt"], loops["bridge"])
+        if device == "cpu":
+            result["loop_overhead"]["target"] = TARGET_CPU_OVERHEAD
+    if "bridge" in by and "bare" in by:
+        # Against the loop a user writes with megatron-core's (GPU) or torch's (CPU) optimizer: the GPU target.
+        result["against_bare"] = compare(by["bare"], by["bridge"], loops["bare"], loops["bridge"])
+        if device == "cuda":
+            result["against_bare"]["target_speedup"] = TARGET_GPU_SPEEDUP
+    if device == "cuda":
+        result["peak_flops"] = H100_BF16_PEAK
+    if sections and "bridge" in by:
+        result["bridge_sections"] = summarize_sections(by["bridge"], steps)
+    result["runs"] = runs
+    return result
+
+
+#: Sections a bare loop has no counterpart of (zero_grads and finalize_grads it does too).
+OWN_SECTIONS = ("reduce_loss_dicts", "validate_loss", "checkpoint_and_decide_exit", "training_log", "_count_step",
+                "post_training_step_callbacks")
+
+
+def summarize_sections(runs: List[Dict[str, Any]], steps: int) -> Dict[str, Any]:
+    """Per section: calls, wall and CPU milliseconds per step, the mean over runs and ranks; and
+    ``own``, the sum of :data:`OWN_SECTIONS` (what the bare loop does not do at all)."""
+    samples = [ranked for r in runs for ranked in r["sections_by_rank"]]
+    out: Dict[str, Any] = {}
+    for name in samples[0]:
+        out[name] = {"calls_per_step": statistics.mean(x[name][0] for x in samples) / steps,
+                     "wall_ms_per_step": statistics.mean(x[name][1] for x in samples) / steps * 1e3,
+                     "cpu_ms_per_step": statistics.mean(x[name][2] for x in samples) / steps * 1e3}
+    own = [name for name in OWN_SECTIONS if name in out]
+    out["own"] = {"sections": own, "wall_ms_per_step": sum(out[n]["wall_ms_per_step"] for n in own),
+                  "cpu_ms_per_step": sum(out[n]["cpu_ms_per_step"] for n in own)}
+    return out
+
+
+def compare(ref_runs: List[Dict[str, Any]], runs: List[Dict[str, Any]], ref: Dict[str, Any],
+            loop: Dict[str, Any]) -> Dict[str, Any]:
+    """``loop`` against ``ref``: speed-up (tokens/s ratio) and overhead (ref ÷ loop − 1) by each
+    measure, and whether their losses (first runs) agree bit for bit."""
+    a, b = ref_runs[0]["losses"], runs[0]["losses"]
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    out: Dict[str, Any] = {}
+    for key, name in (("tokens_per_s", "window"), ("median_step_tokens_per_s", "median_step"),
+                      ("p10_step_tokens_per_s", "p10_step")):
+        out[name] = {"speedup": loop[key] / ref[key], "overhead": ref[key] / loop[key] - 1}
+    out["cpu_per_step"] = {"overhead": loop["cpu_s_per_step"] / ref["cpu_s_per_step"] - 1}
+    out["speedup"], out["overhead"] = out["window"]["speedup"], out["window"]["overhead"]
+    out["losses_bitwise_equal"] = len(a) == len(b) and not any(diffs)
+    out["losses_max_abs_diff"] = max(diffs) if diffs else None
+    out["losses_first_differing_step"] = next((i + 1 for i, d in enumerate(diffs) if d), None)
+    return out
+
+
+def _device_name(device: str) -> str:
+    if device == "cpu":
+        return f"cpu ({os.cpu_count()} cores)"
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def print_table(r: Dict[str, Any]) -> None:
+    gpu = "peak_flops" in r
+    print(f"\nloop overhead on {r['device']}, {r['ranks']} rank(s), {r['shape']}: {r['steps']} steps per run, "
+          f"first {r['warmup']} left out, {r['repeat']} runs of each ({', '.join(r['order'])})\n")
+    head = ("| loop | tokens/s | median-step tokens/s | fastest-tenth tokens/s | CPU ms/step/rank |"
+            + (" TFLOP/s | MFU | peak GiB |" if gpu else ""))
+    print(head)
+    print("|" + " --- |" * (head.count("|") - 1))
+    for kind, x in r["loops"].items():
+        row = (f"| {kind} | {x['tokens_per_s']:,.0f} | {x['median_step_tokens_per_s']:,.0f} | "
+               f"{x['p10_step_tokens_per_s']:,.0f} | {x['cpu_s_per_step'] * 1e3:.1f} |")
+        if gpu:
+            row += f" {x['tflops_per_s']:.0f} | {x['mfu']:.1%} | {x['peak_allocated_gib']:.2f} |"
+        print(row)
+    print()
+    for name, title in (("loop_overhead", "bridge against bare-opt (only the loop differs)"),
+                        ("against_bare", "bridge against bare")):
+        if name not in r:
+            continue
+        c = r[name]
+        target = (f" (target <= {c['target']:.0%})" if "target" in c else
+                  f" (target >= {c['target_speedup']:.2f}x)" if "target_speedup" in c else "")
+        equal = "bitwise equal" if c["losses_bitwise_equal"] else (
+            f"differ from step {c['losses_first_differing_step']} (max |diff| {c['losses_max_abs_diff']:.3g})")
+        print(f"{title}: {c['speedup']:.3f}x, overhead {c['overhead']:+.1%}{target}; by median step "
+              f"{c['median_step']['overhead']:+.1%}, by fastest tenth {c['p10_step']['overhead']:+.1%}, "
+              f"by CPU time {c['cpu_per_step']['overhead']:+.1%}; losses {equal}")
+
+
+def print_sections(r: Dict[str, Any]) -> None:
+    sections = r.get("bridge_sections")
+    if not sections:
+        return
+    step_ms = 1e3 * r["loops"]["bridge"]["tokens_per_s"] ** -1 * r["runs"][0]["tokens_per_step"]
+    print(f"\nbridge loop's own pieces (mean of runs and ranks, warm-up included; a step is {step_ms:.1f} ms):\n")
+    print("| section | calls/step | wall ms/step | CPU ms/step | share of a step (wall) |\n| --- | --- | --- | --- | --- |")
+    for name, x in sections.items():
+        if name != "own":
+            print(f"| {name} | {x['calls_per_step']:.2f} | {x['wall_ms_per_step']:.3f} | {x['cpu_ms_per_step']:.3f} | "
+                  f"{x['wall_ms_per_step'] / step_ms:.1%} |")
+    own = sections["own"]
+    print(f"| own ({' + '.join(own['sections'])}) | | {own['wall_ms_per_step']:.3f} | {own['cpu_ms_per_step']:.3f} | "
+          f"{own['wall_ms_per_step'] / step_ms:.1%} |")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--repeat", type=int, help="runs of each loop, alternating (default: 3 on CPU, 2 on GPU)")
+    p.add_argument("--steps", type=int, help="steps per run (default: 150 on CPU, 40 on GPU)")
+    p.add_argument("--warmup", type=int, help="steps left out at the start of each run (default: 20 CPU, 10 GPU)")
+    p.add_argument("--ranks", type=int, help="processes (default: 2 on CPU, 1 on GPU)")
+    p.add_argument("--sections", action="store_true",
+                   help="time the bridge loop's own pieces (train.py's calls) on every rank and print them")
+    p.add_argument("--loops", default=",".join(LOOPS),
+                   help=f"which loops to run, comma-separated (default: {','.join(LOOPS)})")
+    p.add_argument("--profile", action="store_true", help="cProfile rank 0 of every run (files next to the JSON)")
+    p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "loop_overhead.json")
+    # Worker mode (internal: one rank, started by torchrun from run_one).
+    p.add_argument("--worker", choices=LOOPS, help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.worker:
+        return worker_main(args)
+    kinds = tuple(k for k in LOOPS if k in args.loops.split(","))
+    unknown = set(args.loops.split(",")) - set(LOOPS)
+    if unknown or not kinds:
+        p.error(f"--loops: expected some of {', '.join(LOOPS)}, got {args.loops!r}")
+    d = DEFAULTS[args.device]
+    steps, warmup = args.steps or d["steps"], d["warmup"] if args.warmup is None else args.warmup
+    if args.steps and args.warmup is None:
+        warmup = min(warmup, max(1, steps // 5))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    profile_dir = args.json.parent if args.profile else None
+    with tempfile.TemporaryDirectory(prefix="loop-overhead-", dir=os.environ.get("BENCH_TMP")) as tmp:
+        result = benchmark(args.device, args.ranks or d["ranks"], steps, warmup, args.repeat or d["repeat"],
+                           Path(tmp), profile_dir, kinds, args.sections)
+    print_table(result)
+    print_sections(result)
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
