@@ -249,7 +249,6 @@ def rank_main(job: str, mode: str, result_path: str) -> None:
     build_s = time.perf_counter() - t_process
 
     # One real step, so that the optimizer has its state (adam's moments) to save.
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     seq, vocab = cfg.model.seq_length, cfg.model.vocab_size
     generator = torch.Generator().manual_seed(rank)
 

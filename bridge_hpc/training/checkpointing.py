@@ -591,7 +591,6 @@ def _megatron_load_strategy():
 def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool) -> None:
     if _uses_megatron_dist(model):
         from megatron.core import dist_checkpointing
-
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         sharded = {"model": _unwrap(model[0]).sharded_state_dict()}
