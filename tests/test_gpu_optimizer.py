@@ -107,24 +107,31 @@ def _main_params(optimizer):
 
 
 def test_fused_step_matches_megatron_default_within_rounding(one_gpu):
+    """The same Adam math: on the same seeded gradients the two paths' fp32 main params agree to
+    rounding (operation order only); in real training (bf16 forward, which amplifies any rounding
+    difference step after step) the losses agree to 1e-3."""
     from bridge_hpc.training.optimizer import FusedStep
 
-    runs = {}
+    runs, trained = {}, {}
     for fused in (False, True):
         model, optimizer, scheduler = _build(_cfg(fused))
         assert isinstance(optimizer.step.__self__, FusedStep) == fused
         assert all(g["fused"] is (True if fused else None) for g in optimizer.param_groups)
-        losses = _train_steps(model, optimizer, scheduler, 0, STEPS)
-        runs[fused] = (losses, _main_params(optimizer))
-    (l0, p0), (l1, p1) = runs[False], runs[True]
-    assert l1[0] == pytest.approx(l0[0], rel=1e-6)  # same init and batch: the same first forward
-    assert l1 == pytest.approx(l0, rel=1e-3)
-    start = _main_params(_build(_cfg(True))[1])
+        start = _main_params(optimizer)
+        _synthetic_steps(model, optimizer, scheduler, 0, STEPS)
+        runs[fused] = (start, _main_params(optimizer))
+        model, optimizer, scheduler = _build(_cfg(fused))
+        trained[fused] = _train_steps(model, optimizer, scheduler, 0, STEPS)
+    (start, p0), (_, p1) = runs[False], runs[True]
     moved = sum(((a - s) ** 2).sum().item() for a, s in zip(p0, start)) ** 0.5
     apart = sum(((a - b) ** 2).sum().item() for a, b in zip(p0, p1)) ** 0.5
-    print(f"\nfused vs megatron after {STEPS} steps: |difference| / |distance moved| = {apart / moved:.2e}")
-    assert moved > LR  # the runs did train
-    assert apart <= 1e-2 * moved, (apart, moved)
+    print(f"\nfused vs megatron after {STEPS} steps on the same gradients: |difference| / |distance moved| = "
+          f"{apart / moved:.2e}")
+    assert moved > 0  # the steps did move the params
+    assert apart <= 1e-4 * moved, (apart, moved)
+    l0, l1 = trained[False], trained[True]
+    assert l1[0] == pytest.approx(l0[0], rel=1e-6)  # same init and batch: the same first forward
+    assert l1 == pytest.approx(l0, rel=1e-3)
 
 
 def _synthetic_steps(model, optimizer, scheduler, first: int, last: int):

@@ -35,7 +35,9 @@ def test_the_machine_replays_the_step_and_judges_it_on_a_gpu():
         assert step(lambda a: 3.0)[1] == (False, False, 0)
         attempts, verdict = step(lambda a: float("nan") if a == 1 else 3.0)  # transient
         assert len(attempts) == 2 and attempts[0] == attempts[1]  # same batch, same CUDA and CPU draws
-        assert verdict == (True, True, 17) and machine.step_failures == [("nan_loss", "transient")]
+        # (should_checkpoint, should_exit, exit code): megatron-core 0.16 asks for a checkpoint here and
+        # 0.19 does not; the loop saves the last good step on every stop either way
+        assert verdict[1:] == (True, 17) and machine.step_failures == [("nan_loss", "transient")]
         rerun.report_rerun(GlobalState(), 2, should_exit=True)
         assert rerun.stop_reason() == rerun.EXIT_TRANSIENT_FAULT
     finally:

@@ -339,7 +339,7 @@ def _why_not_fused_step(optimizer) -> Optional[str]:
     config = optimizer.config
     if config.use_precision_aware_optimizer:
         return "use_precision_aware_optimizer"
-    if not math.isfinite(vars(config).get("grad_norm_skip_threshold", math.inf)):  # megatron-core >= 0.19
+    if math.isfinite(vars(config).get("grad_norm_skip_threshold", math.inf)):  # megatron-core >= 0.19: on
         return "grad_norm_skip_threshold"
     if any(getattr(getattr(m, "ddp_config", None), "use_megatron_fsdp", False) for m in chained):
         return "Megatron-FSDP"

@@ -100,6 +100,7 @@ def _spoil(loss_func, scale: float):
     """The loss function with its loss (and reported loss) multiplied by ``scale``."""
     def spoiled(output_tensor):
         loss, num_tokens, report = loss_func(output_tensor)
-        return loss * scale, num_tokens, {key: value * torch.tensor([scale, 1.0]) for key, value in report.items()}
+        return loss * scale, num_tokens, {key: value * torch.tensor([scale, 1.0], device=value.device)
+                                      for key, value in report.items()}
 
     return spoiled
