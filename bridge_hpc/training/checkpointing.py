@@ -564,12 +564,13 @@ def _megatron_load_strategy():
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
     class _ParallelReadsLoad(mcore_torch.TorchDistLoadShardedStrategy):
-        def load(self, sharded_state_dict, checkpoint_dir):
+        def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
             # The strategy builds its reader inside load() through this module function (0.16-0.19);
             # it is swapped for the call only. Without it, torch's one-thread reader is used.
+            # (0.19 adds arguments, e.g. async_strategy: passed on as given.)
             make_reader = getattr(mcore_torch, "_get_filesystem_reader", None)
             if make_reader is None:
-                return super().load(sharded_state_dict, checkpoint_dir)
+                return super().load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
             def parallel(checkpoint_dir, *args, **kwargs):
                 reader = make_reader(checkpoint_dir, *args, **kwargs)
@@ -578,7 +579,7 @@ def _megatron_load_strategy():
 
             mcore_torch._get_filesystem_reader = parallel
             try:
-                return super().load(sharded_state_dict, checkpoint_dir)
+                return super().load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
             finally:
                 mcore_torch._get_filesystem_reader = make_reader
 
