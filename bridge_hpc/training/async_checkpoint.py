@@ -430,7 +430,7 @@ def _megatron_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str,
 
     sharded = {"model": checkpointing._unwrap(model[0]).sharded_state_dict()}
     if save_optim:
-        sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
+        sharded["optimizer"] = checkpointing.optimizer_sharded_state_dict(optimizer, sharded["model"])
     structure = tuple(
         (v.key, tuple(v.global_shape), tuple(v.global_offset), str(v.dtype)) if isinstance(v, ShardedTensor)
         else (v.key, type(v).__name__) if isinstance(v, ShardedBase) else (type(v).__name__,)

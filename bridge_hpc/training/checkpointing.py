@@ -589,6 +589,25 @@ def _megatron_load_strategy():
     return strategy
 
 
+#: How megatron-core's distributed optimizer lays out its state in a checkpoint: each rank's buffers
+#: as they are (parallel save and load without gathers; reshardable across data parallelism), as
+#: Megatron-LM does by default. megatron-core's own default, ``fully_sharded_model_space``, is
+#: deprecated and fails to save in 0.19 (``ShardedTensor.flattened_range is not supported``).
+DISTRIB_OPTIM_SHARDING_TYPE = "dp_reshardable"
+
+
+def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool = False):
+    """The megatron-core optimizer's sharded state dict, with :data:`DISTRIB_OPTIM_SHARDING_TYPE`
+    where it is the distributed optimizer (the others keep their key layout unchanged)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    if any(isinstance(o, DistributedOptimizer) for o in inner):
+        return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                            metadata={"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING_TYPE})
+    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
+
+
 def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool) -> None:
     if _uses_megatron_dist(model):
         from megatron.core import dist_checkpointing
@@ -596,7 +615,7 @@ def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool) -> 
 
         sharded = {"model": _unwrap(model[0]).sharded_state_dict()}
         if save_optim:
-            sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"])
+            sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, sharded["model"])
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=SAVE_WRITE_THREADS)
         with _in_process_write_results():
             dist_checkpointing.save(sharded, path, sharded_strategy=strategy)
@@ -618,7 +637,7 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool) -> 
         inner = _unwrap(model[0])
         sharded = {"model": inner.sharded_state_dict()}
         if load_optim:
-            sharded["optimizer"] = optimizer.sharded_state_dict(sharded["model"], is_loading=True)
+            sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, sharded["model"], is_loading=True)
         loaded = dist_checkpointing.load(sharded, path, sharded_strategy=_megatron_load_strategy())
         inner.load_state_dict(loaded["model"])
         if load_optim:
