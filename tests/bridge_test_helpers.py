@@ -240,3 +240,67 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and a
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+# -- processes a test started, stopped by PID ----------------------------------------------------
+
+
+def descendants(pid: int) -> list:
+    """Every process below ``pid`` (from /proc): torchrun's ranks, their checkpoint workers and
+    helpers, so a test stops exactly the processes it started (torchrun puts each rank in a session
+    of its own, so a process-group kill would miss them)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process below it, by PID, and reap it."""
+    import signal
+
+    for pid in [proc.pid] + descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=30)
+
+
+# -- a gloo world of one, in the test's own process -------------------------------------------------
+
+_RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def single_rank_world():
+    """A generator for a pytest fixture: a gloo world of one with megatron-core's model-parallel state
+    (TP = PP = 1), as pretrain has it; the rank variables are restored afterwards."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    saved = {k: os.environ.get(k) for k in _RANK_VARIABLES}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

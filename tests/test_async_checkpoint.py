@@ -31,7 +31,7 @@ from typing import List, Optional
 
 import pytest
 import torch
-from bridge_test_helpers import assert_bitwise_equal, free_port, model_params
+from bridge_test_helpers import assert_bitwise_equal, descendants, free_port, kill_tree, model_params
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
@@ -74,34 +74,6 @@ def _start(job: str, *overrides: str, stdout=subprocess.PIPE) -> subprocess.Pope
                             start_new_session=True)
 
 
-def _descendants(pid: int) -> List[int]:
-    """Every process below ``pid`` (from /proc): ranks, their checkpoint workers and helpers."""
-    children: dict = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and every process it started, by PID (torchrun puts each rank in a session of
-    its own, so a process-group kill would miss them)."""
-    for pid in [proc.pid] + _descendants(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.communicate(timeout=30)
 
 
 def _processes_in(folder) -> List[int]:
@@ -138,7 +110,7 @@ def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S):
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)
+        kill_tree(proc)
         pytest.fail(f"the run hung (killed after {timeout} s)")
     return proc.returncode, output
 
@@ -210,7 +182,7 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
             break
         time.sleep(rng.uniform(0.0, 0.5))
         in_flight += bool(glob.glob(os.path.join(ckpts, "iter_*.tmp")))
-        _kill_tree(proc)
+        kill_tree(proc)
         kills += 1
 
         latest = find_latest_checkpoint(ckpts, world_size=2)
@@ -237,7 +209,7 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
 
 def _worker_of_rank(torchrun_pid: int, rank: int) -> Optional[int]:
     """The checkpoint worker (``bridge-ckpt``) whose parent is the given rank."""
-    for pid in _descendants(torchrun_pid):
+    for pid in descendants(torchrun_pid):
         try:
             with open(f"/proc/{pid}/comm") as f:
                 if f.read().strip() != WORKER_NAME:

@@ -22,7 +22,7 @@ import time
 from typing import Callable, Optional
 
 import pytest
-from bridge_test_helpers import free_port
+from bridge_test_helpers import descendants, free_port
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import parse_events
@@ -74,7 +74,7 @@ def _run(job: str, *overrides: str, timeout: float = RUN_TIMEOUT_S) -> Result:
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        workers = _descendants(proc.pid)  # torchrun starts each worker in a session of its own
+        workers = descendants(proc.pid)  # torchrun starts each worker in a session of its own
         os.killpg(proc.pid, signal.SIGKILL)
         for pid in workers:
             try:
@@ -85,24 +85,6 @@ def _run(job: str, *overrides: str, timeout: float = RUN_TIMEOUT_S) -> Result:
         pytest.fail(f"the run hung (killed after {timeout} s):\n{stdout[-3000:]}\n{stderr[-5000:]}")
     return Result(proc.returncode, stdout, stderr, time.monotonic() - start)
 
-
-def _descendants(pid: int) -> list:
-    """Every process below ``pid`` (from /proc), to stop exactly the processes this test started."""
-    children: dict = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _ok(result: Result) -> Result:

@@ -25,7 +25,7 @@ from typing import Dict, List
 
 import pytest
 import torch
-from bridge_test_helpers import free_port
+from bridge_test_helpers import free_port, single_rank_world
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import ConfigContainer, GPTDatasetConfig, MockGPTDatasetConfig, TokenizerConfig
@@ -77,20 +77,7 @@ def corpus(tmp_path_factory) -> Dict[str, List[List[int]]]:
 
 @pytest.fixture(scope="module")
 def single_rank():
-    """A gloo world of one, as pretrain has: megatron-core's BlendedDataset asks for the rank when it
-    caches its indices."""
-    import torch.distributed as dist
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    yield from single_rank_world()
 
 
 def _sections(tmp_path: Path, dataset: dict, tokenizer: bool = True) -> dict:

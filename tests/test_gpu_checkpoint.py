@@ -19,7 +19,6 @@ import glob
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from typing import List
 
 import pytest
 import torch
-from bridge_test_helpers import free_port
+from bridge_test_helpers import free_port, kill_tree
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint, verify_checkpoint
@@ -74,32 +73,6 @@ def _run(job: str, *overrides: str) -> str:
     return proc.stdout
 
 
-def _descendants(pid: int) -> List[int]:
-    children: dict = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and every process below it (rank, checkpoint worker, its writers), by PID."""
-    for pid in [proc.pid] + _descendants(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
 
 
 def _trained(job: str) -> dict:
@@ -151,7 +124,7 @@ def test_sigkill_during_an_async_save_leaves_the_last_finalized_checkpoint(strai
             time.sleep(0.002)
         assert proc.poll() is None, "the run ended before a save was in flight"
     finally:
-        _kill_tree(proc)
+        kill_tree(proc)
     latest = find_latest_checkpoint(ckpts, world_size=1)
     assert latest is not None and _tracked(ckpts) == int(latest[-7:])
     assert verify_checkpoint(latest, world_size=1) is None

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from bridge_test_helpers import free_port
+from bridge_test_helpers import free_port, single_rank_world
 
 from bridge_hpc.training.config import GPTModelConfig, ProfilingConfig, TrainingConfig
 from bridge_hpc.training.state import GlobalState, TrainState
@@ -61,22 +61,7 @@ class Toy(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def single_rank():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    yield from single_rank_world()
 
 
 def _tiny_gpt(**overrides):
