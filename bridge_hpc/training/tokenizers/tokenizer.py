@@ -1,9 +1,21 @@
 """``bridge.training.tokenizers.tokenizer`` (Megatron Bridge's module path): the tokenizer type that
 ``ConfigContainer.tokenizer`` and the datasets hold. The toolkit's tokenizers are megatron-core's own
-(``megatron.core.tokenizers``), built by :func:`bridge_hpc.training.tokenizers.build_tokenizer`."""
+(``megatron.core.tokenizers``), built by :func:`bridge_hpc.training.tokenizers.build_tokenizer`.
 
-from megatron.core.tokenizers import MegatronTokenizer
+``MegatronTokenizer`` is resolved on first use (a module ``__getattr__``), not at import: this package
+is imported on the login node and by ``bridge-prepare-data``, which must not pay for torch and
+megatron-core until a tokenizer is really built."""
+
+from typing import Any
 
 from bridge_hpc.training.tokenizers import build_tokenizer
 
 __all__ = ["MegatronTokenizer", "build_tokenizer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MegatronTokenizer":
+        from megatron.core.tokenizers import MegatronTokenizer
+
+        return MegatronTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
