@@ -8,6 +8,16 @@
   the requeue hold between allocations is queue time and not counted as allocated).
 
 Figures are ratios within one run; the machine is noisy. Run: ``python benchmarks/preemption.py``.
+
+``--device cuda`` (a GPU machine without Slurm: the ``device`` tool's H100): the 370 M GPT of
+``benchmarks/indexed_vs_mock.py`` (seq 2048 x micro-batch 8, bf16, adam, mock data) on one GPU, one
+rank started directly (as ``srun`` starts it: no torchrun), ``checkpoint.async_save = true``. Each
+cycle trains ``--steps`` steps past where it started, sends SIGUSR1 to the rank and every process it
+started (as Slurm's ``scancel --signal=USR1`` does), waits for the rank to exit, and starts the next
+run, which resumes. Allocated time lost per preemption = signal -> rank gone (the step in flight,
+the synchronous exit save, teardown) + the next run's start-up to its first step (progress.txt's
+``First step`` line: imports, init, model build, checkpoint load and that step), less one step time
+(work, not loss) + lost steps x step time. Target (issue 11): <= 15 s.
 """
 
 from __future__ import annotations
@@ -78,12 +88,125 @@ def preempt_every(run_dir: Path, iters: int, every: int) -> dict:
             "goodput": report["totals"]["goodput"], "runs": report["totals"]["runs"]}
 
 
+def _gpu_job(folder: Path) -> Path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from indexed_vs_mock import GPT_370M, job_toml, mock_section
+
+    text = job_toml(GPT_370M, 100000, folder / "run", mock_section(GPT_370M), gpu=True)
+    text = text.replace("[checkpoint]\n", "[checkpoint]\nasync_save = true\n")
+    job = folder / "job.toml"
+    job.write_text(text)
+    return job
+
+
+def _descendants(pid: int) -> list:
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _metrics_steps(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    return max((json.loads(line)["step"] for line in lines if line.strip().endswith("}")), default=0)
+
+
+def gpu_preemptions(folder: Path, cycles: int, steps: int) -> dict:
+    """``cycles`` preemptions of a one-GPU run, ``steps`` steps after each start (see the module doc)."""
+    import os
+    import signal
+    import socket
+
+    job, run_dir = _gpu_job(folder), folder / "run"
+    exits = []
+    for cycle in range(cycles + 1):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        log = open(folder / f"run{cycle}.log", "w")
+        start_step = _metrics_steps(run_dir)
+        proc = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", str(job)], cwd=folder, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 600
+            while _metrics_steps(run_dir) < start_step + steps:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise SystemExit(f"run {cycle} ended or stalled before step {start_step + steps}: "
+                                     f"see {folder / f'run{cycle}.log'}")
+                time.sleep(0.05)
+            if cycle == cycles:
+                break  # the last run only restarts: stopped below, not measured
+            t0 = time.time()
+            for pid in [proc.pid] + _descendants(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=300)
+            exits.append({"at_step": _metrics_steps(run_dir), "gone_s": time.time() - t0,
+                          "returncode": proc.returncode})
+            print(f"  preempted at step {exits[-1]['at_step']}: rank gone after {exits[-1]['gone_s']:.2f} s",
+                  flush=True)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_s = statistics.median(m["step_time_s"] for m in metrics)
+    startups = [float(r.last("First step").fields["Start-up seconds"]) for r in runs if r.last("First step")]
+    loads = [float(r.last("Loaded checkpoint").fields["Load seconds"]) for r in runs if r.last("Loaded checkpoint")]
+    lost = [int(r.last("Ending job").fields["Steps lost"]) for r in runs[:-1] if r.last("Ending job")]
+    per_preemption = [e["gone_s"] + (startup - step_s) + n * step_s
+                      for e, startup, n in zip(exits, startups[1:], lost)]
+    return {"device": "cuda", "model": "370M GPT, seq 2048 x mb 8, bf16, adam, async_save", "cycles": cycles,
+            "steps_per_run": steps, "exits": exits, "step_s": step_s, "startup_to_first_step_s": startups,
+            "load_s": loads, "lost_steps": lost, "lost_per_preemption_s": per_preemption, "target_s": 15.0}
+
+
+def gpu_main(args) -> int:
+    work = Path(tempfile.mkdtemp(prefix="bridge-preemption-gpu-", dir=args.dir))
+    r = gpu_preemptions(work, args.cycles, args.steps)
+    print()
+    print(f"{'preemption':>10} {'signal->gone s':>15} {'restart to 1st step s':>22} {'load s':>7} "
+          f"{'lost steps':>11} {'lost s':>7} {'target':>7}")
+    for i, lost_s in enumerate(r["lost_per_preemption_s"]):
+        print(f"{i + 1:>10} {r['exits'][i]['gone_s']:>15.2f} {r['startup_to_first_step_s'][i + 1]:>22.1f} "
+              f"{r['load_s'][i]:>7.1f} {r['lost_steps'][i]:>11} {lost_s:>7.1f} {'<= 15':>7} "
+              f"{'ok' if lost_s <= 15 else 'ABOVE'}")
+    print(f"first run's start-up to its first step: {r['startup_to_first_step_s'][0]:.1f} s; step {r['step_s']:.3f} s")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(r, indent=2))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=600)
     p.add_argument("--every", type=int, nargs="+", default=[150, 300])
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "preemption.json"))
+    p.add_argument("--device", choices=("slurm", "cuda"), default="slurm",
+                   help="slurm: the local cluster (default); cuda: one GPU without Slurm (see the module doc)")
+    p.add_argument("--cycles", type=int, default=2, help="cuda: preemptions (default 2)")
+    p.add_argument("--steps", type=int, default=30, help="cuda: steps of each run before its preemption (default 30)")
+    p.add_argument("--dir", default=None, help="cuda: where the run folder goes (default: a temporary folder)")
     args = p.parse_args()
+    if args.device == "cuda":
+        return gpu_main(args)
     results = []
     work = Path(tempfile.mkdtemp(prefix="bridge-preemption-"))
     for every in args.every:

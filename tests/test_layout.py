@@ -27,7 +27,7 @@ ALLOWED = {
 }
 #: Modules the login node imports; each may import torch only inside functions (the ranks' code).
 TORCH_FREE = ("contracts", "launch", "slurm", "report", "local_slurm", "cli", "data", "training.config",
-              "training.signal_recorder", "training.tokenizers")
+              "training.signal_recorder", "training.tokenizers", "training.mixed_precision", "training.comm_overlap")
 
 
 #: The training modules that data preparation (cli, data) may import: torch-free at module level.

@@ -24,6 +24,7 @@ import pytest
 from bridge_test_helpers import single_rank_world
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.training.comm_overlap import CommOverlapConfig
 from bridge_hpc.training.config import (
     CheckpointConfig,
     ConfigContainer,
@@ -41,6 +42,7 @@ from bridge_hpc.training.config import (
     mimo_runtime_config_update,
     runtime_config_update,
 )
+from bridge_hpc.training.mixed_precision import MixedPrecisionConfig
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,6 +123,108 @@ def test_runtime_config_update_names_the_key(monkeypatch, world, change, key):
     with pytest.raises(ConfigError) as err:
         runtime_config_update(_python_built(**change))
     assert err.value.key == key
+
+
+def test_runtime_config_update_applies_a_mixed_precision_recipe_name(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = _python_built()
+    cfg.mixed_precision = "bf16-mixed"  # Bridge accepts either spelling
+    cfg.ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=False)
+    runtime_config_update(cfg)
+    assert isinstance(cfg.mixed_precision, MixedPrecisionConfig) and cfg.mixed_precision.bf16
+    assert (cfg.model.bf16, cfg.optimizer.bf16, cfg.model.fp16, cfg.optimizer.fp16) == (True, True, False, False)
+    assert cfg.ddp.grad_reduce_in_fp32  # the recipe reduces gradients in fp32
+    fp16 = _python_built()
+    fp16.mixed_precision = MixedPrecisionConfig(fp16=True, grad_reduce_in_fp32=False)
+    runtime_config_update(fp16)
+    assert (fp16.model.fp16, fp16.optimizer.fp16, fp16.model.bf16, fp16.ddp.grad_reduce_in_fp32) == (True, True, False, False)
+
+
+@pytest.mark.parametrize("mixed_precision, key", [
+    ("fp8_mixed", "mixed_precision"),  # no such recipe here (FP8 needs Transformer Engine)
+    (MixedPrecisionConfig(bf16=True, fp8="hybrid"), "mixed_precision.fp8"),
+    (MixedPrecisionConfig(bf16=True, params_dtype="float16"), "mixed_precision.params_dtype"),
+    (MixedPrecisionConfig(bf16=True, fp16=True), "mixed_precision.bf16"),
+])
+def test_runtime_config_update_refuses_precision_it_cannot_run(monkeypatch, mixed_precision, key):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = _python_built()
+    cfg.mixed_precision = mixed_precision
+    with pytest.raises(ConfigError) as err:
+        runtime_config_update(cfg)
+    assert err.value.key == key
+    assert not cfg.model.bf16 and not cfg.model.fp16  # nothing half-applied
+
+
+def test_comm_overlap_sets_the_data_parallel_overlaps_with_the_distributed_optimizer(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = _python_built(use_distributed_optimizer=True)  # turned on in ddp by the update
+    cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=False)
+    runtime_config_update(cfg)
+    assert cfg.comm_overlap.data_parallel_size == 2
+    # Bridge's defaults above one data-parallel rank: both overlaps on, 128 MiB buckets
+    assert cfg.ddp.overlap_grad_reduce and cfg.ddp.overlap_param_gather
+    assert cfg.ddp.bucket_size == 128 * 1024 * 1024
+    # a value the user sets wins
+    mine = _python_built(use_distributed_optimizer=True)
+    mine.comm_overlap = CommOverlapConfig(tp_comm_overlap=False, overlap_param_gather=False, bucket_size=10**6)
+    runtime_config_update(mine)
+    assert mine.ddp.overlap_grad_reduce and not mine.ddp.overlap_param_gather and mine.ddp.bucket_size == 10**6
+    # one data-parallel rank: nothing to overlap
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    single = _python_built(use_distributed_optimizer=True)
+    single.comm_overlap = CommOverlapConfig(tp_comm_overlap=False)
+    runtime_config_update(single)
+    assert not single.ddp.overlap_grad_reduce and not single.ddp.overlap_param_gather
+
+
+def test_comm_overlap_param_gather_without_the_distributed_optimizer_names_the_key(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = _python_built()
+    cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=False, overlap_param_gather=True)
+    with pytest.raises(ConfigError) as err:
+        runtime_config_update(cfg)
+    assert err.value.key == "comm_overlap.overlap_param_gather"
+    plain = _python_built()
+    plain.comm_overlap = CommOverlapConfig(tp_comm_overlap=False)
+    runtime_config_update(plain)  # without the distributed optimizer the overlaps stay off
+    assert not plain.ddp.overlap_grad_reduce and not plain.ddp.overlap_param_gather
+
+
+def test_job_file_mixed_precision_recipe_and_comm_overlap_reach_the_ranks(tmp_path, monkeypatch):
+    """``mixed_precision = "bf16_mixed"`` and ``[comm_overlap]`` in TOML: the recipe is recorded as its
+    fields (resolved.toml says what ran) and the ranks' update applies both."""
+    import toml
+
+    from bridge_hpc.launch.jobconfig import load_job_config
+
+    job = tmp_path / "job.toml"
+    job.write_text(f'extends = "{TINY}"\nmixed_precision = "bf16_mixed"\n\n[optimizer]\nuse_distributed_optimizer = true\n'
+                   "\n[comm_overlap]\ntp_comm_overlap = false\nbucket_size = 4000000\n")
+    loaded = load_job_config(str(job))
+    recorded = toml.loads(toml.dumps(loaded.raw))["mixed_precision"]  # what resolved.toml holds
+    assert recorded == {"bf16": True, "params_dtype": "bfloat16"}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = loaded.training
+    runtime_config_update(cfg)
+    assert cfg.model.bf16 and cfg.optimizer.bf16 and cfg.ddp.grad_reduce_in_fp32
+    assert cfg.ddp.overlap_grad_reduce and cfg.ddp.overlap_param_gather and cfg.ddp.bucket_size == 4000000
+
+
+@pytest.mark.parametrize("text, key", [
+    ('mixed_precision = "fp8_mixed"\n', "mixed_precision"),
+    ('[mixed_precision]\nbf16 = true\nfp8 = "hybrid"\n', "mixed_precision.fp8"),
+    ("[comm_overlap]\nbucket_size = 0\n", "comm_overlap.tp_comm_overlap"),  # Bridge's required field
+    ("[comm_overlap]\ntp_comm_overlap = false\nbucket_size = 0\n", "comm_overlap.bucket_size"),
+])
+def test_bad_precision_or_overlap_in_a_job_file_is_exit_2_naming_file_and_key(tmp_path, text, key):
+    job = tmp_path / "job.toml"
+    job.write_text(f'extends = "{TINY}"\n' + text)
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", str(job), "--dry-run"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert f"{job}" in proc.stderr and f"'{key}'" in proc.stderr, proc.stderr
 
 
 def test_pretrain_goes_through_runtime_config_update(single_rank, tmp_path):

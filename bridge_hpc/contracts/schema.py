@@ -84,4 +84,8 @@ def build_dataclass(cls: type, section: str, body: Any, error: Callable[[str, st
             raise error(f"{section}.{key}", f"unknown key{did_you_mean(key, names)}; known keys: {', '.join(names)}")
         if not matches(value, hints[key]):
             raise error(f"{section}.{key}", f"expected {type_name(hints[key])}, got {value!r}")
+    for f in dataclasses.fields(cls):
+        required = f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in body:
+            raise error(f"{section}.{f.name}", f"is required in [{section}] ({type_name(hints[f.name])})")
     return cls(**body)

@@ -30,7 +30,13 @@ from bridge_hpc.contracts import run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
-from bridge_hpc.training.config import ConfigContainer, GPTDatasetConfig, absolute_dataset_paths, dataset_config_class
+from bridge_hpc.training.config import (
+    ConfigContainer,
+    GPTDatasetConfig,
+    absolute_dataset_paths,
+    dataset_config_class,
+    recipe_fields,
+)
 
 # The launcher's sections; every other known section (bridge_hpc.training.config.SECTIONS, named
 # after Megatron Bridge's ConfigContainer fields) is carried to the ranks.
@@ -624,6 +630,8 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
             raise where.error(repr(key), _KEY_NOT_PRINTABLE, (key,))
         if key not in known:
             raise where.error(key, f"unknown section{did_you_mean(key, known)}; known sections: {', '.join(known)}")
+        if key == "mixed_precision" and isinstance(value, str):
+            continue  # Bridge's recipe name (mixed_precision = "bf16_mixed"): checked with the training sections
         if not isinstance(value, dict):
             raise where.error(key, f"expected a table [{key}], got {value!r}")
         _no_control_chars(value, (key,), where)
@@ -701,13 +709,25 @@ _INPUT_PATHS = (
 )
 
 
+def _recipe_table(value: Any, where: "_Where") -> Dict[str, Any]:
+    """``[mixed_precision]`` as a table: a recipe name (``mixed_precision = "bf16_mixed"``, Bridge's
+    spelling) becomes the fields it sets, so resolved.toml records the precision the ranks used."""
+    if not isinstance(value, str):
+        return dict(value)
+    try:
+        return recipe_fields(value)
+    except ConfigError as err:
+        raise where.error("mixed_precision", err.message) from None
+
+
 def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, stop_signal: signals.StopSignal,
                                 where: "_Where") -> Dict[str, Dict[str, Any]]:
     """The ranks' sections as resolved.toml records them: every path absolute (outputs relative to the
     run folder, so a job file and its resolved.toml place files identically; inputs relative to
     ``base``, the folder bridge-submit runs in) and ``train.exit_signal`` set to the stop signal's list
     (:mod:`bridge_hpc.contracts.signals`)."""
-    training = {k: dict(v) for k, v in doc.items() if k in TRAINING_SECTIONS}
+    training = {k: _recipe_table(v, where) if k == "mixed_precision" else dict(v)
+                for k, v in doc.items() if k in TRAINING_SECTIONS}
     for section, key in _INPUT_PATHS:
         value = training.get(section, {}).get(key)
         if isinstance(value, str) and value.strip():

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training import checkpointing
-from bridge_hpc.training.checkpoint_worker import end_with_parent, prepare_worker, stop_signals_blocked
+from bridge_hpc.training.checkpoint_worker import end_with_parent, prepare_worker, stage_once, stop_signals_blocked
 from bridge_hpc.training.checkpointing import CheckpointSaveError, SaveInProgress
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.utils.train_utils import comm_device
@@ -161,6 +161,7 @@ class AsyncCheckpointWriter:
         self.plans = _PlanCache()
         self._results_queue_thread: Optional[threading.Thread] = None
         self._results_manager: Optional[Tuple[Any, SyncManager]] = None
+        self._staging_warmed = False
 
     def start(self) -> "AsyncCheckpointWriter":
         """Start the worker and the write-results queue now, overlapped with model building and
@@ -200,12 +201,33 @@ class AsyncCheckpointWriter:
         self._results_manager = (module, manager)
 
     def _start_worker(self) -> None:
+        self._staging_warmed = False  # a new worker's host memory is cold
         self.queue = self._queue_class(persistent=True)
         device = torch.cuda.current_device() if self.on_gpu else None
+        began = time.time() if checkpointing._rank() == 0 else None
         warm_up = self.request_class(prepare_worker, (os.getpid(), self.stop_signals, _writer_module(self.on_gpu),
-                                                      device), [])
+                                                      device, began), [])
         with stop_signals_blocked(self.stop_signals):
             self.queue.schedule_async_request(warm_up)  # spawns the worker; does not wait for it
+
+    def warm_up_staging(self, model, optimizer, save_optim: bool) -> None:
+        """GPU runs, once, after the first step (when the optimizer's state exists): have the worker
+        stage every tensor a save writes, in the background
+        (:func:`~bridge_hpc.training.checkpoint_worker.stage_once`), so that the first save's
+        blocking part costs what a later one does. Returns at once; a save asked for before it is
+        over waits for it (the worker takes requests in order). Later calls do nothing."""
+        if self._staging_warmed or not (self.on_gpu and checkpointing._uses_megatron_dist(model)):
+            return  # CPU: saves clone in the rank, there is nothing to warm
+        self._staging_warmed = True
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        sharded = checkpointing.megatron_sharded_state(model, optimizer, save_optim)
+        tensors = [v.data.detach() for v in nested_values(sharded)
+                   if isinstance(v, ShardedTensor) and isinstance(v.data, torch.Tensor) and v.data.is_cuda]
+        request = self.request_class(stage_once, (tensors, time.time(), checkpointing._rank() == 0), [])
+        with stop_signals_blocked(self.stop_signals):
+            self.queue.schedule_async_request(request)
 
     @property
     def worker(self):
@@ -242,6 +264,11 @@ class AsyncCheckpointWriter:
                                checkpointing._rank(), pending.save.iteration, reported - started)
             time.sleep(0.01)
         return pending.done
+
+    def idle(self) -> bool:
+        """Whether the worker has done everything asked of it (its start-up, the staging warm-up, the
+        last save's write). Local, non-blocking."""
+        return self._written()
 
     def _written(self) -> bool:
         """Whether the worker has done every request given to it (the warm-up, then at most one save).
@@ -428,9 +455,7 @@ def _megatron_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str,
     from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    sharded = {"model": checkpointing._unwrap(model[0]).sharded_state_dict()}
-    if save_optim:
-        sharded["optimizer"] = checkpointing.optimizer_sharded_state_dict(optimizer, sharded["model"])
+    sharded = checkpointing.megatron_sharded_state(model, optimizer, save_optim)
     structure = tuple(
         (v.key, tuple(v.global_shape), tuple(v.global_offset), str(v.dtype)) if isinstance(v, ShardedTensor)
         else (v.key, type(v).__name__) if isinstance(v, ShardedBase) else (type(v).__name__,)

@@ -71,14 +71,16 @@ def _after_fork_in_child() -> None:
 
 
 def prepare_worker(parent_pid: int, stop_signals: Tuple[str, ...], writer_module: str,
-                   cuda_device: Optional[int] = None) -> None:
+                   cuda_device: Optional[int] = None, began: Optional[float] = None) -> None:
     """The first request every checkpoint worker runs, in the worker: die with the rank (an orphan
     would wait for requests forever), and make every process it forks (the writers of each save) die
     with it (one whose worker died mid-save waits forever for its next message); ignore the rank's
     stop signals; name the process ``bridge-ckpt``; import the module of the write function now
     rather than in the first save. ``cuda_device`` (GPU runs): the worker copies the rank's tensors
     to pinned host memory itself, so its CUDA context and host allocator are created now too,
-    overlapped with model building, not inside the first save's blocking part."""
+    overlapped with model building, not inside the first save's blocking part. ``began``: the rank's
+    ``time.time()`` when it started the worker; given, the worker prints how long it took to be ready
+    (a save asked for earlier waits for it)."""
     _die_with_parent(parent_pid)
     os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
     signals.ignore(stop_signals)
@@ -89,6 +91,29 @@ def prepare_worker(parent_pid: int, stop_signals: Tuple[str, ...], writer_module
         torch.cuda.set_device(cuda_device)
         torch.empty(1, device="cuda")
         torch.empty(1, pin_memory=True)
+    if began is not None:
+        print(f"checkpoint worker ready {time.time() - began:.1f}s after it was started (pid {os.getpid()})",
+              flush=True)
+
+
+def stage_once(tensors: Sequence, began: float, report: bool) -> None:
+    """Runs in the worker, in the background (GPU runs, once, after the checkpoint load): copy every
+    tensor a save will stage to host memory, as the save's own staging does
+    (``tensor.to("cpu", non_blocking=True)``: pinned memory from torch's caching host allocator), and
+    drop the copies. Why: the first save's staging otherwise pays, inside training's blocking time,
+    for opening the rank's CUDA memory in this process, for page-locking gigabytes of host memory
+    (``cudaHostAlloc``) and for the first copies; afterwards the allocator hands the same pinned
+    blocks back, sizes matching, and the first save stages as fast as later ones. The pinned memory
+    stays reserved by the worker, as it would after the first save. ``report``: print what it took
+    (seconds from ``began``, the rank's ``time.time()`` when it asked)."""
+    torch = importlib.import_module("torch")
+    copies = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.synchronize()
+    nbytes = sum(c.numel() * c.element_size() for c in copies)
+    del copies
+    if report:
+        print(f"checkpoint worker: staged {len(tensors)} tensors ({nbytes / 1e9:.2f} GB) to pinned host memory "
+              f"ahead of the first save, {time.time() - began:.1f}s after it was asked", flush=True)
 
 
 def end_with_parent(parent_pid: int) -> None:

@@ -608,14 +608,20 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading
     return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
 
 
+def megatron_sharded_state(model, optimizer, save_optim: bool) -> dict:
+    """What a megatron-core (GPU) save writes: the model's sharded state dict, and the optimizer's."""
+    sharded = {"model": _unwrap(model[0]).sharded_state_dict()}
+    if save_optim:
+        sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, sharded["model"])
+    return sharded
+
+
 def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool) -> None:
     if _uses_megatron_dist(model):
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-        sharded = {"model": _unwrap(model[0]).sharded_state_dict()}
-        if save_optim:
-            sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, sharded["model"])
+        sharded = megatron_sharded_state(model, optimizer, save_optim)
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=SAVE_WRITE_THREADS)
         with _in_process_write_results():
             dist_checkpointing.save(sharded, path, sharded_strategy=strategy)

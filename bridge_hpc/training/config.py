@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 from bridge_hpc.contracts import run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
+from bridge_hpc.training.comm_overlap import CommOverlapConfig
+from bridge_hpc.training.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 
 # ---------------------------------------------------------------------------------------------
 # Sections
@@ -1272,6 +1274,8 @@ SECTIONS: Dict[str, type] = {
     "rerun_state_machine": RerunStateMachineConfig,
     "tokenizer": TokenizerConfig,
     "tensor_inspect": TensorInspectConfig,
+    "comm_overlap": CommOverlapConfig,
+    "mixed_precision": MixedPrecisionConfig,
 }
 
 #: Top-level sections of a job file that belong to the launcher, not to training.
@@ -1300,6 +1304,12 @@ class ConfigContainer:
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     tokenizer: Optional[TokenizerConfig] = None
     tensor_inspect: Optional[TensorInspectConfig] = None
+    #: Bridge's: applied to ``ddp`` by :func:`runtime_config_update` (data-parallel overlaps only).
+    comm_overlap: Optional[CommOverlapConfig] = None
+    #: Bridge's: a MixedPrecisionConfig or a recipe name (``"bf16_mixed"``, ``"fp16_mixed"``), written into
+    #: ``model``, ``optimizer`` and ``ddp`` by :func:`runtime_config_update` (in TOML, a
+    #: ``[mixed_precision]`` table or ``mixed_precision = "bf16_mixed"``).
+    mixed_precision: Optional[Union[MixedPrecisionConfig, str]] = None
     #: Python-level hook (not a TOML section): TOML users write [[optimizer.overrides]] instead.
     optimizer_config_override_provider: OptimizerConfigOverrideProvider = field(
         default_factory=OptimizerConfigOverrideProvider)
@@ -1325,6 +1335,12 @@ class ConfigContainer:
             if name not in SECTIONS:
                 raise ConfigError(f"unknown section [{name}]{did_you_mean(name, list(SECTIONS) + list(LAUNCHER_SECTIONS))}",
                                   path=source, key=name)
+            if name == "mixed_precision" and isinstance(body, str):  # a recipe name, as Bridge accepts
+                try:
+                    kwargs[name] = get_mixed_precision_config(body)
+                except ConfigError as err:
+                    raise ConfigError(err.message, path=source, key=err.key) from None
+                continue
             if not isinstance(body, dict):
                 raise ConfigError(f"expected a table [{name}], got {type(body).__name__}", path=source, key=name)
             section_cls = dataset_config_class(body) if name == "dataset" else SECTIONS[name]
@@ -1388,9 +1404,11 @@ class ConfigContainer:
 
     def set_data_parallel_size(self) -> None:
         """Set ``data_parallel_size`` from the world (torch.distributed's, else ``$WORLD_SIZE``, else 1)
-        without the other checks of :meth:`validate`. (Bridge also copies it to its communication-overlap
-        config, which bridge_hpc does not have.)"""
+        without the other checks of :meth:`validate`, and copy it to ``comm_overlap`` (whose overlaps
+        default to on above 1)."""
         self.data_parallel_size = self.get_data_parallel_size(_world_size())
+        if self.comm_overlap is not None:
+            self.comm_overlap.data_parallel_size = self.data_parallel_size
 
     def validate(self, world_size: Optional[int] = None) -> None:
         """Check that the (finalized) sections agree with each other and with the world; fills the
@@ -1485,12 +1503,20 @@ def runtime_config_update(cfg: ConfigContainer) -> None:
        model, mixed precision (model and optimizer must agree), the distributed-optimizer setting
        made the same in ``ddp`` and ``optimizer`` when either turns it on, scheduler iterations.
 
-    Bridge's other steps have nothing to act on here: precision is set by ``model.bf16`` /
-    ``optimizer.bf16`` (there is no ``mixed_precision`` recipe string to resolve) and there is no
-    communication-overlap config. Raises ConfigError naming the key.
+    Between 1 and 2, as in Bridge: ``mixed_precision`` (a recipe name resolved first) is written into
+    ``model``, ``optimizer`` and ``ddp`` (:meth:`MixedPrecisionConfig.setup`); after 2,
+    ``comm_overlap`` sets the data-parallel overlaps and bucket size in ``ddp``
+    (:meth:`CommOverlapConfig.setup`). Raises ConfigError naming the key.
     """
     cfg.finalize_sections()
+    if cfg.mixed_precision is not None:
+        cfg.mixed_precision = get_mixed_precision_config(cfg.mixed_precision)
+        cfg.mixed_precision.setup(cfg.model, cfg.optimizer, cfg.ddp)
     cfg.set_data_parallel_size()
+    if cfg.comm_overlap is not None:
+        # Its overlaps apply with the distributed optimizer, which either section may turn on.
+        _validate_and_sync_distributed_optimizer_settings(cfg)
+        cfg.comm_overlap.setup(cfg.model, cfg.optimizer, cfg.ddp)
     cfg.validate()
 
 

@@ -167,3 +167,11 @@ def get_mixed_precision_config(name: Union[str, MixedPrecisionConfig]) -> MixedP
                           " (Bridge's FP8/FP4 recipes need Transformer Engine's low-precision kernels)",
                           key="mixed_precision")
     return MIXED_PRECISION_RECIPES[key]()
+
+
+def recipe_fields(name: str) -> Dict[str, Any]:
+    """The fields a recipe sets that differ from the defaults, as a ``[mixed_precision]`` table (what
+    a job file's ``mixed_precision = "bf16_mixed"`` becomes in resolved.toml)."""
+    config, default = get_mixed_precision_config(name), MixedPrecisionConfig()
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if getattr(config, f.name) != getattr(default, f.name)}

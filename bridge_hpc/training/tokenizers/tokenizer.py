@@ -6,9 +6,12 @@
 is imported on the login node and by ``bridge-prepare-data``, which must not pay for torch and
 megatron-core until a tokenizer is really built."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge_hpc.training.tokenizers import build_tokenizer
+
+if TYPE_CHECKING:
+    from megatron.core.tokenizers import MegatronTokenizer
 
 __all__ = ["MegatronTokenizer", "build_tokenizer"]
 
