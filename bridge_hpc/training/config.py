@@ -25,7 +25,11 @@ from bridge_hpc.contracts import run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 from bridge_hpc.training.comm_overlap import CommOverlapConfig
-from bridge_hpc.training.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
+from bridge_hpc.training.mixed_precision import (
+    MixedPrecisionConfig,
+    get_mixed_precision_config,
+    recipe_fields,  # noqa: F401 - for the login side (jobconfig)
+)
 
 # ---------------------------------------------------------------------------------------------
 # Sections
