@@ -329,3 +329,53 @@ def _two_rank_worker(job: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, REPO)
     _two_rank_worker(sys.argv[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's one collective: losses and the ranks' stop observations together (2 gloo ranks)
+# ---------------------------------------------------------------------------------------------
+
+
+def _two_rank_reduce(rank: int, port: int, out_dir: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from bridge_hpc.training.utils.train_utils import reduce_loss_dicts, reduce_loss_dicts_and_flags
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    # rank 0: per-token sums 3 and 5 over 2 + 2 tokens, mean report 1.0 and 3.0; rank 1: 7 over 4, 5.0 and 7.0
+    per_token = [[3.0, 2.0], [5.0, 2.0]] if rank == 0 else [[7.0, 4.0], [0.0, 0.0]]
+    means = [1.0, 3.0] if rank == 0 else [5.0, 7.0]
+    reports = [{"lm loss": torch.tensor(p), "aux": torch.tensor([m])} for p, m in zip(per_token, means)]
+    flags = {"signal received": rank == 1, "time limit": False, "exit_duration_in_mins": rank == 0}
+    reduced, agreed = reduce_loss_dicts_and_flags(reports, None, flags)
+    plain = {k: float(v) for k, v in reduce_loss_dicts(reports, None).items()}
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump({"reduced": {k: float(v) for k, v in reduced.items()}, "agreed": agreed,
+                   "collectives": len(calls), "plain": plain}, f)
+    dist.destroy_process_group()
+
+
+def test_losses_and_stop_observations_are_agreed_in_one_all_reduce(tmp_path):
+    import json
+
+    import torch.multiprocessing as tmp_mp
+    from bridge_test_helpers import free_port
+
+    tmp_mp.start_processes(_two_rank_reduce, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        # per-token: (3 + 5 + 7 + 0) / (2 + 2 + 4 + 0) = 15 / 8; mean: ((1+3)/2 + (5+7)/2) / 2 = 4
+        assert r["reduced"] == {"aux": 4.0, "lm loss": 15.0 / 8.0}
+        assert r["plain"] == r["reduced"]  # reduce_loss_dicts is the same computation without flags
+        assert r["agreed"] == {"signal received": True, "time limit": False, "exit_duration_in_mins": True}
+        assert r["collectives"] == 2  # one with the flags, one for reduce_loss_dicts alone

@@ -357,16 +357,27 @@ def exit_reasons(state: GlobalState) -> List[str]:
         reasons.append("exit_interval")
     if rerun.stop_reason() is not None:  # the ranks agreed on it (rerun.report_rerun)
         reasons.append(rerun.stop_reason())
-    # -- per-rank observations: agreed on with one all-reduce -------------------------------------
-    local = {
+    if state.straggler_stop:  # the detector's verdict is collective: the same on every rank
+        reasons.append("straggler")
+    # -- per-rank observations: agreed on in the step's loss all-reduce, else here ----------------
+    agreed, state.agreed_observations = state.agreed_observations, None
+    if agreed is None:
+        agreed = any_rank(local_observations(state))
+    reasons += [name for name, flag in agreed.items() if flag]
+    return reasons
+
+
+def local_observations(state: GlobalState) -> Dict[str, bool]:
+    """What this rank alone sees that may stop the run; the ranks agree on them (logical OR) before
+    acting, so that every rank stops at the same step. ``train_step`` takes them at the end of each
+    step and agrees on them inside its loss all-reduce (one collective a step, not two)."""
+    t = state.cfg.train
+    return {
         "signal received": signal_seen(state),
         "exit_duration_in_mins": bool(t.exit_duration_in_mins)
         and (time.time() - state.start_time) / 60.0 >= t.exit_duration_in_mins,
         "time limit": state.rank == 0 and time_limit_reached(state),
-        "straggler": state.straggler_stop,
     }
-    reasons += [name for name, flag in any_rank(local).items() if flag]
-    return reasons
 
 
 def progress_reason(state: GlobalState, reasons: List[str]) -> str:

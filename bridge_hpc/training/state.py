@@ -157,6 +157,10 @@ class GlobalState:
         self.fault_tolerance = None
         self.straggler_detector = None
         self.straggler_stop: bool = False
+        #: The ranks' stop observations (signal, duration, time limit) of the last training step,
+        #: agreed on inside its loss all-reduce (``train_step``); read once by the exit decision that
+        #: follows (``exit_policy.exit_reasons``), which otherwise agrees on them itself.
+        self.agreed_observations: Optional[Dict[str, bool]] = None
         #: Wall-clock time of this run's last finished step (what a restart charges lost time from).
         self.last_step_time: Optional[float] = None
         #: In a re-run by the in-process restart wrapper: (its iteration, the failed attempt's

@@ -35,6 +35,7 @@ from bridge_hpc.training.exit_policy import (  # noqa: F401
     enable_forward_pre_hook,
     forward_pre_hooks_off,
     get_start_time_from_progress_log,
+    local_observations,
     save_checkpoint_and_time,
     should_disable_forward_pre_hook,
     signal_seen,
@@ -46,6 +47,7 @@ from bridge_hpc.training.utils.train_utils import (
     num_floating_point_operations,
     prepare_forward_step_func,
     reduce_loss_dicts,
+    reduce_loss_dicts_and_flags,
     training_log,
 )
 
@@ -171,7 +173,10 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
         scheduler.step(increment=cfg.train.global_batch_size)
     skipped_iter = 0 if update_successful else 1
 
-    loss_dict = reduce_loss_dicts(reports, parallel_state.get_data_parallel_group())
+    # The ranks' stop observations ride along with the loss (one collective); the exit decision
+    # after this step reads them (exit_policy.exit_reasons).
+    loss_dict, global_state.agreed_observations = reduce_loss_dicts_and_flags(
+        reports, parallel_state.get_data_parallel_group(), local_observations(global_state))
     return loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad
 
 

@@ -25,7 +25,7 @@ import os
 import time
 from collections import defaultdict
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -109,29 +109,60 @@ def reduce_loss_dicts(loss_dicts: List[Dict[str, torch.Tensor]], group=None) -> 
     As in Megatron Bridge: a 2-element value ``[loss_sum, num_tokens]`` is summed over
     microbatches and data-parallel ranks, then divided (a per-token mean over the global batch);
     a 1-element value is averaged over microbatches and then over data-parallel ranks.
-    Keys are processed in sorted order so every rank issues the same collectives.
     """
-    reduced: Dict[str, torch.Tensor] = {}
-    if not loss_dicts:
-        return reduced
+    return reduce_loss_dicts_and_flags(loss_dicts, group)[0]
+
+
+def reduce_loss_dicts_and_flags(loss_dicts: List[Dict[str, torch.Tensor]], group=None,
+                                flags: Optional[Dict[str, bool]] = None
+                                ) -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
+    """:func:`reduce_loss_dicts`, and the logical OR of each of ``flags`` over all ranks, in ONE
+    all-reduce (SUM) where ``group`` spans the world: every key's values and the flags packed in one
+    tensor. Why: the loop needs both every step (the loss to log, the stop observations to agree
+    on), and on gloo each small all-reduce cost about 1.5 ms of a 45 ms CPU step, most of it CPU
+    time. Keys are packed in sorted order, so every rank issues the same collective. Returns
+    ``(reduced, agreed flags or None)``."""
+    keys = sorted(loss_dicts[0].keys()) if loss_dicts else []
     dp_size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     device = comm_device()
-    for key in sorted(loss_dicts[0].keys()):
+    parts, kinds = [], []
+    for key in keys:
         values = [torch.as_tensor(d[key]).detach().float().view(-1).to(device) for d in loss_dicts]
         if values[0].numel() == 2:
-            total = torch.vstack(values).sum(dim=0)
-            if dp_size > 1:
-                torch.distributed.all_reduce(total, group=group)
-            reduced[key] = total[0] / total[1].clamp(min=1)
+            parts.append(torch.vstack(values).sum(dim=0))
         elif values[0].numel() == 1:
-            mean = torch.cat(values).mean()
-            if dp_size > 1:
-                torch.distributed.all_reduce(mean, group=group)
-                mean = mean / dp_size
-            reduced[key] = mean
+            parts.append(torch.cat(values).mean().view(1))
         else:
             raise ValueError(f"loss report '{key}' must have 1 or 2 elements, got shape {tuple(values[0].shape)}")
-    return reduced
+        kinds.append(values[0].numel())
+    flag_names = list(flags) if flags is not None else []
+    ride_along = bool(flag_names) and dp_size == world
+    if ride_along:
+        parts.append(torch.tensor([1.0 if flags[k] else 0.0 for k in flag_names], device=device))
+    packed = torch.cat(parts) if parts else None
+    if packed is not None and dp_size > 1:
+        torch.distributed.all_reduce(packed, group=group)
+    reduced: Dict[str, torch.Tensor] = {}
+    offset = 0
+    for key, kind in zip(keys, kinds):
+        if kind == 2:
+            total = packed[offset:offset + 2]
+            reduced[key] = total[0] / total[1].clamp(min=1)
+        else:
+            reduced[key] = packed[offset] / dp_size if dp_size > 1 else packed[offset]
+        offset += kind
+    agreed = None
+    if flags is not None:
+        if ride_along:
+            agreed = {k: v > 0 for k, v in zip(flag_names, packed[offset:].tolist())}
+        elif world > 1:  # the data-parallel group is not the world: the flags need their own collective
+            values = torch.tensor([1 if flags[k] else 0 for k in flag_names], dtype=torch.int32, device=device)
+            torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+            agreed = {k: bool(v) for k, v in zip(flag_names, values.tolist())}
+        else:
+            agreed = dict(flags)
+    return reduced, agreed
 
 
 # ---------------------------------------------------------------------------------------------
