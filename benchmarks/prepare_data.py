@@ -27,7 +27,12 @@
    approaches the ceiling as shards grow: with the default 300 MB (about 6 minutes of tokenizing for
    one task, still small for a real shard) it is a few percent.
 
-Both parts also give a ratio of CPU seconds (part 1: of all processes; part 2: each task's own,
+3. **training on indexed vs mock data** — on a GPU only: ``benchmarks/indexed_vs_mock.py`` (the
+   issue's 370 M GPT, seq 2048 x micro-batch 8, one GPU), run from here as part 3 and put in the same
+   table and JSON (``indexed_vs_mock``). Target: >= 0.99x, so the loader never starves the GPU.
+   Without a GPU, ``--part all`` says it left part 3 out, and ``--part 3`` refuses (exit 2).
+
+Parts 1 and 2 also give a ratio of CPU seconds (part 1: of all processes; part 2: each task's own,
 from sacct's TotalCPU, the slower of the 2 tasks): on a machine that other work shares, a run that
 lost its cores for a while shows it in wall-clock time but much less in CPU time. The wall-clock
 ratio is the one the targets are set on.
@@ -45,7 +50,7 @@ function docstrings joined, about 2.8 kB on average, the order of a web page), r
 
 Prints a table and writes JSON (``--json``, default ``benchmarks/results/prepare_data.json``).
 Run: ``python benchmarks/prepare_data.py [--mb 40] [--slurm-mb 300] [--repeat 5] [--slurm-repeat 2]
-[--part 1|2|all]`` (about 35 minutes on 2 cores).
+[--part 1|2|3|all]`` (parts 1 and 2: about 35 minutes on 2 cores; part 3: about 10 minutes on an H100).
 """
 
 from __future__ import annotations
@@ -364,9 +369,66 @@ def main() -> int:
     p.add_argument("--slurm-repeat", type=int, default=2, help="part 2 runs of each, alternating (default 2)")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "prepare_data.json",
                    help="also write the results here (default benchmarks/results/prepare_data.json)")
-    p.add_argument("--part", choices=("1", "2", "all"), default="all", help="run part 1, part 2 or both (default)")
+    p.add_argument("--part", choices=("1", "2", "3", "all"), default="all",
+                   help="run one part, or all (default; part 3 only where there is a GPU)")
+    p.add_argument("--gpu-steps", type=int, default=60, help="part 3: training steps per run (default 60)")
     args = p.parse_args()
+    gpu = gpu_available()
+    if args.part == "3" and not gpu:
+        print("prepare_data.py: --part 3 trains on a GPU and this machine has none (torch.cuda.is_available() is "
+              "False)", file=sys.stderr)
+        return 2
     results: Dict[str, object] = {"cores": os.cpu_count(), "python": sys.version.split()[0]}
+    if args.part in ("3", "all") and gpu:  # first: part 1 pins this process (and what it starts) to --workers cores
+        results["indexed_vs_mock"] = indexed_vs_mock_part(args.gpu_steps)
+    if args.part != "3":
+        cpu_parts(args, results)
+    print(f"{'measure':52} {'values':38} {'ratio':>6} {'by CPU':>6} {'target':>7}")
+    for name, values, ratio, by_cpu, target in table_rows(args, results):
+        verdict = "" if target is None else ("ok" if ratio >= target else "BELOW")
+        cpu = "" if by_cpu is None else f"{by_cpu:6.2f}"
+        print(f"{name:52} {values:38} {ratio:6.2f} {cpu:>6} {'' if target is None else '>=' + str(target):>7} "
+              f"{verdict}")
+    if args.part == "all" and not gpu:
+        print("part 3 (training on indexed vs mock data) left out: no GPU here; run `python "
+              "benchmarks/prepare_data.py --part 3` where there is one")
+    if args.part != "3":
+        print("ratio: from the best wall-clock time of each kind (the target's measure); by CPU: from the least CPU "
+              "time of each kind (all processes; a task's own), which another load on the machine changes less")
+    if "array_2_vs_1" in results:
+        r = results["array_2_vs_1"]
+        print(f"array tasks: {r['of_ceiling']:.0%} of what 2 bare tokenizer processes reach together on this machine")
+        print(f"array tasks: start-up implied per task {r['implied_startup_s']:.0f} s; the 2 tasks ran together for "
+              f"{r['two_tasks_overlap']:.0%} of the longer one" + ("" if r["two_tasks_overlap"] >= 0.9 else
+                                                                   " (another job held a CPU?)"))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def indexed_vs_mock_module():
+    """``benchmarks/indexed_vs_mock.py``, which part 3 runs (it also runs on its own)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import indexed_vs_mock
+
+    return indexed_vs_mock
+
+
+def indexed_vs_mock_part(steps: int) -> Dict[str, object]:
+    """Part 3: ``indexed_vs_mock.run`` at the issue's shape (2 runs of each kind), in a scratch folder."""
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        return indexed_vs_mock_module().run(steps, warmup=10, repeats=2, tiny=False, tmp=Path(tmp))
+
+
+def cpu_parts(args: argparse.Namespace, results: Dict[str, object]) -> None:
+    """Parts 1 and 2, into ``results``."""
     docs = stdlib_documents()
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         tmp_path = Path(tmp)
@@ -387,6 +449,10 @@ def main() -> int:
             results["prepare_vs_bare"] = part1
             for name, cfg in (("bpe", bpe), ("byte_level", byte_level())):
                 part1[name] = compare(whole, tmp_path, name, cfg, args.workers, args.repeat)
+
+
+def table_rows(args: argparse.Namespace, results: Dict[str, object]) -> List[tuple]:
+    """(measure, values, ratio, ratio by CPU or None, target or None) per row of the table."""
     rows = []
     for name, label, target in (("bpe", "BPE, headline", 0.9), ("byte_level", "ByteLevel, worst case", None)):
         if "prepare_vs_bare" in results:
@@ -402,24 +468,10 @@ def main() -> int:
         rows.append(("2 bare tokenizer processes vs 1 (this machine's ceiling)",
                      f"{min(c['one_process_s']):.0f} s vs {min(c['two_processes_s']):.0f} s", c["speedup"],
                      c["cpu_speedup"], None))
-    print(f"{'measure':52} {'values':38} {'ratio':>6} {'by CPU':>6} {'target':>7}")
-    for name, values, ratio, by_cpu, target in rows:
-        verdict = "" if target is None else ("ok" if ratio >= target else "BELOW")
-        print(f"{name:52} {values:38} {ratio:6.2f} {by_cpu:6.2f} {'' if target is None else '>=' + str(target):>7} "
-              f"{verdict}")
-    print("ratio: from the best wall-clock time of each kind (the target's measure); by CPU: from the least CPU "
-          "time of each kind (all processes; a task's own), which another load on the machine changes less")
-    if "array_2_vs_1" in results:
-        r = results["array_2_vs_1"]
-        print(f"array tasks: {r['of_ceiling']:.0%} of what 2 bare tokenizer processes reach together on this machine")
-        print(f"array tasks: start-up implied per task {r['implied_startup_s']:.0f} s; the 2 tasks ran together for "
-              f"{r['two_tasks_overlap']:.0%} of the longer one" + ("" if r["two_tasks_overlap"] >= 0.9 else
-                                                                   " (another job held a CPU?)"))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-    print(json.dumps(results))
-    return 0
+    if "indexed_vs_mock" in results:
+        name, values, ratio, target = indexed_vs_mock_module().table_row(results["indexed_vs_mock"])
+        rows.append((name, values, ratio, None, target))
+    return rows
 
 
 if __name__ == "__main__":
