@@ -227,6 +227,54 @@ def test_bad_precision_or_overlap_in_a_job_file_is_exit_2_naming_file_and_key(tm
     assert f"{job}" in proc.stderr and f"'{key}'" in proc.stderr, proc.stderr
 
 
+# ---------------------------------------------------------------------------------------------
+# DistributedInitConfig and StragglerDetectionConfig
+# ---------------------------------------------------------------------------------------------
+
+
+def test_distributed_init_config_has_bridge_fields_and_lazy_init_is_lazy_mpu_init():
+    from bridge_hpc.training.config import DistributedInitConfig
+
+    cfg = DistributedInitConfig()
+    assert (cfg.external_gpu_device_mapping, cfg.enable_megatron_core_experimental, cfg.use_decentralized_pg,
+            cfg.lazy_init) == (False, False, False, False)
+    cfg.finalize()
+    cfg.lazy_init = True  # Bridge's property writes megatron's field
+    assert cfg.lazy_mpu_init is True and cfg.lazy_init is True
+    with pytest.raises(ConfigError) as err:
+        cfg.finalize()
+    assert err.value.key == "dist.lazy_mpu_init"
+
+
+@pytest.mark.parametrize("text, key, words", [
+    ("[dist]\nuse_decentralized_pg = true\n", "dist.use_decentralized_pg", "ProcessGroupCollection"),
+    ("[dist]\nlazy_mpu_init = true\n", "dist.lazy_mpu_init", "external manager"),
+    ("[straggler]\nlog_straggler = true\n", "straggler.log_straggler", "[nvrx_straggler] enabled = true"),
+])
+def test_dist_and_straggler_settings_this_trainer_cannot_honour_are_exit_2(tmp_path, text, key, words):
+    job = tmp_path / "job.toml"
+    job.write_text(f'extends = "{TINY}"\n' + text)
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", str(job), "--dry-run"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert f"{job}" in proc.stderr and f"'{key}'" in proc.stderr and words in proc.stderr, proc.stderr
+
+
+def test_enable_megatron_core_experimental_sets_megatron_cores_flag(single_rank):
+    from megatron.core.config import is_experimental_enabled
+
+    from bridge_hpc.training.config import DistributedInitConfig
+    from bridge_hpc.training.pretrain import initialize_distributed
+
+    try:
+        initialize_distributed(DistributedInitConfig(enable_megatron_core_experimental=True))
+        assert is_experimental_enabled()
+    finally:
+        initialize_distributed(DistributedInitConfig())
+    assert not is_experimental_enabled()
+
+
 def test_pretrain_goes_through_runtime_config_update(single_rank, tmp_path):
     """Before runtime_config_update, optimizer.use_distributed_optimizer without ddp's was refused;
     now pretrain syncs the two and trains."""
@@ -244,6 +292,68 @@ def test_pretrain_goes_through_runtime_config_update(single_rank, tmp_path):
     pretrain(cfg, forward_step)
     assert cfg.ddp.use_distributed_optimizer and cfg.data_parallel_size == 1
     assert sorted(read_metrics(cfg.logger.metrics_file)) == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# DatasetProvider, DatasetBuildContext and MegatronTokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_custom_dataset_provider_gets_the_run_sizes_and_tokenizer_and_is_trained_on(single_rank, tmp_path):
+    """Bridge's DatasetProvider example (a user's own source): build_datasets gets a DatasetBuildContext
+    with megatron's sample counts and the run's tokenizer, returns (train, valid, test) with None for a
+    split it does not have, and the run trains on exactly its samples, in order."""
+    from bridge_hpc.training.config import DatasetBuildContext, DatasetProvider
+    from bridge_hpc.training.data import MockGPTDataset
+    from bridge_hpc.training.gpt_step import forward_step
+    from bridge_hpc.training.metrics import read_metrics
+    from bridge_hpc.training.pretrain import pretrain
+    from bridge_hpc.training.run import build_config
+    from bridge_hpc.training.tokenizers.tokenizer import MegatronTokenizer  # noqa: F401 - the type the page names
+
+    read: List[int] = []
+
+    class Recorded(MockGPTDataset):
+        def __getitem__(self, index):
+            read.append(int(index))
+            return super().__getitem__(index)
+
+    @dataclasses.dataclass
+    class MyDatasetConfig(DatasetProvider):
+        seq_length: int = SEQ
+        contexts: list = dataclasses.field(default_factory=list)
+
+        def build_datasets(self, context: DatasetBuildContext):
+            self.contexts.append(context)
+            return Recorded(context.train_samples, self.seq_length, 128, 7, "train"), None, None
+
+    job = tmp_path / "job.toml"
+    shutil.copy(TINY, job)
+    cfg = build_config(str(job), [f"job.run_dir={tmp_path / 'run'}", "train.train_iters=3", "train.global_batch_size=4",
+                                  "train.eval_interval=2", "train.eval_iters=1", "checkpoint.save_interval=3",
+                                  "scheduler.lr_warmup_iters=1", "tokenizer.tokenizer_type=NullTokenizer",
+                                  "tokenizer.vocab_size=127"])
+    provider = cfg.dataset = MyDatasetConfig(num_workers=0, pin_memory=False)
+    pretrain(cfg, forward_step)
+    [context] = provider.contexts
+    # megatron's counts: 3 steps x 4; evaluations at steps 2 and (train_iters // 2 + 1 =) 2 of them x 1 x 4; 1 x 4
+    assert (context.train_samples, context.valid_samples, context.test_samples) == (12, 8, 4)
+    assert context.tokenizer.vocab_size == 128 and context.tokenizer.eod == 127  # NullTokenizer(127): ids 0-127
+    assert read == list(range(12))  # one rank, 3 global batches of 4: every sample once, in order
+    assert sorted(read_metrics(cfg.logger.metrics_file)) == [1, 2, 3]
+
+
+def test_megatron_tokenizer_is_megatron_cores_and_builds_the_configured_tokenizer():
+    import megatron.core.tokenizers
+
+    from bridge_hpc.training.tokenizers import build_tokenizer
+    from bridge_hpc.training.tokenizers.tokenizer import MegatronTokenizer
+
+    assert MegatronTokenizer is megatron.core.tokenizers.MegatronTokenizer  # as Bridge's module re-exports it
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_type="ByteLevelTokenizer"))
+    ids = tokenizer.tokenize("hé")
+    assert ids == [104, 195, 169] and tokenizer.detokenize(ids) == "hé"  # UTF-8 bytes, by hand
+    assert tokenizer.vocab_size == 258 and tokenizer.eod == 256  # 256 bytes, then <eod> and <pad>
 
 
 # ---------------------------------------------------------------------------------------------

@@ -275,3 +275,70 @@ def test_saves_toggle_the_hooks_only_when_the_config_asks(ddp_chunks, tmp_path):
     state.cfg.ddp.overlap_param_gather = True
     with train.forward_pre_hooks_off(state, [torch.nn.Linear(2, 2)]):
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# post_training_step_callbacks and TNvtxContext
+# ---------------------------------------------------------------------------------------------
+
+
+class _Cycle:
+    """An object only the cycle collector frees: it refers to itself."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_post_training_step_callbacks_collect_garbage_every_manual_gc_interval(tmp_path):
+    import gc
+    import weakref
+
+    cfg = _config(tmp_path, "train.manual_gc=true", "train.manual_gc_interval=3")
+    gc.disable()  # as megatron does under manual_gc: only the callback collects
+    try:
+        for iteration, collected in [(4, False), (5, False), (6, True), (7, False), (9, True)]:
+            probe = _Cycle()
+            alive = weakref.ref(probe)
+            del probe
+            train.post_training_step_callbacks([], 0.0, None, iteration, None, cfg, False)
+            assert (alive() is None) is collected, iteration
+            gc.collect()
+        off = _config(tmp_path, "train.manual_gc=false", "train.manual_gc_interval=3")
+        probe = _Cycle()
+        alive = weakref.ref(probe)
+        del probe
+        train.post_training_step_callbacks([], 0.0, None, 6, None, off, False)
+        assert alive() is not None  # manual_gc off: the interval alone does nothing
+    finally:
+        gc.enable()
+        gc.collect()
+
+
+def test_post_training_step_callbacks_close_the_profiler_window_and_the_nvtx_context(tmp_path):
+    from bridge_hpc.training.profiling import TNvtxContext
+
+    assert TNvtxContext is torch.autograd.profiler.emit_nvtx  # Bridge's alias: the context nsys records
+    cfg = _config(tmp_path, "profiling.use_pytorch_profiler=true", "profiling.profile_step_start=2",
+                  "profiling.profile_step_end=4")
+    traces = []
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                  # active longer than the window: only prof.stop() writes the trace
+                                  schedule=torch.profiler.schedule(wait=0, warmup=0, active=10, repeat=1),
+                                  on_trace_ready=lambda p: traces.append(len(p.events())))
+
+    class Context:  # stands for an entered emit_nvtx, whose __exit__ needs a CUDA build of torch
+        exits = []
+
+        def __exit__(self, *exc):
+            self.exits.append(exc)
+
+    nvtx = Context()
+    prof.start()
+    for iteration in (2, 3):
+        torch.ones(8).sum()
+        train.post_training_step_callbacks([], 0.0, None, iteration, prof, cfg, False, nsys_nvtx_context=nvtx)
+        assert not nvtx.exits and not traces
+    torch.ones(8).sum()
+    train.post_training_step_callbacks([], 0.0, None, 4, prof, cfg, False, nsys_nvtx_context=nvtx)
+    assert nvtx.exits == [(None, None, None)]  # exited once, at profile_step_end
+    assert len(traces) == 1 and traces[0] > 0  # prof.stop() at profile_step_end wrote the window's trace

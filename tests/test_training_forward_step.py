@@ -6,6 +6,7 @@ torchrun with 2 ranks to check the data-parallel reduction and a 2-rank training
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -113,6 +114,45 @@ def test_functor_wrapped_once_keeps_its_state():
     wrapped = prepare_forward_step_func(functor, state)
     assert isinstance(wrapped, partial) and wrapped.func is functor and wrapped.args == (state,)
     assert prepare_forward_step_func(fs_two, state) is fs_two
+
+
+def test_maybe_inject_state_follows_the_signature_unless_told():
+    from bridge_hpc.training.utils.train_utils import maybe_inject_state
+
+    state = GlobalState()
+    injected = maybe_inject_state(fs_four, state)
+    assert isinstance(injected, partial) and injected.func is fs_four and injected.args[0] is state
+    assert maybe_inject_state(fs_three_plan, state) is fs_three_plan  # (data_iterator, model, plan): none
+    # needs_injection, when given, is taken as is (prepare_forward_step_func inspects once, then passes it)
+    assert maybe_inject_state(fs_four, state, needs_injection=False) is fs_four
+    forced = maybe_inject_state(fs_two, state, needs_injection=True)
+    assert forced.func is fs_two and forced.args == (state,)
+    # A reference, not a copy: the step counter the forward step reads moves with the run.
+    state.train_state.step = 7
+    CALLS.clear()
+    with pytest.raises(TypeError):
+        injected(None, None)  # no data (next(None)): the call fails after the state was passed in
+    assert CALLS == [("four", 7)]
+
+
+def test_forward_step_callable_is_the_union_of_the_four_signatures_and_functors():
+    import typing
+
+    from bridge_hpc.training import forward_step_func_types as types
+    from bridge_hpc.training.pretrain import pretrain
+    from bridge_hpc.training.train import train, train_step
+
+    members = set(typing.get_args(types.ForwardStepCallable))
+    assert members == {types.TwoArgForwardStep, types.ThreeArgStateForwardStep, types.ThreeArgForwardStep,
+                       types.FourArgForwardStep, types.ForwardStepFunctor}
+    for protocol, params in [(types.TwoArgForwardStep, ["data_iterator", "model"]),
+                             (types.ThreeArgStateForwardStep, ["state", "data_iterator", "model"]),
+                             (types.ThreeArgForwardStep, ["data_iterator", "model", "return_schedule_plan"]),
+                             (types.FourArgForwardStep, ["state", "data_iterator", "model", "return_schedule_plan"])]:
+        assert list(inspect.signature(protocol.__call__).parameters)[1:] == params, protocol
+    # What the entry points accept: each takes the forward step as Bridge names it.
+    for func in (pretrain, train, train_step):
+        assert "forward_step_func" in inspect.signature(func).parameters, func
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,14 +49,42 @@ class RNGConfig:
 
 @dataclass
 class DistributedInitConfig:
-    """How torch.distributed is set up. ``distributed_backend = None`` picks nccl on GPU, gloo on CPU."""
+    """How torch.distributed is set up (Bridge's names). ``distributed_backend = None`` picks nccl on
+    GPU, gloo on CPU.
+
+    ``external_gpu_device_mapping``: the launcher already narrowed each rank's GPUs
+    (``CUDA_VISIBLE_DEVICES``), so every rank uses device 0 instead of its local rank.
+    ``enable_megatron_core_experimental``: megatron-core's experimental switch
+    (``megatron.core.config.set_experimental_flag``), set on every rank before the model is built.
+    ``use_decentralized_pg`` (process groups passed to each component instead of megatron-core's
+    global parallel state) and ``lazy_mpu_init`` (Megatron's hand-over of model-parallel set-up to
+    an external manager; Bridge's ``lazy_init`` property reads and writes it) must stay off: this
+    trainer sets up megatron-core's global parallel state itself, and a job asking for either would
+    otherwise silently get the other behaviour.
+    """
 
     distributed_backend: Optional[Literal["nccl", "gloo"]] = None
     distributed_timeout_minutes: int = 10
     external_gpu_device_mapping: bool = False
+    enable_megatron_core_experimental: bool = False
+    use_decentralized_pg: bool = False
+    lazy_mpu_init: Optional[bool] = None
+
+    @property
+    def lazy_init(self) -> bool:
+        """Bridge's name for ``lazy_mpu_init``."""
+        return bool(self.lazy_mpu_init)
+
+    @lazy_init.setter
+    def lazy_init(self, value: bool) -> None:
+        self.lazy_mpu_init = value
 
     def finalize(self) -> None:
         _check(self.distributed_timeout_minutes > 0, "dist.distributed_timeout_minutes", "must be > 0")
+        _check(not self.use_decentralized_pg, "dist.use_decentralized_pg",
+               "must be false: bridge_hpc passes megatron-core's global parallel state, not a ProcessGroupCollection")
+        _check(not self.lazy_mpu_init, "dist.lazy_mpu_init",
+               "must be false: bridge_hpc sets up model parallelism itself (no external manager)")
 
 
 @dataclass
@@ -435,7 +463,14 @@ class FaultToleranceConfig:
 
 @dataclass
 class StragglerDetectionConfig:
-    """megatron's built-in straggler detector. Bridge's field names."""
+    """Megatron's built-in straggler detector (Bridge's field names), which bridge_hpc does not run.
+
+    That detector times CUDA events around each step and serves a control port; this toolkit's
+    straggler detection is nvidia-resiliency-ext's (:class:`NVRxStragglerDetectionConfig`, section
+    ``[nvrx_straggler]``), which also scores ranks, runs on CPU and can stop the job and exclude the
+    slow node on requeue. So ``log_straggler = true`` is refused, naming that section, rather than
+    accepted and ignored; the other fields only take effect with it and are kept for Bridge configs.
+    """
 
     log_straggler: bool = False
     enable_straggler_on_startup: bool = True
@@ -443,7 +478,9 @@ class StragglerDetectionConfig:
     straggler_minmax_count: int = 1
 
     def finalize(self) -> None:
-        pass
+        _check(not self.log_straggler, "straggler.log_straggler",
+               "must be false: bridge_hpc detects stragglers with nvidia-resiliency-ext; set "
+               "[nvrx_straggler] enabled = true instead")
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.config import set_experimental_flag
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from bridge_hpc.contracts import run_folder
@@ -264,11 +265,13 @@ def run_restart_count(progress_path: str, job_id: Optional[str], slurm_restarts:
 def initialize_distributed(dist_cfg: Optional[DistributedInitConfig] = None, store=None) -> JobEnvironment:
     """Bring up torch.distributed from Slurm or torchrun variables (idempotent).
 
-    nccl with a GPU per local rank when CUDA is there, gloo otherwise. ``store``: the in-process
-    restart wrapper's coordination store (rendezvous through it instead of MASTER_ADDR/PORT).
+    nccl with a GPU per local rank when CUDA is there, gloo otherwise; megatron-core's experimental
+    switch as ``dist.enable_megatron_core_experimental`` says. ``store``: the in-process restart
+    wrapper's coordination store (rendezvous through it instead of MASTER_ADDR/PORT).
     """
     env = JobEnvironment.from_env()
     dist_cfg = dist_cfg or DistributedInitConfig()
+    set_experimental_flag(dist_cfg.enable_megatron_core_experimental)
     if torch.cuda.is_available():
         device = 0 if dist_cfg.external_gpu_device_mapping else env.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(device)

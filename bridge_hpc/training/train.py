@@ -245,9 +245,23 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
 def post_training_step_callbacks(model: List[torch.nn.Module], num_floating_point_operations_since_last_log_event: float,
                                  straggler_timer: Any, iteration: int, prof: Optional[torch.profiler.profile], config,
                                  should_toggle_forward_pre_hook: bool = False, nsys_nvtx_context=None) -> None:
-    """Per-step housekeeping outside the step itself: manual GC and the profiler window."""
+    """Per-step housekeeping outside the step itself (Bridge's hook, after every step).
+
+    - the profiler window: ``prof.step()`` each step, ``prof.stop()`` (the trace is written) at
+      ``profiling.profile_step_end``; an NVTX context (``nsys_nvtx_context``, a
+      :data:`bridge_hpc.training.profiling.TNvtxContext` a caller entered for nsys) is exited there too;
+    - manual garbage collection every ``train.manual_gc_interval`` steps with ``train.manual_gc``.
+
+    Fault-tolerance sections and heartbeats, and nvidia-resiliency-ext's straggler timing, bracket the
+    step in :func:`train` itself (they must see the step's start too). ``straggler_timer``,
+    ``num_floating_point_operations_since_last_log_event`` and ``should_toggle_forward_pre_hook`` keep
+    Bridge's signature; they serve Megatron's built-in straggler detector and weight-hash check, which
+    this trainer does not run (``straggler.log_straggler`` is refused).
+    """
     if config.train.manual_gc and config.train.manual_gc_interval and iteration % config.train.manual_gc_interval == 0:
         gc.collect()
+    if iteration == config.profiling.profile_step_end and nsys_nvtx_context is not None:
+        nsys_nvtx_context.__exit__(None, None, None)
     if prof is not None:
         if iteration >= config.profiling.profile_step_end:
             prof.stop()

@@ -1,6 +1,8 @@
-"""``bridge.training.tokenizers.tokenizer`` (Megatron Bridge's module path): the tokenizer type that
-``ConfigContainer.tokenizer`` and the datasets hold. The toolkit's tokenizers are megatron-core's own
-(``megatron.core.tokenizers``), built by :func:`bridge_hpc.training.tokenizers.build_tokenizer`.
+"""``bridge.training.tokenizers.tokenizer`` (Megatron Bridge's module path). ``MegatronTokenizer`` is
+megatron-core's tokenizer entry class (``megatron.core.tokenizers.MegatronTokenizer``), which Bridge's
+module re-exports too and names as the type of ``DatasetBuildContext.tokenizer``; the tokenizers
+themselves are megatron-core's text tokenizers, built by
+:func:`bridge_hpc.training.tokenizers.build_tokenizer` from a ``TokenizerConfig``.
 
 ``MegatronTokenizer`` is resolved on first use (a module ``__getattr__``), not at import: this package
 is imported on the login node and by ``bridge-prepare-data``, which must not pay for torch and
