@@ -47,7 +47,7 @@ Notes (where the first save's time goes on the toolkit's path)
   benchmark trains until the worker is idle before its first async save, as a run does until its
   first interval save; the JSON gives those steps and seconds.
 - GPU: the write was one process at 0.63-0.74 GB/s against 1.1-1.48 GB/s for the disk; saves now
-  write ``SAVE_WRITE_THREADS = 4`` files per rank in parallel processes (sync and async).
+  write ``checkpoint.storage_writers_per_rank`` (default 4) files per rank in parallel processes (sync and async).
 - CPU (this repository's machine, 2 cores; see the JSON for the run's figures): the first save of a
   process costs about the same as later ones; the phases are dominated by the write + fsync. DCP
   keeps one file per rank on CPU (the file names are part of the tests' expectations).
@@ -345,7 +345,7 @@ def rank_main(job: str, mode: str, result_path: str) -> None:
                   "bytes": total_bytes, "files": len(files), "build_s": build_s, "saves": saves,
                   "steps_before_first_save": steps_before_first_save, "worker_ready_wait_s": ready_wait_s,
                   "load_s": loads, "plain_write_s": plain_write_s, "plain_read_s": plain_read_s,
-                  "save_write_threads": checkpointing.SAVE_WRITE_THREADS if on_gpu else 1,
+                  "save_write_threads": cfg.checkpoint.storage_writers_per_rank if on_gpu else 1,
                   "load_read_threads": checkpointing.LOAD_READ_THREADS}
         Path(result_path).write_text(json.dumps(result))
     dist.barrier()

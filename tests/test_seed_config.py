@@ -261,6 +261,94 @@ def test_dist_and_straggler_settings_this_trainer_cannot_honour_are_exit_2(tmp_p
     assert f"{job}" in proc.stderr and f"'{key}'" in proc.stderr and words in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("text, key", [
+    ('[ddp]\nparam_name_patterns_for_fp32_local_accumulation = ["*.bias"]\n',
+     "ddp.param_name_patterns_for_fp32_local_accumulation"),
+    ("[dataset]\ntrust_remote_code = true\n", "dataset.trust_remote_code"),
+    ("[checkpoint]\nuse_persistent_ckpt_worker = false\n", "checkpoint.use_persistent_ckpt_worker"),
+    ('[checkpoint]\nasync_strategy = "mcore"\n', "checkpoint.async_strategy"),
+    ('[checkpoint]\nasync_write_results_mp_mode = "spawn"\n', "checkpoint.async_write_results_mp_mode"),
+    ("[checkpoint]\nstrict_fsdp_dtensor_load = true\n", "checkpoint.strict_fsdp_dtensor_load"),
+    ('[checkpoint]\ncustom_manager_class = "my.Manager"\n', "checkpoint.custom_manager_class"),
+    ("[checkpoint]\nstorage_writers_per_rank = 0\n", "checkpoint.storage_writers_per_rank"),
+    ('[logger]\nmlflow_experiment = "exp"\n', "logger.mlflow_experiment"),
+    ('[logger]\ncomet_api_key = "sk-SECRET-123"\n', "logger.comet_api_key"),
+    ("[validation]\nfull_validation = true\n", "validation.full_validation"),
+    ("[validation]\neval_interval = 5\n\n[train]\neval_interval = 7\n", "validation.eval_interval"),
+])
+def test_bridge_fields_this_trainer_cannot_honour_are_exit_2_naming_the_key(tmp_path, text, key):
+    """Bridge's documented fields exist with Bridge's names; a value this trainer cannot act on is one
+    clear error, never silently ignored, and a secret in one is never echoed."""
+    job = tmp_path / "job.toml"
+    job.write_text(f'extends = "{TINY}"\n' + text)
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", str(job), "--dry-run"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "" and "SECRET" not in proc.stderr
+    assert f"{job}" in proc.stderr and f"'{key}'" in proc.stderr, proc.stderr
+
+
+def test_validation_section_is_the_home_of_eval_settings_and_train_keeps_the_old_spelling():
+    from bridge_hpc.training.config import ValidationConfig
+
+    assert dataclasses.asdict(ValidationConfig()) == {  # megatron's ValidationConfig defaults
+        "eval_iters": 100, "eval_interval": None, "skip_train": False, "test_mode": False,
+        "full_validation": False, "multiple_validation_sets": False}
+    old = _python_built()
+    old.train.eval_interval, old.train.eval_iters = 4, 3  # Bridge's deprecated spelling
+    old.finalize_sections()
+    assert (old.validation.eval_interval, old.validation.eval_iters, old.validation.skip_train) == (4, 3, False)
+    assert (old.train.eval_interval, old.train.eval_iters, old.train.skip_train) == (4, 3, False)
+    new = _python_built()
+    new.validation = ValidationConfig(eval_interval=2, eval_iters=1, skip_train=True)
+    new.finalize_sections()
+    assert (new.train.eval_interval, new.train.eval_iters, new.train.skip_train) == (2, 1, True)
+    plain = _python_built()  # neither: megatron's defaults, no evaluation while training
+    plain.train.eval_interval = None
+    plain.finalize_sections()
+    assert (plain.validation.eval_interval, plain.validation.eval_iters) == (None, 100)
+
+
+@pytest.mark.parametrize("spelling", ["train", "validation"])
+def test_an_eval_setting_error_names_the_key_as_the_config_spelled_it(monkeypatch, spelling):
+    from bridge_hpc.training.config import ValidationConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = _python_built()
+    if spelling == "train":
+        cfg.train.eval_interval, cfg.train.eval_iters = 5, 0
+    else:
+        cfg.validation = ValidationConfig(eval_interval=5, eval_iters=0)
+    cfg.finalize_sections()
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert err.value.key == f"{spelling}.eval_iters" and f"{spelling}.eval_interval" in err.value.message
+
+
+def test_peft_is_refused_naming_it():
+    cfg = _python_built()
+    cfg.peft = object()
+    with pytest.raises(ConfigError) as err:
+        cfg.finalize_sections()
+    assert err.value.key == "peft"
+
+
+def test_log_non_default_values_names_each_changed_field_with_its_default(caplog):
+    import logging
+
+    cfg = _python_built()
+    cfg.finalize_sections()
+    with caplog.at_level(logging.INFO, logger="bridge_hpc.training.config"):
+        cfg.log_non_default_values()
+    lines = {r.getMessage().split(" ")[1]: r.getMessage() for r in caplog.records}
+    assert "train_iters = 8 (default None)" in lines["[train]"]
+    assert "global_batch_size = 16 (default None)" in lines["[train]"]
+    assert "weight_decay = 0.05 (default 0.01)" in lines["[optimizer]"]
+    assert "lr_warmup_fraction = 0.25 (default None)" in lines["[scheduler]"]
+    assert "[ddp]" not in lines and "[rng]" not in lines  # untouched sections: no line
+    assert "hidden_size = 32 (default" in lines["[model]"] and "num_layers = 1 (default" in lines["[model]"]
+
+
 def test_enable_megatron_core_experimental_sets_megatron_cores_flag(single_rank):
     from megatron.core.config import is_experimental_enabled
 
@@ -292,6 +380,24 @@ def test_pretrain_goes_through_runtime_config_update(single_rank, tmp_path):
     pretrain(cfg, forward_step)
     assert cfg.ddp.use_distributed_optimizer and cfg.data_parallel_size == 1
     assert sorted(read_metrics(cfg.logger.metrics_file)) == [1, 2]
+
+
+def test_skip_train_metrics_log_writes_no_step_log_but_trains_and_saves(single_rank, tmp_path, capsys):
+    from bridge_hpc.training.gpt_step import forward_step
+    from bridge_hpc.training.pretrain import pretrain
+    from bridge_hpc.training.run import build_config
+
+    job = tmp_path / "job.toml"
+    shutil.copy(TINY, job)
+    cfg = build_config(str(job), [f"job.run_dir={tmp_path / 'run'}", "train.train_iters=2", "train.global_batch_size=4",
+                                  "train.eval_interval=0", "checkpoint.save_interval=2", "scheduler.lr_warmup_iters=1",
+                                  "logger.log_interval=1", "logger.skip_train_metrics_log=true"])
+    pretrain(cfg, forward_step)
+    out = capsys.readouterr().out
+    assert "iteration        1/" not in out and "lm loss" not in out  # no console step line
+    metrics = Path(cfg.logger.metrics_file)
+    assert not metrics.exists() or metrics.read_text().strip() == ""
+    assert (Path(cfg.checkpoint.save) / "iter_0000002").is_dir()  # trained and saved all the same
 
 
 # ---------------------------------------------------------------------------------------------

@@ -412,10 +412,11 @@ def _snapshot(tree: Any) -> Any:
     return tree
 
 
-def _dcp_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str,
-                 save_optim: bool) -> Tuple[Any, Callable[[], None], Any]:
+def _dcp_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str, save_optim: bool,
+                 writers: int) -> Tuple[Any, Callable[[], None], Any]:
     """CPU (torch DDP, torch optimizer): the same DCP files as ``dcp.save``, written by
-    nvidia-resiliency-ext's async writer. Returns (request, finalize, write-results queue)."""
+    nvidia-resiliency-ext's async writer, one file per rank (``writers``, the torch_dist files per rank
+    on GPU, does not apply). Returns (request, finalize, write-results queue)."""
     from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
     from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
         CheckpointMetadataCache,
@@ -446,8 +447,8 @@ def _dcp_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str,
     return request, finalize, save_args[2] if save_fn is not None else None
 
 
-def _megatron_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str,
-                      save_optim: bool) -> Tuple[Any, Callable[[], None], Any]:
+def _megatron_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str, save_optim: bool,
+                      writers: int) -> Tuple[Any, Callable[[], None], Any]:
     """GPU (megatron-core DDP and optimizer): ``dist_checkpointing.save(..., async_sharded_save=True)``
     with the torch_dist strategy, kept across saves for its cached plan and metadata."""
     from megatron.core import dist_checkpointing
@@ -461,7 +462,7 @@ def _megatron_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str,
         else (v.key, type(v).__name__) if isinstance(v, ShardedBase) else (type(v).__name__,)
         for v in nested_values(sharded))
     strategy = writer.plans.get(structure, lambda: TorchDistSaveShardedStrategy(
-        "torch_dist", 1, thread_count=checkpointing.SAVE_WRITE_THREADS, cached_metadata=True))
+        "torch_dist", 1, thread_count=writers, cached_metadata=True))
     megatron_request = dist_checkpointing.save(sharded, tmp, sharded_strategy=strategy, async_sharded_save=True)
     fields = megatron_request._asdict()
     request = writer.request_class(fields["async_fn"], tuple(fields["async_fn_args"]), [],
@@ -495,7 +496,8 @@ def start_async_save(state: GlobalState, model, optimizer, scheduler, writer: As
 
     def prepare() -> None:
         parts["request"], parts["finalize"], parts["results"] = build(
-            writer, model, optimizer, save.tmp, state.cfg.checkpoint.save_optim)  # collective planning
+            writer, model, optimizer, save.tmp, state.cfg.checkpoint.save_optim,
+            state.cfg.checkpoint.storage_writers_per_rank)  # collective planning
         checkpointing.write_rank_state(save, state, train_data_iterator)
 
     checkpointing._save_phase(prepare, save.iteration, save.tmp)

@@ -488,10 +488,6 @@ def _naming_file(exc: BaseException, path: str) -> BaseException:
     return OSError(space.errno, os.strerror(space.errno), space.filename or path)
 
 
-#: Files (write processes) per rank of a megatron-core checkpoint write: one writer is bound by
-#: Python at 0.63-0.74 GB/s while an H100 host's disk takes 1.1-1.48 GB/s; 4 wrote 5.2 GB in 4.3 s
-#: instead of 7.4 s (see benchmarks/checkpoint.py). CPU saves keep DCP's one file per rank.
-SAVE_WRITE_THREADS = 4
 #: Threads that read a checkpoint being loaded (each its share of the items, balanced by bytes):
 #: one reader alternates reading, unpickling and copying into the model, leaving the disk idle.
 LOAD_READ_THREADS = 4
@@ -616,13 +612,13 @@ def megatron_sharded_state(model, optimizer, save_optim: bool) -> dict:
     return sharded
 
 
-def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool) -> None:
+def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool, writers: int) -> None:
     if _uses_megatron_dist(model):
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         sharded = megatron_sharded_state(model, optimizer, save_optim)
-        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=SAVE_WRITE_THREADS)
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=writers)
         with _in_process_write_results():
             dist_checkpointing.save(sharded, path, sharded_strategy=strategy)
         return
@@ -754,7 +750,8 @@ def save_checkpoint(state: GlobalState, model, optimizer, scheduler, train_data_
     save = begin_save(state, scheduler)
 
     def write() -> None:
-        _save_model_and_optimizer(model, optimizer, save.tmp, state.cfg.checkpoint.save_optim)  # collective
+        _save_model_and_optimizer(model, optimizer, save.tmp, state.cfg.checkpoint.save_optim,
+                                  state.cfg.checkpoint.storage_writers_per_rank)  # collective
         write_rank_state(save, state, train_data_iterator)
         _fsync_written_files(save.tmp)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
@@ -30,6 +31,8 @@ from bridge_hpc.training.mixed_precision import (
     get_mixed_precision_config,
     recipe_fields,  # noqa: F401 - for the login side (jobconfig)
 )
+
+logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # Sections
@@ -97,12 +100,20 @@ class DistributedDataParallelConfig:
     use_distributed_optimizer: bool = False
     average_in_collective: bool = False
     bucket_size: Optional[int] = None
+    #: Bridge's (synced from a later megatron-core): fnmatch patterns of parameters whose gradients
+    #: accumulate locally in FP32. megatron-core 0.19.2's DDP has no such option, so only the empty
+    #: default is accepted; ``grad_reduce_in_fp32 = true`` keeps every gradient in FP32.
+    param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
 
     def finalize(self) -> None:
         _check(
             not self.overlap_param_gather or self.use_distributed_optimizer,
             "ddp.overlap_param_gather", "needs ddp.use_distributed_optimizer = true",
         )
+        _check(not self.param_name_patterns_for_fp32_local_accumulation,
+               "ddp.param_name_patterns_for_fp32_local_accumulation",
+               "must be empty: megatron-core 0.19.2's DDP cannot accumulate chosen gradients in FP32 "
+               "(ddp.grad_reduce_in_fp32 = true does it for all)")
 
 
 @dataclass
@@ -276,15 +287,22 @@ class TrainingConfig:
     train_iters: Optional[int] = None
     micro_batch_size: Optional[int] = None
     global_batch_size: Optional[int] = None
-    eval_interval: Optional[int] = 1000
-    eval_iters: Optional[int] = 100
+    #: Deprecated spellings of ``[validation]``'s fields (as in Bridge): None unless set; a value set
+    #: here moves to ``validation`` (:meth:`ConfigContainer.finalize_sections`), which the loop reads.
+    eval_interval: Optional[int] = None
+    eval_iters: Optional[int] = None
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = True
     exit_signal: Optional[Union[str, List[str]]] = None
     manual_gc: bool = False
     manual_gc_interval: int = 0
-    skip_train: bool = False
+    skip_train: Optional[bool] = None
+    #: With model parallelism (more than one rank per model): agree on whether the optimizer step
+    #: succeeded (a logical AND) and on the grad norm (the max) over the model-parallel group, as
+    #: Bridge's train_step does. With one rank per model there is nothing to agree on.
+    check_optimizer_step_success: bool = True
+    skip_sync_grad_norm_across_mp: bool = False
 
     def finalize(self) -> None:
         _check(self.train_iters is not None, "train.train_iters", "must be set")
@@ -336,12 +354,37 @@ class CheckpointConfig:
     load_rng: bool = True
     finetune: bool = False
     exit_on_missing_checkpoint: bool = False
+    #: torch_dist files each rank writes, in parallel (Bridge's name; Bridge's default is 1: here 4, which
+    #: wrote the H100 figures in the README's performance section).
+    storage_writers_per_rank: int = 4
+    #: Bridge's async-save options, with the only values this trainer has: one persistent worker
+    #: process (a worker per save would pay its start-up in every save), nvidia-resiliency-ext's
+    #: strategy, write results collected in the worker itself (no multiprocessing queue, so "fork"
+    #: describes it), no FSDP DTensor checkpoints and no custom checkpoint manager.
+    use_persistent_ckpt_worker: bool = True
+    async_strategy: Literal["nvrx"] = "nvrx"
+    async_write_results_mp_mode: Literal["fork"] = "fork"
+    strict_fsdp_dtensor_load: bool = False
+    custom_manager_class: Optional[str] = None
 
     def finalize(self) -> None:
         if self.load is None:
             self.load = self.save
         _check(self.save_interval is None or self.save_interval > 0,
                "checkpoint.save_interval", "must be > 0")
+        _check(self.storage_writers_per_rank > 0, "checkpoint.storage_writers_per_rank", "must be > 0")
+        _check(self.use_persistent_ckpt_worker, "checkpoint.use_persistent_ckpt_worker",
+               "must be true: async saves go through one persistent worker process (a worker per save "
+               "would pay its start-up in every save)")
+        _check(self.async_strategy == "nvrx", "checkpoint.async_strategy",
+               "must be \"nvrx\": async saves use nvidia-resiliency-ext's queue and worker")
+        _check(self.async_write_results_mp_mode == "fork", "checkpoint.async_write_results_mp_mode",
+               "must be \"fork\": write results are collected in the worker process, not through a queue")
+        _check(not self.strict_fsdp_dtensor_load, "checkpoint.strict_fsdp_dtensor_load",
+               "must be false: there are no FSDP DTensor checkpoints here")
+        _check(self.custom_manager_class is None, "checkpoint.custom_manager_class",
+               "must be unset: bridge_hpc's checkpointing (atomic folders, manifest, async worker) has no "
+               "pluggable manager")
         _check(self.most_recent_k == -1 or self.most_recent_k > 0,
                "checkpoint.most_recent_k", "must be -1 (keep all) or > 0")
         _check(self.async_save_max_failures >= 1, "checkpoint.async_save_max_failures",
@@ -381,8 +424,27 @@ class LoggerConfig:
     runtime_time_unit: Literal["seconds", "minutes", "hours", "days"] = "hours"
     metrics_file: Optional[str] = None
     logging_level: int = 20  # Python logging level of bridge_hpc's own messages (20 = INFO)
+    #: Bridge's: no step log at all (console, TensorBoard, metrics.jsonl); evaluation, progress.txt
+    #: and checkpoints are unchanged.
+    skip_train_metrics_log: bool = False
+    #: Bridge's MLflow and Comet backends. Neither package is a dependency of this toolkit (TensorBoard
+    #: and metrics.jsonl are its backends), so setting any of these is refused rather than ignored.
+    mlflow_experiment: Optional[str] = None
+    mlflow_run_name: Optional[str] = None
+    mlflow_tracking_uri: Optional[str] = None
+    mlflow_tags: Optional[Dict[str, str]] = None
+    comet_project: Optional[str] = None
+    comet_experiment_name: Optional[str] = None
+    comet_workspace: Optional[str] = None
+    comet_api_key: Optional[str] = None
+    comet_tags: Optional[List[str]] = None
 
     def finalize(self) -> None:
+        for name in ("mlflow_experiment", "mlflow_run_name", "mlflow_tracking_uri", "mlflow_tags", "comet_project",
+                     "comet_experiment_name", "comet_workspace", "comet_api_key", "comet_tags"):
+            _check(getattr(self, name) is None, f"logger.{name}",  # never the value: an API key is a secret
+                   "must be unset: bridge_hpc logs to TensorBoard and metrics.jsonl (MLflow and Comet are not "
+                   "among its dependencies)")
         _check(self.log_interval > 0, "logger.log_interval", "must be > 0")
         _check(self.throughput_window_size >= 2, "logger.throughput_window_size",
                "must be >= 2 (a rate needs the times of two steps)")
@@ -394,6 +456,35 @@ class LoggerConfig:
                "logger.tensorboard_dir", f'expected a folder path, or "" to turn TensorBoard off, got {self.tensorboard_dir!r}')
         if self.tensorboard_dir == "":
             self.tensorboard_dir = None
+
+
+@dataclass
+class ValidationConfig:
+    """Evaluation during and after training: megatron's ``ValidationConfig`` (its fields and defaults),
+    where Bridge moved ``train.eval_iters``, ``train.eval_interval`` and ``train.skip_train``.
+
+    ``eval_iters`` global batches of the validation split every ``eval_interval`` steps (None: no
+    evaluation while training); ``skip_train``: evaluate and exit without training. The train
+    section's old spellings are still read (:meth:`ConfigContainer.finalize_sections` moves them
+    here). ``test_mode``, ``full_validation`` and ``multiple_validation_sets`` are megatron's too and
+    are refused when set: this trainer evaluates ``eval_iters`` batches of one validation split.
+    """
+
+    eval_iters: Optional[int] = 100
+    eval_interval: Optional[int] = None
+    skip_train: bool = False
+    test_mode: bool = False
+    full_validation: bool = False
+    multiple_validation_sets: bool = False
+
+    def finalize(self) -> None:
+        for key in ("eval_iters", "eval_interval"):
+            value = getattr(self, key)
+            _check(value is None or value >= 0, f"validation.{key}", "must be >= 0")
+        for key, why in (("test_mode", "megatron's real-time test runs are not part of this trainer"),
+                         ("full_validation", "each evaluation reads validation.eval_iters batches"),
+                         ("multiple_validation_sets", "the validation split is one dataset (or one blend)")):
+            _check(not getattr(self, key), f"validation.{key}", f"must be false: {why}")
 
 
 @dataclass
@@ -790,9 +881,14 @@ class DataloaderConfig:
     pin_memory: bool = True
     drop_last: bool = True
     persistent_workers: bool = True
+    #: Bridge's, for Hugging Face dataset paths. Data here comes from local files only, which run no
+    #: code, so there is nothing to trust: ``true`` is refused rather than ignored.
+    trust_remote_code: Optional[bool] = None
 
     def finalize(self) -> None:
         _check(self.num_workers >= 0, "dataset.num_workers", "must be >= 0")
+        _check(not self.trust_remote_code, "dataset.trust_remote_code",
+               "must not be true: data is read from local files only (no Hugging Face paths), which run no code")
         if self.num_workers == 0:
             self.persistent_workers = False
 
@@ -1243,16 +1339,19 @@ class FinetuningDatasetConfig(DatasetProvider):
     validation and test in file order. ``max_train_samples`` (Bridge's) sets how many training
     samples the run draws before it starts again from the first one; unset, the run's own
     ``train_iters`` x ``global_batch_size``. ``seq_length = None`` takes ``model.seq_length``. Bridge's
-    ``memmap_workers``, ``packed_sequence_specs`` and free-form ``dataset_kwargs`` have no counterpart:
-    the files are indexed in one pass, sequences are not packed, and the options are the typed
-    fields here.
+    ``memmap_workers``, ``packed_sequence_specs`` and free-form ``dataset_kwargs`` are accepted at
+    their defaults only (anything else is a ConfigError): the files are indexed in one pass, sequences
+    are not packed, and the options are the typed fields here.
     """
 
     dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = "batch"
     dataset_root: Optional[str] = None
     seq_length: Optional[int] = None
     seed: int = 1234
+    memmap_workers: int = 1
     max_train_samples: Optional[int] = None
+    packed_sequence_specs: Optional[Any] = None
+    dataset_kwargs: Optional[Dict[str, Any]] = None
     do_validation: bool = True
     do_test: bool = True
     prompt_key: str = "input"
@@ -1260,6 +1359,12 @@ class FinetuningDatasetConfig(DatasetProvider):
 
     def finalize(self) -> None:
         super().finalize()
+        _check(self.memmap_workers == 1, "dataset.memmap_workers",
+               "must be 1: the jsonl files are indexed in one pass, with no memory-map workers")
+        _check(self.packed_sequence_specs is None, "dataset.packed_sequence_specs",
+               "must be unset: fine-tuning samples are padded, not packed")
+        _check(self.dataset_kwargs is None, "dataset.dataset_kwargs",
+               "must be unset: the fine-tuning options are this section's own fields (prompt_key, answer_key, ...)")
         _check(self.dataset_root is not None, "dataset.dataset_root",
                f"must be set: the folder with {FINETUNING_FILES['train']} (and optionally "
                f"{FINETUNING_FILES['valid']}, {FINETUNING_FILES['test']})")
@@ -1311,6 +1416,7 @@ SECTIONS: Dict[str, type] = {
     "straggler": StragglerDetectionConfig,
     "nvrx_straggler": NVRxStragglerDetectionConfig,
     "profiling": ProfilingConfig,
+    "validation": ValidationConfig,
     "inprocess_restart": InProcessRestartConfig,
     "rerun_state_machine": RerunStateMachineConfig,
     "tokenizer": TokenizerConfig,
@@ -1341,6 +1447,10 @@ class ConfigContainer:
     straggler: Optional[StragglerDetectionConfig] = None
     nvrx_straggler: Optional[NVRxStragglerDetectionConfig] = None
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    #: Bridge's parameter-efficient fine-tuning (a Python object, no TOML section). Not available:
+    #: anything but None is refused by :meth:`finalize_sections`.
+    peft: Optional[Any] = None
     inprocess_restart: Optional[InProcessRestartConfig] = None
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     tokenizer: Optional[TokenizerConfig] = None
@@ -1355,6 +1465,9 @@ class ConfigContainer:
     optimizer_config_override_provider: OptimizerConfigOverrideProvider = field(
         default_factory=OptimizerConfigOverrideProvider)
     data_parallel_size: int = field(default=1, init=False)
+    #: Which of validation's fields a config spelled the deprecated way (``train.<name>``), so that an
+    #: error about one names the key the user wrote.
+    validation_keys_in_train: Tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     #: Whether every section's deferred finalize() has run (:meth:`finalize_sections`).
     sections_finalized: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -1414,7 +1527,24 @@ class ConfigContainer:
             return
         for _, section in self.sections():
             section.finalize()
+        self._move_deprecated_validation_fields()
+        _check(self.peft is None, "peft", "PEFT (LoRA and the like) is not available here: finetune() trains every "
+               "weight of the pretrained model")
         self.sections_finalized = True
+
+    def _move_deprecated_validation_fields(self) -> None:
+        """``train.eval_iters`` / ``eval_interval`` / ``skip_train`` are Bridge's deprecated spellings of
+        ``validation``'s: one set there moves here (both set to different values is an error), and the
+        train section then shows the value in force, so either spelling reads the same."""
+        default = ValidationConfig()
+        for name in ("eval_iters", "eval_interval", "skip_train"):
+            old, new = getattr(self.train, name), getattr(self.validation, name)
+            if old is not None:
+                _check(new == getattr(default, name) or new == old, f"validation.{name}",
+                       f"{new!r} contradicts train.{name} = {old!r} (its deprecated spelling): set one of them")
+                setattr(self.validation, name, old)
+                self.validation_keys_in_train += (name,)
+            setattr(self.train, name, getattr(self.validation, name))
 
     # -- cross-section checks -----------------------------------------------------------------
     def check_data_needs(self) -> None:
@@ -1430,7 +1560,7 @@ class ConfigContainer:
             _check(self.tokenizer is not None, "tokenizer.tokenizer_type",
                    "dataset.dataset_root needs a [tokenizer] section: fine-tuning data is tokenized on the fly "
                    "(e.g. tokenizer_type = \"ByteLevelTokenizer\")")
-            if self.train.train_iters > 0 and not self.train.skip_train:
+            if self.train.train_iters > 0 and not self.validation.skip_train:
                 _check(self.dataset.split_path("train") is not None, "dataset.dataset_root",
                        f"{self.dataset.dataset_root} has no {FINETUNING_FILES['train']}, and train.train_iters is "
                        f"{self.train.train_iters}")
@@ -1492,8 +1622,13 @@ class ConfigContainer:
         c = self.checkpoint
         _check(c.save_interval is None or c.save is not None, "checkpoint.save_interval",
                "is set but checkpoint.save (the folder) is not")
-        _check(t.eval_interval in (None, 0) or (t.eval_iters or 0) > 0, "train.eval_iters",
-               "must be > 0 when train.eval_interval is set")
+        v = self.validation
+
+        def key(name: str) -> str:
+            return f"{'train' if name in self.validation_keys_in_train else 'validation'}.{name}"
+
+        _check(v.eval_interval in (None, 0) or (v.eval_iters or 0) > 0, key("eval_iters"),
+               f"must be > 0 when {key('eval_interval')} is set")
 
     def _validate_gpt_dataset(self) -> None:
         """Fill the indexed-data fields that come from other sections and check them against those."""
@@ -1507,7 +1642,7 @@ class ConfigContainer:
             # names are hashes of what they index, so a folder shared by runs is safe.
             d.path_to_cache = os.path.join(os.path.dirname(os.path.abspath(self.checkpoint.save)),
                                            run_folder.DATASET_CACHE_DIR)
-        if self.train.train_iters > 0 and not self.train.skip_train:
+        if self.train.train_iters > 0 and not self.validation.skip_train:
             if d.blend is not None:
                 _check(parse_split(d.split)[0] > 0, "dataset.split",
                        f"{d.split!r} gives the train split no data, and train.train_iters is {self.train.train_iters}")
@@ -1518,6 +1653,19 @@ class ConfigContainer:
         # silently not apply.
         _check(not d.reset_attention_mask or self.model.transformer_impl == "local", "dataset.reset_attention_mask",
                "needs model.transformer_impl = \"local\" (Transformer Engine's causal attention ignores the mask)")
+
+    def log_non_default_values(self) -> None:
+        """Log each section's fields that differ from their defaults, one line per section (Bridge's
+        method; INFO on the ``bridge_hpc.training.config`` logger): what makes this run differ from
+        the baseline, easy to spot in a log. Bridge compares its megatron-core-derived sections with
+        megatron-core's defaults; here every section is this toolkit's dataclass, so the baseline is
+        its own defaults. A field without a default shows its value."""
+        for name, section in self.sections():
+            changed = _non_default_values(section)
+            if changed:
+                logger.info("config [%s] differs from the defaults: %s", name, ", ".join(
+                    f"{key} = {value!r}" if default is _REQUIRED else f"{key} = {value!r} (default {default!r})"
+                    for key, (value, default) in changed.items()))
 
     def to_dict(self) -> Dict[str, Any]:
         """The resolved configuration as plain data (saved in every checkpoint)."""
@@ -1621,6 +1769,29 @@ def _validate_mixed_precision_consistency(config: ConfigContainer) -> None:
 # ---------------------------------------------------------------------------------------------
 # Helpers: checking keys and types
 # ---------------------------------------------------------------------------------------------
+
+
+#: Stands for "no default" in :func:`_non_default_values`.
+_REQUIRED = object()
+
+
+def _non_default_values(section: Any) -> Dict[str, Tuple[Any, Any]]:
+    """``{field: (value, default)}`` for the init fields of a dataclass ``section`` whose value is not
+    the default (``default`` is :data:`_REQUIRED` for a field without one)."""
+    out: Dict[str, Tuple[Any, Any]] = {}
+    for f in dataclasses.fields(section):
+        if not f.init:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = _REQUIRED
+        value = getattr(section, f.name)
+        if default is _REQUIRED or value != default:
+            out[f.name] = (value, default)
+    return out
 
 
 def _check(condition: bool, key: str, message: str) -> None:

@@ -213,9 +213,10 @@ def build_datasets(provider: DatasetProvider, cfg, tokenizer: Optional[Any] = No
     """
     t = cfg.train
     train_samples = t.train_iters * t.global_batch_size
-    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
-    valid_samples = evals * (t.eval_iters or 0) * t.global_batch_size
-    test_samples = (t.eval_iters or 0) * t.global_batch_size
+    v = cfg.validation
+    evals = (t.train_iters // v.eval_interval + 1) if v.eval_interval else 0
+    valid_samples = evals * (v.eval_iters or 0) * t.global_batch_size
+    test_samples = (v.eval_iters or 0) * t.global_batch_size
     return provider.build_datasets(DatasetBuildContext(train_samples, valid_samples, test_samples,
                                                        tokenizer=tokenizer, vocab_size=cfg.model.vocab_size))
 

@@ -124,6 +124,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     cfg.finalize_sections()
     state.tokenizer = build_tokenizer_for(cfg)
     runtime_config_update(cfg)
+    cfg.log_non_default_values()  # rank 0's log: how this run differs from the defaults
     if cfg.checkpoint.save:
         # Before anything writes into the folder (FT state, progress log, checkpoints): a second job
         # training into the same folder fails here, on every rank, naming the job that holds it.
@@ -199,9 +200,9 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
 
     state.metrics.open(ts.step, RunStart(restart_count=restart_count, load_s=load_s if data_state is not None else None,
                                          started_at=started_at))
-    if ts.do_train and not cfg.train.skip_train and ts.step < cfg.train.train_iters:
+    if ts.do_train and not cfg.validation.skip_train and ts.step < cfg.train.train_iters:
         train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, checkpointing_context)
-    elif cfg.train.skip_train and ts.do_valid:
+    elif cfg.validation.skip_train and ts.do_valid:
         evaluate_and_print_results(state, f"iteration {ts.step}", forward_step_func, valid_it, model)
     # Normal end only (an exception skips this: the monitor sees the rank end).
     state.straggler_detector.shutdown()

@@ -44,10 +44,12 @@ from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.utils.train_utils import (
+    logical_and_across_model_parallel_group,
     num_floating_point_operations,
     prepare_forward_step_func,
     reduce_loss_dicts,
     reduce_loss_dicts_and_flags,
+    reduce_max_stat_across_model_parallel_group,
     training_log,
 )
 
@@ -169,6 +171,12 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     timers("optimizer", log_level=1).start()
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer", log_level=1).stop()
+    mp_group = parallel_state.get_model_parallel_group()
+    if torch.distributed.get_world_size(mp_group) > 1:  # ranks that hold parts of one model agree
+        if cfg.train.check_optimizer_step_success:
+            update_successful = logical_and_across_model_parallel_group(update_successful, mp_group)
+        if not cfg.train.skip_sync_grad_norm_across_mp:
+            grad_norm = reduce_max_stat_across_model_parallel_group(grad_norm, mp_group)
     if update_successful:
         scheduler.step(increment=cfg.train.global_batch_size)
     skipped_iter = 0 if update_successful else 1
@@ -188,7 +196,7 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
 def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
              process_non_loss_data_func: Optional[Callable] = None,
              non_loss_data_func: Optional[Callable] = None) -> Tuple[Dict[str, torch.Tensor], Any]:
-    """``train.eval_iters`` forward-only global batches; returns (reduced loss dict, non-loss data).
+    """``validation.eval_iters`` forward-only global batches; returns (reduced loss dict, non-loss data).
 
     Losses are reduced over all micro-batches of all eval iterations and all data-parallel ranks at
     once, so a per-token loss is the mean over every evaluated token.
@@ -197,7 +205,7 @@ def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, mod
     for chunk in model:
         chunk.eval()
     reports: List[Dict[str, torch.Tensor]] = []
-    for _ in range(cfg.train.eval_iters):
+    for _ in range(cfg.validation.eval_iters):
         # A long evaluation must not sit on a preemption notice: stop early, all ranks together.
         if any_rank({"signal": signal_seen(state)})["signal"]:
             if state.rank == 0:
@@ -346,16 +354,17 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
 
         # 3. log, evaluate, housekeeping
         # (an evaluation first, so that its loss joins this step's record in metrics.jsonl)
-        if cfg.train.eval_interval and ts.step % cfg.train.eval_interval == 0 and valid_data_iterator is not None:
+        if cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 and valid_data_iterator is not None:
             # As Megatron: with overlapped param all-gather the shards from the last optimizer step
             # arrive only in the next training forward, so evaluation gathers them first.
             with forward_pre_hooks_off(global_state, model):
                 evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func,
                                            valid_data_iterator, model, process_non_loss_data_func, non_loss_data_func)
         learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
-        report_memory_flag = training_log(loss_dict, learning_rate, skipped_iter, grad_norm, num_zeros_in_grad,
-                                          step_time_s, global_state, global_state.metrics, model=model,
-                                          history_wct=history_wct, report_memory_flag=report_memory_flag)
+        if not cfg.logger.skip_train_metrics_log:
+            report_memory_flag = training_log(loss_dict, learning_rate, skipped_iter, grad_norm, num_zeros_in_grad,
+                                              step_time_s, global_state, global_state.metrics, model=model,
+                                              history_wct=history_wct, report_memory_flag=report_memory_flag)
         post_training_step_callbacks(model, step_flops, None, ts.step, prof, cfg)
         if prof is not None and ts.step >= cfg.profiling.profile_step_end:
             prof = None
