@@ -325,6 +325,24 @@ def test_an_eval_setting_error_names_the_key_as_the_config_spelled_it(monkeypatc
     assert err.value.key == f"{spelling}.eval_iters" and f"{spelling}.eval_interval" in err.value.message
 
 
+def test_post_init_is_deferred_to_finalize_as_in_bridge():
+    """Bridge's DDP, optimizer and GPT dataset configs compute nothing at construction (their
+    ``__post_init__``): a field changed afterwards still counts when ``finalize()`` derives the rest."""
+    opt = OptimizerConfig(lr=1e-3)
+    opt.__post_init__()
+    assert opt.min_lr is None  # nothing derived yet
+    opt.lr = 2e-3
+    opt.finalize()
+    assert opt.min_lr == 0.0 and opt.lr == 2e-3
+    ddp = DistributedDataParallelConfig()
+    before = dataclasses.asdict(ddp)
+    ddp.__post_init__()
+    assert dataclasses.asdict(ddp) == before
+    data = GPTDatasetConfig(seq_length=SEQ)
+    data.__post_init__()
+    assert data.blend is None and data.data_path is None
+
+
 def test_peft_is_refused_naming_it():
     cfg = _python_built()
     cfg.peft = object()

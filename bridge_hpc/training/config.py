@@ -50,6 +50,15 @@ class RNGConfig:
         _check(self.seed >= 0, "rng.seed", "must be >= 0")
 
 
+class DeferredPostInit:
+    """Bridge's configs that derive from megatron-core's (DDP, optimizer, GPT dataset) skip its
+    ``__post_init__`` at construction, so fields can still be changed; ``finalize()`` fills the
+    derived fields and checks them. The same holds here."""
+
+    def __post_init__(self) -> None:
+        """Computes nothing: see :meth:`finalize`."""
+
+
 @dataclass
 class DistributedInitConfig:
     """How torch.distributed is set up (Bridge's names). ``distributed_backend = None`` picks nccl on
@@ -91,7 +100,7 @@ class DistributedInitConfig:
 
 
 @dataclass
-class DistributedDataParallelConfig:
+class DistributedDataParallelConfig(DeferredPostInit):
     """Data-parallel wrapper settings; used as megatron-core DDP's config on GPU (ignored by torch DDP)."""
 
     grad_reduce_in_fp32: bool = False
@@ -117,7 +126,7 @@ class DistributedDataParallelConfig:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(DeferredPostInit):
     """Optimizer settings (megatron-core OptimizerConfig names). ``clip_grad = 0`` disables clipping."""
 
     optimizer: Literal["adam", "sgd"] = "adam"
@@ -1112,7 +1121,7 @@ def absolute_dataset_paths(body: Dict[str, Any], base: str) -> Dict[str, Any]:
 
 
 @dataclass
-class GPTDatasetConfig(DatasetProvider):
+class GPTDatasetConfig(DatasetProvider, DeferredPostInit):
     """Megatron indexed datasets (``.bin``/``.idx``) read by megatron-core's ``GPTDataset``, blended and
     split by its ``BlendedMegatronDatasetBuilder``: Megatron Bridge's ``GPTDatasetConfig``.
 
