@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The README's one-GPU figures and the GPU tests (tests/test_gpu_*.py), in one go, on a machine with
+# one CUDA GPU and the package installed (pip install -e '.[train,test,data]'):
+#
+#   bash scripts/gpu_figures.sh OUTDIR [STEP ...]
+#
+# STEPs, in this order by default: tests checkpoint preemption loop optimizer data. Each writes its
+# log (and its benchmark's JSON) into OUTDIR and has its own time limit, so that one step that hangs
+# does not take the others with it; the last lines of each log are printed as it ends.
+set -uo pipefail
+out=${1:?usage: bash scripts/gpu_figures.sh OUTDIR [tests|checkpoint|preemption|loop|optimizer|data ...]}
+shift
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(tests checkpoint preemption loop optimizer data)
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+
+run() {  # run NAME SECONDS COMMAND...
+    local name=$1 limit=$2 rc
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    echo "== $name: exit status $rc ($out/$name.log)"
+    tail -n 25 "$out/$name.log"
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+        tests) run tests 900 python -m pytest -q -p no:warnings tests/test_gpu_*.py ;;
+        checkpoint) run checkpoint 900 python benchmarks/checkpoint.py --device cuda --out "$out/checkpoint.json" ;;
+        preemption) run preemption 900 python benchmarks/preemption.py --device cuda --json "$out/preemption.json" ;;
+        loop) run loop 900 python benchmarks/loop_overhead.py --device cuda --json "$out/loop_overhead.json" ;;
+        optimizer) run optimizer 600 python benchmarks/optimizer_step.py --json "$out/optimizer_step.json" ;;
+        data) run data 900 python benchmarks/prepare_data.py --part 3 --json "$out/prepare_data_gpu.json" ;;
+        *) echo "gpu_figures.sh: unknown step '$step' (tests, checkpoint, preemption, loop, optimizer, data)" >&2
+           exit 2 ;;
+    esac
+done
