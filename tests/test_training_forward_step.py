@@ -399,9 +399,17 @@ def _two_rank_reduce(rank: int, port: int, out_dir: str) -> None:
     flags = {"signal received": rank == 1, "time limit": False, "exit_duration_in_mins": rank == 0}
     reduced, agreed = reduce_loss_dicts_and_flags(reports, None, flags)
     plain = {k: float(v) for k, v in reduce_loss_dicts(reports, None).items()}
+    # As under tensor or pipeline parallelism: each rank its own data-parallel group (size 1), so the
+    # losses stay the rank's own while the stop observations are still agreed by the whole world.
+    own = [dist.new_group([r]) for r in range(2)][rank]
+    collectives = len(calls)
+    del calls[:]
+    mp_reduced, mp_agreed = reduce_loss_dicts_and_flags(reports, own, flags)
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump({"reduced": {k: float(v) for k, v in reduced.items()}, "agreed": agreed,
-                   "collectives": len(calls), "plain": plain}, f)
+                   "collectives": collectives, "plain": plain,
+                   "mp": {"reduced": {k: float(v) for k, v in mp_reduced.items()}, "agreed": mp_agreed,
+                          "collectives": len(calls)}}, f)
     dist.destroy_process_group()
 
 
@@ -419,3 +427,9 @@ def test_losses_and_stop_observations_are_agreed_in_one_all_reduce(tmp_path):
         assert r["plain"] == r["reduced"]  # reduce_loss_dicts is the same computation without flags
         assert r["agreed"] == {"signal received": True, "time limit": False, "exit_duration_in_mins": True}
         assert r["collectives"] == 2  # one with the flags, one for reduce_loss_dicts alone
+    # data-parallel groups of one rank each: no loss all-reduce; the flags in one all-reduce of the world
+    assert results[0]["mp"]["reduced"] == {"aux": 2.0, "lm loss": 2.0}  # (1+3)/2; (3+5)/(2+2)
+    assert results[1]["mp"]["reduced"] == {"aux": 6.0, "lm loss": 1.75}  # (5+7)/2; 7/4
+    for r in results:
+        assert r["mp"]["agreed"] == {"signal received": True, "time limit": False, "exit_duration_in_mins": True}
+        assert r["mp"]["collectives"] == 1
