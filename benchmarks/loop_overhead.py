@@ -129,7 +129,7 @@ def _load_training_config(job: str, overrides: List[str]):
     cfg = load_job_config(job, overrides).training
     cfg.checkpoint.save = cfg.checkpoint.load = None
     cfg.checkpoint.save_interval = None
-    cfg.train.eval_interval = 0
+    cfg.validation.eval_interval = 0
     return cfg
 
 
