@@ -360,6 +360,12 @@ def test_log_non_default_values_names_each_changed_field_with_its_default(caplog
     assert "lr_warmup_fraction = 0.25 (default None)" in lines["[scheduler]"]
     assert "[ddp]" not in lines and "[rng]" not in lines  # untouched sections: no line
     assert "hidden_size = 32 (default" in lines["[model]"] and "num_layers = 1 (default" in lines["[model]"]
+    cfg.profiling.profile_ranks = list(range(1000))  # a long value (4890 characters) is cut, saying how long
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="bridge_hpc.training.config"):
+        cfg.log_non_default_values()
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("config [profiling]")]
+    assert "profile_ranks = [0, 1, 2, " in line and "... (4890 chars) (default [0])" in line and len(line) < 400
 
 
 def test_enable_megatron_core_experimental_sets_megatron_cores_flag(single_rank):

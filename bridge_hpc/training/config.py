@@ -1669,11 +1669,15 @@ class ConfigContainer:
         the baseline, easy to spot in a log. Bridge compares its megatron-core-derived sections with
         megatron-core's defaults; here every section is this toolkit's dataclass, so the baseline is
         its own defaults. A field without a default shows its value."""
+        def shown(value: Any) -> str:  # a blend of a thousand shards must not make a line of megabytes
+            text = repr(value)
+            return text if len(text) <= LOGGED_VALUE_CHARS else text[:LOGGED_VALUE_CHARS] + f"... ({len(text)} chars)"
+
         for name, section in self.sections():
             changed = _non_default_values(section)
             if changed:
                 logger.info("config [%s] differs from the defaults: %s", name, ", ".join(
-                    f"{key} = {value!r}" if default is _REQUIRED else f"{key} = {value!r} (default {default!r})"
+                    f"{key} = {shown(value)}" if default is _REQUIRED else f"{key} = {shown(value)} (default {shown(default)})"
                     for key, (value, default) in changed.items()))
 
     def to_dict(self) -> Dict[str, Any]:
@@ -1780,6 +1784,8 @@ def _validate_mixed_precision_consistency(config: ConfigContainer) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+#: The longest value :meth:`ConfigContainer.log_non_default_values` writes whole.
+LOGGED_VALUE_CHARS = 200
 #: Stands for "no default" in :func:`_non_default_values`.
 _REQUIRED = object()
 
