@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bridge_test_helpers import drive, steps_done, submit, wait_running_past  # noqa: E402
+from bridge_test_helpers import drive, signal_tree, steps_done, submit, wait_running_past  # noqa: E402
 
 from bridge_hpc.report.progress import parse_progress  # noqa: E402
 
@@ -104,28 +104,6 @@ def _gpu_job(folder: Path, tiny: bool) -> Path:
     return job
 
 
-def _descendants(pid: int) -> list:
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
-
-
-def _metrics_steps(run_dir: Path) -> int:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    return max((json.loads(line)["step"] for line in lines if line.strip().endswith("}")), default=0)
-
-
 def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False) -> dict:
     """``cycles`` preemptions of a one-GPU run, ``steps`` steps after each start (see the module doc)."""
     import os
@@ -141,12 +119,12 @@ def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False) -
         env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         log = open(folder / f"run{cycle}.log", "w")
-        start_step = _metrics_steps(run_dir)
+        start_step = steps_done(run_dir)
         proc = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", str(job)], cwd=folder, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.time() + 600
-            while _metrics_steps(run_dir) < start_step + steps:
+            while steps_done(run_dir) < start_step + steps:
                 if proc.poll() is not None or time.time() > deadline:
                     raise SystemExit(f"run {cycle} ended or stalled before step {start_step + steps}: "
                                      f"see {folder / f'run{cycle}.log'}")
@@ -154,13 +132,9 @@ def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False) -
             if cycle == cycles:
                 break  # the last run only restarts: stopped below, not measured
             t0 = time.time()
-            for pid in [proc.pid] + _descendants(proc.pid):
-                try:
-                    os.kill(pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
+            signal_tree(proc.pid, signal.SIGUSR1)
             proc.wait(timeout=300)
-            exits.append({"at_step": _metrics_steps(run_dir), "gone_s": time.time() - t0,
+            exits.append({"at_step": steps_done(run_dir), "gone_s": time.time() - t0,
                           "returncode": proc.returncode})
             print(f"  preempted at step {exits[-1]['at_step']}: rank gone after {exits[-1]['gone_s']:.2f} s",
                   flush=True)

@@ -266,15 +266,21 @@ def descendants(pid: int) -> list:
     return found
 
 
+def signal_tree(pid: int, signum: int) -> None:
+    """Send ``signum`` to ``pid`` and every process below it, by PID (as Slurm signals a job step's
+    processes); one that has ended meanwhile is skipped."""
+    for target in [pid] + descendants(pid):
+        try:
+            os.kill(target, signum)
+        except ProcessLookupError:
+            pass
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc`` and every process below it, by PID, and reap it."""
     import signal
 
-    for pid in [proc.pid] + descendants(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signal_tree(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
 
 
