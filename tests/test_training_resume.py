@@ -104,6 +104,44 @@ def test_exact_resume(straight, tmp_path):
         model_params(os.path.join(run_dir, "checkpoints", "iter_0000040"), str(tmp_path)))
 
 
+#: The rank entry point, then the stop signals of the job arriving just after it returns: Slurm's
+#: time-limit warning can land while a rank that has finished tears down.
+LATE_SIGNAL_RANK = """
+import json, os, signal, sys
+from bridge_hpc.training import run
+status = run.main(sys.argv[1:])
+names = ("SIGUSR1", "SIGTERM")
+ignored = {n: signal.getsignal(getattr(signal, n)) == signal.SIG_IGN for n in names}
+print("ignored after main:", json.dumps(ignored), flush=True)
+for name in names:
+    os.kill(os.getpid(), getattr(signal, name))
+sys.exit(status)
+"""
+
+
+def test_a_run_that_resumes_at_train_iters_ends_done_and_ignores_a_late_stop_signal(straight, tmp_path):
+    """A job whose last run stopped after the final step but was requeued anyway (its rank killed by a
+    late signal, before the fix) must end again as ``done``; and a stop signal after training ended
+    is ignored, not left to Python's finalization, which resets handlers to the default action."""
+    job_dir = tmp_path / "finished"
+    shutil.copytree(os.path.dirname(straight), job_dir)
+    job = str(job_dir / "job.toml")
+    script = tmp_path / "late_signal_rank.py"
+    script.write_text(LATE_SIGNAL_RANK)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(script), job, "--set", "logger.log_progress=true"]
+    proc = subprocess.run(cmd, cwd=str(job_dir), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count('ignored after main: {"SIGUSR1": true, "SIGTERM": true}') == 2, proc.stdout[-3000:]
+    assert "exiting at iteration 40: train_iters reached (recorded as done)" in proc.stdout
+    run_dir = _run_dir(job)
+    events = [(e.name, e.fields.get("Iteration"), e.fields.get("Reason"))
+              for e in parse_events(os.path.join(run_dir, "checkpoints", "progress.txt"))]
+    assert events[-3:] == [("Starting job", None, None), ("Loaded checkpoint", "40", None), ("Ending job", "40", "done")]
+    assert sorted(read_metrics(os.path.join(run_dir, "metrics.jsonl"))) == list(range(1, 41))  # no step redone
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints")))[:3] == [".lock", "iter_0000030", "iter_0000040"]
+
+
 def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
     """Saving every step, SIGKILL the whole job at random moments; the newest complete checkpoint
     must always load, and finishing from it must reproduce the straight run exactly."""

@@ -200,7 +200,9 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
 
     state.metrics.open(ts.step, RunStart(restart_count=restart_count, load_s=load_s if data_state is not None else None,
                                          started_at=started_at))
-    if ts.do_train and not cfg.validation.skip_train and ts.step < cfg.train.train_iters:
+    # A run that resumes at train_iters (its predecessor stopped after the last step, before its
+    # process ended) still goes through the loop's exit decision: "Ending job  done", no requeue.
+    if ts.do_train and not cfg.validation.skip_train:
         train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, state, checkpointing_context)
     elif cfg.validation.skip_train and ts.do_valid:
         evaluate_and_print_results(state, f"iteration {ts.step}", forward_step_func, valid_it, model)

@@ -25,6 +25,7 @@ import sys
 import traceback
 from typing import Callable, List, Optional
 
+from bridge_hpc.contracts import signals
 from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
 from bridge_hpc.launch.jobconfig import load_job_config
 from bridge_hpc.training.config import ConfigContainer
@@ -122,6 +123,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         except ConfigError as err:
             # Checks on the ranks (validate(), finetune()'s starting point) name a key but no file: it is this one.
             raise (ConfigError(err.message, path=args.config, key=err.key) if err.path is None else err) from None
+        if job.training.train.exit_signal_handler:
+            # Training has stopped, its last checkpoint durable: a stop signal from now on (Slurm's
+            # time-limit warning landing while the process group is torn down) has nothing left to
+            # stop. Ignored, not left to the recorders, which Python's finalization resets to the
+            # default action: the rank would die of it after a clean end, and the batch script would
+            # count a failed run and requeue the job.
+            signals.ignore(job.training.train.exit_signal)
     except ConfigError as err:
         print(f"error: {err.format()}", file=sys.stderr, flush=True)
         _leave(EXIT_BAD_INPUT)
