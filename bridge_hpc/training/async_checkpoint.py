@@ -35,6 +35,7 @@ exit is waiting for. It dies with its rank (``PR_SET_PDEATHSIG``) and shows as `
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import logging
@@ -210,7 +211,7 @@ class AsyncCheckpointWriter:
         with stop_signals_blocked(self.stop_signals):
             self.queue.schedule_async_request(warm_up)  # spawns the worker; does not wait for it
 
-    def warm_up_staging(self, model, optimizer, save_optim: bool) -> None:
+    def warm_up_staging(self, model, optimizer, save_optim: bool, fully_reshardable: bool = False) -> None:
         """GPU runs, once, after the first step (when the optimizer's state exists): have the worker
         stage every tensor a save writes, in the background
         (:func:`~bridge_hpc.training.checkpoint_worker.stage_once`), so that the first save's
@@ -222,7 +223,7 @@ class AsyncCheckpointWriter:
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        sharded = checkpointing.megatron_sharded_state(model, optimizer, save_optim)
+        sharded = checkpointing.megatron_sharded_state(model, optimizer, save_optim, fully_reshardable)
         tensors = [v.data.detach() for v in nested_values(sharded)
                    if isinstance(v, ShardedTensor) and isinstance(v.data, torch.Tensor) and v.data.is_cuda]
         request = self.request_class(stage_once, (tensors, time.time(), checkpointing._rank() == 0), [])
@@ -448,7 +449,7 @@ def _dcp_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str, save
 
 
 def _megatron_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str, save_optim: bool,
-                      writers: int) -> Tuple[Any, Callable[[], None], Any]:
+                      writers: int, fully_reshardable: bool = False) -> Tuple[Any, Callable[[], None], Any]:
     """GPU (megatron-core DDP and optimizer): ``dist_checkpointing.save(..., async_sharded_save=True)``
     with the torch_dist strategy, kept across saves for its cached plan and metadata."""
     from megatron.core import dist_checkpointing
@@ -456,7 +457,7 @@ def _megatron_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str,
     from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    sharded = checkpointing.megatron_sharded_state(model, optimizer, save_optim)
+    sharded = checkpointing.megatron_sharded_state(model, optimizer, save_optim, fully_reshardable)
     structure = tuple(
         (v.key, tuple(v.global_shape), tuple(v.global_offset), str(v.dtype)) if isinstance(v, ShardedTensor)
         else (v.key, type(v).__name__) if isinstance(v, ShardedBase) else (type(v).__name__,)
@@ -491,13 +492,14 @@ def start_async_save(state: GlobalState, model, optimizer, scheduler, writer: As
     began = time.perf_counter()
     writer.wait_until_started()
     save = checkpointing.begin_save(state, scheduler)
-    build = _megatron_request if checkpointing._uses_megatron_dist(model) else _dcp_request
+    ckpt = state.cfg.checkpoint
+    build = (functools.partial(_megatron_request, fully_reshardable=ckpt.dist_ckpt_optim_fully_reshardable)
+             if checkpointing._uses_megatron_dist(model) else _dcp_request)
     parts: Dict[str, Any] = {}
 
     def prepare() -> None:
         parts["request"], parts["finalize"], parts["results"] = build(
-            writer, model, optimizer, save.tmp, state.cfg.checkpoint.save_optim,
-            state.cfg.checkpoint.storage_writers_per_rank)  # collective planning
+            writer, model, optimizer, save.tmp, ckpt.save_optim, ckpt.storage_writers_per_rank)  # collective planning
         checkpointing.write_rank_state(save, state, train_data_iterator)
 
     checkpointing._save_phase(prepare, save.iteration, save.tmp)

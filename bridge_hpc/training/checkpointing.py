@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.futures import Future
 
 from bridge_hpc.contracts import run_folder
+from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training.state import GlobalState
 
@@ -84,6 +85,8 @@ COMMON_FILE = "train_state.pt"
 #: Its presence marks the folder complete; the sizes let a load find a truncated or missing file
 #: before any rank reads it.
 MANIFEST_FILE = "manifest.json"
+#: The resolved configuration of the run that saved (rank 0); the loader reads the optimizer layout from it.
+RUN_CONFIG_FILE = "run_config.json"
 #: Suffix of a checkpoint folder set aside because it failed verification or loading.
 DAMAGED_SUFFIX = ".damaged"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
@@ -585,39 +588,85 @@ def _megatron_load_strategy():
     return strategy
 
 
-#: How megatron-core's distributed optimizer lays out its state in a checkpoint: each rank's buffers
-#: as they are (parallel save and load without gathers; reshardable across data parallelism), as
-#: Megatron-LM does by default. megatron-core's own default, ``fully_sharded_model_space``, is
-#: deprecated and fails to save in 0.19 (``ShardedTensor.flattened_range is not supported``).
-DISTRIB_OPTIM_SHARDING_TYPE = "dp_reshardable"
+#: How megatron-core's distributed optimizer lays out its state in a checkpoint, by
+#: ``checkpoint.dist_ckpt_optim_fully_reshardable``. Off: each rank's buffers as they are (parallel
+#: save and load without gathers; reshardable across data parallelism only), as Megatron-LM does by
+#: default. On: ``fully_reshardable``, loadable at any tensor/pipeline/data-parallel layout.
+#: megatron-core's own default, ``fully_sharded_model_space``, is deprecated and fails to save in
+#: 0.19 (``ShardedTensor.flattened_range is not supported``).
+DISTRIB_OPTIM_SHARDING_TYPES = {False: "dp_reshardable", True: "fully_reshardable"}
 
 
-def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool = False):
-    """The megatron-core optimizer's sharded state dict, with :data:`DISTRIB_OPTIM_SHARDING_TYPE`
-    where it is the distributed optimizer (the others keep their key layout unchanged)."""
+def _is_distributed_optimizer(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    if any(isinstance(o, DistributedOptimizer) for o in inner):
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool = False,
+                                 fully_reshardable: bool = False):
+    """The megatron-core optimizer's sharded state dict, in the layout of
+    :data:`DISTRIB_OPTIM_SHARDING_TYPES` where it is the distributed optimizer (the others are keyed
+    by parameter and load at any layout)."""
+    if _is_distributed_optimizer(optimizer):
+        sharding = DISTRIB_OPTIM_SHARDING_TYPES[bool(fully_reshardable)]
         return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
-                                            metadata={"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING_TYPE})
+                                            metadata={"distrib_optim_sharding_type": sharding})
     return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
 
 
-def megatron_sharded_state(model, optimizer, save_optim: bool) -> dict:
+def model_sharded_state_dict(model) -> dict:
+    """The model's sharded state dict: ``{"model": ...}``, or with virtual pipeline stages
+    ``{"model0": ..., "model1": ...}``, one per chunk (Megatron-LM's keys). Tensor keys are global
+    (layer numbers counted over the whole model), so the state loads at another layout."""
+    if len(model) == 1:
+        return {"model": _unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def megatron_sharded_state(model, optimizer, save_optim: bool, fully_reshardable: bool = False) -> dict:
     """What a megatron-core (GPU) save writes: the model's sharded state dict, and the optimizer's."""
-    sharded = {"model": _unwrap(model[0]).sharded_state_dict()}
+    sharded = model_sharded_state_dict(model)
     if save_optim:
-        sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, sharded["model"])
+        sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(sharded),
+                                                            fully_reshardable=fully_reshardable)
     return sharded
 
 
-def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool, writers: int) -> None:
+def check_optimizer_layout(path: str, optimizer, load_optim: bool) -> bool:
+    """Whether the distributed optimizer's state in the checkpoint at ``path`` was saved
+    ``fully_reshardable`` (read from its ``run_config.json``). Raises ConfigError, before anything is
+    loaded, where that state cannot load at this run's model-parallel layout: saved per rank
+    (``dp_reshardable``) at another tensor/pipeline/context-parallel size."""
+    from bridge_hpc.training import parallel
+
+    try:
+        with open(os.path.join(path, RUN_CONFIG_FILE)) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    fully = bool(saved.get("checkpoint", {}).get("dist_ckpt_optim_fully_reshardable", False))
+    m = saved.get("model", {})
+    saved_mp = {"tp": m.get("tensor_model_parallel_size", 1), "pp": m.get("pipeline_model_parallel_size", 1),
+                "cp": m.get("context_parallel_size", 1)}
+    now = parallel.layout()
+    if load_optim and not fully and _is_distributed_optimizer(optimizer) and saved_mp != {k: now[k] for k in saved_mp}:
+        raise ConfigError(
+            f"{path} holds the distributed optimizer's state per rank (dp_reshardable), saved at tensor/pipeline/"
+            f"context-parallel sizes {saved_mp['tp']}/{saved_mp['pp']}/{saved_mp['cp']}; this run is "
+            f"{now['tp']}/{now['pp']}/{now['cp']}. Resume at the saved sizes, load the weights only "
+            "(checkpoint.load_optim = false), or save with checkpoint.dist_ckpt_optim_fully_reshardable = true",
+            key="checkpoint.load_optim")
+    return fully
+
+
+def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool, writers: int,
+                              fully_reshardable: bool = False) -> None:
     if _uses_megatron_dist(model):
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-        sharded = megatron_sharded_state(model, optimizer, save_optim)
+        sharded = megatron_sharded_state(model, optimizer, save_optim, fully_reshardable)
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=writers)
         with _in_process_write_results():
             dist_checkpointing.save(sharded, path, sharded_strategy=strategy)
@@ -632,16 +681,20 @@ def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool, wri
     dcp.save(state, storage_writer=_dcp_writer(path))
 
 
-def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool) -> None:
+def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool, fully_reshardable: bool = False) -> None:
     if _uses_megatron_dist(model):
         from megatron.core import dist_checkpointing
 
-        inner = _unwrap(model[0])
-        sharded = {"model": inner.sharded_state_dict()}
+        sharded = model_sharded_state_dict(model)
         if load_optim:
-            sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, sharded["model"], is_loading=True)
+            sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(sharded), is_loading=True,
+                                                                fully_reshardable=fully_reshardable)
         loaded = dist_checkpointing.load(sharded, path, sharded_strategy=_megatron_load_strategy())
-        inner.load_state_dict(loaded["model"])
+        if len(model) == 1:
+            _unwrap(model[0]).load_state_dict(loaded["model"])
+        else:
+            for i, chunk in enumerate(model):
+                _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
         if load_optim:
             optimizer.load_state_dict(loaded["optimizer"])
         return
@@ -750,8 +803,9 @@ def save_checkpoint(state: GlobalState, model, optimizer, scheduler, train_data_
     save = begin_save(state, scheduler)
 
     def write() -> None:
-        _save_model_and_optimizer(model, optimizer, save.tmp, state.cfg.checkpoint.save_optim,
-                                  state.cfg.checkpoint.storage_writers_per_rank)  # collective
+        ckpt = state.cfg.checkpoint
+        _save_model_and_optimizer(model, optimizer, save.tmp, ckpt.save_optim, ckpt.storage_writers_per_rank,
+                                  ckpt.dist_ckpt_optim_fully_reshardable)  # collective
         write_rank_state(save, state, train_data_iterator)
         _fsync_written_files(save.tmp)
 
@@ -811,7 +865,9 @@ def write_rank_state(save: SaveInProgress, state: GlobalState, train_data_iterat
     both durable. Taken at the save's iteration: the next step draws random numbers and reads data."""
     cfg = state.cfg.checkpoint
     rank = _rank()
-    per_rank = {"rank": rank, "world_size": save.world_size}
+    from bridge_hpc.training import parallel
+
+    per_rank = {"rank": rank, "world_size": save.world_size, "layout": parallel.layout()}
     if cfg.save_rng:
         per_rank["rng"] = _rng_state()
     if train_data_iterator is not None and hasattr(train_data_iterator, "state_dict"):
@@ -819,7 +875,7 @@ def write_rank_state(save: SaveInProgress, state: GlobalState, train_data_iterat
     _torch_save_durable(per_rank, os.path.join(save.tmp, f"rank_{rank:05d}.pt"))
     if rank == 0:
         config = json.dumps(state.cfg.to_dict(), indent=2, default=str)
-        _write_durable(os.path.join(save.tmp, "run_config.json"), config.encode())
+        _write_durable(os.path.join(save.tmp, RUN_CONFIG_FILE), config.encode())
 
 
 def _fsync_written_files(tmp: str) -> None:
@@ -1030,8 +1086,10 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
             path = value
             start = time.perf_counter()
             error = None
+            load_optim = cfg.load_optim and not cfg.finetune
+            fully = check_optimizer_layout(path, optimizer, load_optim) if _uses_megatron_dist(model) else False
             try:
-                loaded = _read_checkpoint(model, optimizer, path, cfg.load_optim and not cfg.finetune, rank)
+                loaded = _read_checkpoint(model, optimizer, path, load_optim, rank, fully)
             except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
                 error = _describe_load_error(exc)
             failures = _gather_errors(error)  # every rank learns of a failure on any rank
@@ -1063,22 +1121,35 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
         state.train_state.load_state_dict(common["train_state"])
         if scheduler is not None and common.get("scheduler") is not None:
             scheduler.load_state_dict(common["scheduler"])
-    if per_rank is None and rank == 0:
-        print(f"warning: {path} has no state for rank {rank} (world size changed?); RNG not restored", flush=True)
+    from bridge_hpc.training import parallel
+
+    saved_layout = per_rank.get("layout", {"tp": 1, "pp": 1, "cp": 1, "dp": per_rank.get("world_size")}) \
+        if per_rank is not None else None
+    same_layout = saved_layout == parallel.layout()
     if rank == 0:
         print(f"loaded checkpoint {path} (iteration {common['iteration']}) in {time.perf_counter() - start:.2f}s",
               flush=True)
-    if finetune or per_rank is None:
+        if per_rank is None:
+            print(f"warning: {path} has no state for rank {rank} (world size changed?); RNG not restored", flush=True)
+        elif not same_layout:
+            print(f"note: {path} was saved at parallel layout {saved_layout}, this run is {parallel.layout()}: "
+                  "weights and optimizer resharded, random-number states not restored (they belong to other "
+                  "ranks' roles)", flush=True)
+    if finetune:
         return None
-    if cfg.load_rng and "rng" in per_rank:
+    # Every rank returns a dict once a checkpoint was loaded (the caller counts the step as saved on
+    # all ranks alike); the data position where this rank's state has one.
+    if per_rank is None:
+        return {}
+    if cfg.load_rng and "rng" in per_rank and same_layout:
         _set_rng_state(per_rank["rng"])
-    return per_rank.get("data")
+    return per_rank.get("data", {})
 
 
-def _read_checkpoint(model, optimizer, path: str, load_optim: bool,
-                     rank: int) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+def _read_checkpoint(model, optimizer, path: str, load_optim: bool, rank: int,
+                     fully_reshardable: bool = False) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
     """Load model and optimizer in place (collective) and read the shared and this rank's state."""
-    _load_model_and_optimizer(model, optimizer, path, load_optim=load_optim)
+    _load_model_and_optimizer(model, optimizer, path, load_optim=load_optim, fully_reshardable=fully_reshardable)
     common = torch.load(os.path.join(path, COMMON_FILE), weights_only=False)
     rank_file = os.path.join(path, f"rank_{rank:05d}.pt")
     per_rank = torch.load(rank_file, weights_only=False) if os.path.exists(rank_file) else None

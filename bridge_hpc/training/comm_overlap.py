@@ -1,19 +1,18 @@
 """Megatron Bridge's ``CommOverlapConfig``: accepted, validated, and applied where it can act here.
 
-This trainer builds tensor-, pipeline- and context-parallel size 1 (``model.*_parallel_size``), so of
-Bridge's communication overlaps only the data-parallel ones exist: ``overlap_grad_reduce``,
-``overlap_param_gather`` and ``bucket_size``, which :meth:`CommOverlapConfig.setup` writes into
-``[ddp]`` (megatron-core DDP on GPU; torch DDP on CPU ignores them). As in Bridge, they are only
-applied with the distributed optimizer, default to on when the data-parallel size is above 1, and a
-value the user sets wins.
+The data-parallel overlaps ``overlap_grad_reduce``, ``overlap_param_gather`` and ``bucket_size`` are
+written into ``[ddp]`` by :meth:`CommOverlapConfig.setup` (megatron-core DDP on GPU; torch DDP on CPU
+ignores them). As in Bridge, they are only applied with the distributed optimizer, default to on
+when the data-parallel size is above 1, and a value the user sets wins. The pipeline ones,
+``overlap_p2p_comm``, ``batch_p2p_comm`` and ``align_param_gather``, go to megatron-core's schedule
+hooks with pipeline parallelism (:func:`bridge_hpc.training.parallel.install_schedule_hooks`; Bridge's
+defaults: overlapped point-to-point and aligned all-gathers with virtual stages, batched without).
 
 No effect here, said once as a warning by :meth:`setup` when set: ``tp_comm_overlap`` (and its
-``tp_comm_overlap_cfg``, ``tp_comm_bootstrap_backend``): tensor-parallel size is 1, there is no TP
-communication to overlap (Bridge also turns it off below TP 2); ``overlap_p2p_comm``,
-``batch_p2p_comm``, ``align_param_gather``, ``overlap_param_gather_with_optimizer_step``: pipeline
-options, pipeline size is 1; ``defer_embedding_wgrad_compute``, ``wgrad_deferral_limit``: deferred
-weight-gradient GEMMs need Transformer Engine with TP overlap. Bridge's ``CUDA_DEVICE_MAX_CONNECTIONS``
-setting depends on TP/CP > 1 and is never needed here.
+``tp_comm_overlap_cfg``, ``tp_comm_bootstrap_backend``), ``defer_embedding_wgrad_compute`` and
+``wgrad_deferral_limit``: they overlap tensor-parallel communication with Transformer Engine's
+userbuffers GEMMs, which the local layers here do not have; ``overlap_param_gather_with_optimizer_step``:
+megatron's optimizer-driven all-gather, which this loop does not run.
 """
 
 from __future__ import annotations
@@ -29,14 +28,11 @@ logger = logging.getLogger(__name__)
 
 #: Field -> why it has no effect in this trainer.
 NO_EFFECT = {
-    "tp_comm_overlap": "tensor-parallel size is 1: there is no tensor-parallel communication to overlap",
-    "tp_comm_overlap_cfg": "tensor-parallel size is 1: there is no tensor-parallel communication to overlap",
-    "tp_comm_bootstrap_backend": "tensor-parallel size is 1: there is no tensor-parallel communication to overlap",
-    "overlap_p2p_comm": "pipeline-parallel size is 1: there is no pipeline communication",
-    "batch_p2p_comm": "pipeline-parallel size is 1: there is no pipeline communication",
-    "align_param_gather": "pipeline-parallel size is 1: it aligns all-gathers across pipeline stages",
-    "overlap_param_gather_with_optimizer_step": "pipeline-parallel size is 1 (Bridge uses it only with "
-                                                "interleaved pipelines)",
+    "tp_comm_overlap": "it overlaps tensor-parallel communication with Transformer Engine's userbuffers GEMMs",
+    "tp_comm_overlap_cfg": "it configures Transformer Engine's userbuffers tensor-parallel overlap",
+    "tp_comm_bootstrap_backend": "it starts Transformer Engine's userbuffers tensor-parallel overlap",
+    "overlap_param_gather_with_optimizer_step": "megatron's optimizer-driven parameter all-gather is not run by "
+                                                "this loop (the all-gather overlaps the next forward)",
     "defer_embedding_wgrad_compute": "needs Transformer Engine with tensor-parallel overlap",
     "wgrad_deferral_limit": "needs Transformer Engine with tensor-parallel overlap",
 }
@@ -87,11 +83,8 @@ class CommOverlapConfig:
         """Apply to the sections (Bridge's method): warn once about each field without effect, then,
         with ``ddp.use_distributed_optimizer``, set ``ddp.overlap_grad_reduce``,
         ``ddp.overlap_param_gather`` (on when the data-parallel size is above 1, unless set here) and
-        ``ddp.bucket_size``. ``model_config`` is read for its parallel sizes, which must be 1."""
+        ``ddp.bucket_size``. The pipeline options are read where the schedule is set up."""
         self.finalize()
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            if getattr(model_config, key) != 1:
-                raise ConfigError("only 1 is supported by this trainer", key=f"model.{key}")
         for name in self.without_effect():
             logger.warning("comm_overlap.%s = %r has no effect in bridge_hpc: %s", name, getattr(self, name),
                            NO_EFFECT[name])

@@ -366,6 +366,13 @@ class CheckpointConfig:
     #: torch_dist files each rank writes, in parallel (Bridge's name; Bridge's default is 1: here 4, which
     #: wrote the H100 figures in the README's performance section).
     storage_writers_per_rank: int = 4
+    #: Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``: the distributed optimizer's state is
+    #: saved in megatron-core's ``fully_reshardable`` layout, which loads at any tensor/pipeline/data-
+    #: parallel layout (each data-parallel group gathers its state to one rank while saving). Off
+    #: (Megatron's default, ``dp_reshardable``): each rank writes its own shard, fast, and the state
+    #: loads at another data-parallel size only; a model-parallel change then needs this on when
+    #: saving, or ``load_optim = false``. Weights load at any layout either way.
+    dist_ckpt_optim_fully_reshardable: bool = False
     #: Bridge's async-save options, with the only values this trainer has: one persistent worker
     #: process (a worker per save would pay its start-up in every save), nvidia-resiliency-ext's
     #: strategy, write results collected in the worker itself (no multiprocessing queue, so "fork"
@@ -726,8 +733,12 @@ class TensorInspectConfig:
 class GPTModelConfig:
     """A GPT built from megatron-core's ``GPTModel``; names follow megatron-core's TransformerConfig.
 
-    Only tensor/pipeline/context parallel size 1 is built by this trainer today; the fields exist so
-    that Bridge recipes parse, and :meth:`finalize` rejects other values by name.
+    Model parallelism (GPUs only; :mod:`bridge_hpc.training.parallel`): ``tensor_model_parallel_size``
+    splits each layer's matrices, ``sequence_parallel`` (with TP > 1) also splits the activations
+    between them, ``pipeline_model_parallel_size`` splits the layers into stages (megatron-core's
+    pipeline schedules), ``virtual_pipeline_model_parallel_size`` gives each stage that many
+    interleaved chunks, and ``context_parallel_size`` splits the sequence (its attention needs
+    Transformer Engine). The data-parallel size is what is left of the world.
     """
 
     num_layers: int = 2
@@ -756,6 +767,7 @@ class GPTModelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     transformer_impl: Literal["local", "transformer_engine"] = "local"
 
@@ -778,7 +790,37 @@ class GPTModelConfig:
         _check(0 <= self.attention_dropout < 1, "model.attention_dropout", "must be in [0, 1)")
         _check(not (self.bf16 and self.fp16), "model.fp16", "bf16 and fp16 are exclusive")
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            _check(getattr(self, key) == 1, f"model.{key}", "only 1 is supported by this trainer")
+            _check(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, f"model.{key}", "must be an integer >= 1")
+        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        _check(self.num_attention_heads % tp == 0, "model.tensor_model_parallel_size",
+               f"must divide model.num_attention_heads ({self.num_attention_heads}), got {tp}")
+        _check(self.num_query_groups % tp == 0, "model.tensor_model_parallel_size",
+               f"must divide model.num_query_groups ({self.num_query_groups}), got {tp}")
+        _check(self.ffn_hidden_size % tp == 0, "model.tensor_model_parallel_size",
+               f"must divide model.ffn_hidden_size ({self.ffn_hidden_size}), got {tp}")
+        _check(not self.sequence_parallel or tp > 1, "model.sequence_parallel",
+               "needs model.tensor_model_parallel_size > 1 (it splits activations across the tensor-parallel ranks)")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            _check(isinstance(vpp, int) and vpp >= 1, "model.virtual_pipeline_model_parallel_size",
+                   f"must be an integer >= 1, got {vpp!r}")
+            _check(vpp == 1 or pp > 1, "model.virtual_pipeline_model_parallel_size",
+                   "needs model.pipeline_model_parallel_size > 1 (the chunks interleave pipeline stages)")
+        chunks = pp * (vpp or 1)
+        _check(self.num_layers % chunks == 0, "model.pipeline_model_parallel_size",
+               f"pipeline stages x virtual chunks ({chunks}) must divide model.num_layers ({self.num_layers})")
+        if cp > 1:
+            _check(self.seq_length % (2 * cp) == 0, "model.context_parallel_size",
+                   f"2 x context_parallel_size ({2 * cp}) must divide model.seq_length ({self.seq_length}): "
+                   "each rank holds two balanced chunks of the sequence")
+            _check(self.transformer_impl == "transformer_engine", "model.context_parallel_size",
+                   "needs model.transformer_impl = \"transformer_engine\": context-parallel attention is "
+                   "Transformer Engine's (the local attention sees the whole sequence)")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold parts of one model replica (tensor x pipeline x context parallel)."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1576,8 +1618,7 @@ class ConfigContainer:
 
     def get_data_parallel_size(self, world_size: int) -> int:
         """``world_size`` over the model-parallel size (tensor x pipeline x context parallel)."""
-        m = self.model
-        model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+        model_parallel = self.model.model_parallel_size
         _check(world_size % model_parallel == 0, "model.tensor_model_parallel_size",
                f"world size {world_size} is not divisible by the model-parallel size {model_parallel}")
         return world_size // model_parallel
@@ -1601,6 +1642,11 @@ class ConfigContainer:
         _check(t.global_batch_size % (t.micro_batch_size * self.data_parallel_size) == 0, "train.global_batch_size",
                f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) "
                f"x data-parallel size ({self.data_parallel_size})")
+        if (m.virtual_pipeline_model_parallel_size or 1) > 1:
+            microbatches = t.global_batch_size // (t.micro_batch_size * self.data_parallel_size)
+            _check(microbatches % m.pipeline_model_parallel_size == 0, "train.global_batch_size",
+                   f"gives {microbatches} micro-batches per step, which the interleaved pipeline schedule needs "
+                   f"to be a multiple of model.pipeline_model_parallel_size ({m.pipeline_model_parallel_size})")
         if isinstance(self.dataset, GPTDatasetConfig):
             self._validate_gpt_dataset()
         if isinstance(self.dataset, FinetuningDatasetConfig):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -192,15 +192,40 @@ class SampleIterator:
         return {"consumed_samples": self.consumed_samples}
 
 
+class PositionIterator:
+    """The data iterator of a rank that does not read (a tensor-parallel rank other than its group's
+    first, which broadcasts each micro-batch to it: :func:`bridge_hpc.training.gpt_step.get_batch`):
+    it hands out None and keeps the same position as the reader, so checkpoints, re-runs and the
+    exit policy see the same data state on every rank."""
+
+    def __init__(self, consumed_samples: int, micro_batch_size: int, dp_size: int):
+        self.consumed_samples = consumed_samples
+        self._step = micro_batch_size * dp_size
+
+    def __iter__(self) -> "PositionIterator":
+        return self
+
+    def __next__(self) -> None:
+        self.consumed_samples += self._step
+        return None
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+
 def build_data_iterator(dataset: Optional[Dataset], consumed_samples: int, micro_batch_size: int, dp_rank: int,
                         dp_size: int, dataloader: DataloaderConfig, seed: int,
                         stop_signals: Optional[Sequence[str]] = None,
-                        global_batch_size: Optional[int] = None) -> Optional[SampleIterator]:
+                        global_batch_size: Optional[int] = None,
+                        reads: bool = True) -> Optional[Union[SampleIterator, PositionIterator]]:
     """An iterator over ``dataset`` positioned at ``consumed_samples``, or None without a dataset.
     ``stop_signals``: the rank's (``train.exit_signal``), which its loader workers ignore;
-    ``global_batch_size``: needed by ``dataloader_type = "batch"``."""
+    ``global_batch_size``: needed by ``dataloader_type = "batch"``; ``reads = False``: a
+    :class:`PositionIterator` (the micro-batches come from another rank)."""
     if dataset is None or len(dataset) == 0:
         return None
+    if not reads:
+        return PositionIterator(consumed_samples, micro_batch_size, dp_size)
     return SampleIterator(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, dataloader, seed,
                           stop_signals, global_batch_size)
 

@@ -423,7 +423,7 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
     if writer is not None and not reasons and step > state.run_start_step:
         # After this run's first step, when the optimizer's state exists: the first save's staging
         # costs, paid in the background (once; GPU only).
-        writer.warm_up_staging(model, optimizer, cfg.checkpoint.save_optim)
+        writer.warm_up_staging(model, optimizer, cfg.checkpoint.save_optim, cfg.checkpoint.dist_ckpt_optim_fully_reshardable)
     if async_checkpoint.in_flight_iteration(writer) is not None:
         maybe_finalize_async_save(state, checkpointing_context, blocking=False)
         in_flight = async_checkpoint.in_flight_iteration(writer)

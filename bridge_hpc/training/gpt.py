@@ -81,8 +81,11 @@ def transformer_config(cfg: GPTModelConfig) -> TransformerConfig:
         layernorm_epsilon=cfg.layernorm_epsilon, add_bias_linear=cfg.add_bias_linear,
         activation_func=activation, gated_linear_unit=cfg.activation_func == "swiglu",
         bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=dtype, pipeline_dtype=dtype,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-        sequence_parallel=False, use_cpu_initialization=not torch.cuda.is_available(),
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size, sequence_parallel=cfg.sequence_parallel,
+        use_cpu_initialization=not torch.cuda.is_available(),
     )
 
 
@@ -103,15 +106,19 @@ def padded_vocab_size(cfg: GPTModelConfig) -> int:
     return ((cfg.vocab_size + multiple - 1) // multiple) * multiple
 
 
-def gpt_model_provider(cfg: GPTModelConfig, pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    """Build the (unwrapped) GPT on the current device."""
+def gpt_model_provider(cfg: GPTModelConfig, pre_process: bool = True, post_process: bool = True,
+                       vp_stage: Optional[int] = None) -> GPTModel:
+    """Build the (unwrapped) GPT on the current device: the whole model, or with pipeline
+    parallelism the layers of this stage (``pre_process``: it holds the embedding; ``post_process``:
+    the output layer and loss; ``vp_stage``: which interleaved chunk of the stage)."""
+    extra = {"vp_stage": vp_stage} if vp_stage is not None else {}
     model = GPTModel(
         config=transformer_config(cfg), transformer_layer_spec=_layer_spec(cfg),
         vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
         position_embedding_type=cfg.position_embedding_type, rotary_percent=cfg.rotary_percent,
-        rotary_base=cfg.rotary_base,
+        rotary_base=cfg.rotary_base, **extra,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

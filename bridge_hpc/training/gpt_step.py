@@ -14,16 +14,33 @@ from functools import partial
 from typing import Dict, Iterable
 
 import torch
+from megatron.core import parallel_state
 
 from bridge_hpc.training.losses import masked_token_loss
+from bridge_hpc.training.parallel import broadcast_batch_within_tp
 from bridge_hpc.training.state import GlobalState
 
 
 def get_batch(data_iterator: Iterable) -> Dict[str, torch.Tensor]:
-    """Next micro-batch, its tensors on the current device (a blocking copy unless pinned)."""
+    """Next micro-batch, its tensors on the current device (a blocking copy unless pinned).
+
+    With tensor parallelism the group's first rank reads it and broadcasts it to the others (their
+    iterators hand out None and keep the position); with context parallelism each rank then keeps its
+    two balanced chunks of the sequence (megatron-core's ``get_batch_on_this_cp_rank``)."""
     batch = next(data_iterator)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    if not parallel_state.model_parallel_is_initialized():
+        return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        batch = broadcast_batch_within_tp(batch, device)
+    else:
+        batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    if parallel_state.get_context_parallel_world_size() > 1:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        # Per-token tensors only ([b, s], the mask [b, 1, s, s]); a blend's dataset_id is per sample.
+        batch.update(get_batch_on_this_cp_rank({k: v for k, v in batch.items() if v.dim() >= 2}))
+    return batch
 
 
 def forward_step(state: GlobalState, data_iterator: Iterable, model, return_schedule_plan: bool = False):

@@ -27,7 +27,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import ProgressLog, longest_recent_save_s
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training import async_checkpoint, checkpointing, rerun
+from bridge_hpc.training import async_checkpoint, checkpointing, parallel, rerun
 from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig, runtime_config_update
 from bridge_hpc.training.data import build_data_iterator, build_datasets
 from bridge_hpc.training.fault_tolerance import FaultTolerance
@@ -122,6 +122,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     # the model. (A config built in Python gets its sections finalized first, as the tokenizer needs;
     # runtime_config_update does not finalize them twice.)
     cfg.finalize_sections()
+    parallel.check_supported(cfg)
     state.tokenizer = build_tokenizer_for(cfg)
     runtime_config_update(cfg)
     cfg.log_non_default_values()  # rank 0's log: how this run differs from the defaults
@@ -163,15 +164,19 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         state.progress.starting_job(restart_count=restart_count, startup_s=process_age_s, device=device)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(cfg.model.tensor_model_parallel_size,
-                                                 cfg.model.pipeline_model_parallel_size)
-    set_random_seed(cfg.rng.seed + (10 * parallel_state.get_data_parallel_rank()
-                                    if cfg.rng.data_parallel_random_init else 0))
+        parallel.initialize(cfg)
+    # Megatron's seeds: each pipeline stage its own stream (its layers differ), the same on the
+    # data-parallel replicas unless asked otherwise; tensor-parallel ranks get theirs from
+    # megatron-core's RNG tracker (model_parallel_cuda_manual_seed).
+    set_random_seed(cfg.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+                    + (10 * parallel_state.get_data_parallel_rank() if cfg.rng.data_parallel_random_init else 0))
     rerun.init_rerun_state(cfg.rerun_state_machine)  # megatron-core's rerun state machine (train_step uses it)
 
     start_memory_history_recording(cfg.profiling)  # before the model: its allocations are in the history
     model = setup_model(cfg)
     optimizer = setup_optimizer(cfg, model)
+    if parallel.pipeline_size() > 1:
+        parallel.install_schedule_hooks(model, optimizer, cfg)
     scheduler = setup_scheduler(cfg, optimizer)
     load_start = time.perf_counter()
     data_state = checkpointing.load_checkpoint(state, model, optimizer, scheduler)
@@ -184,18 +189,18 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
         checkpointing_context["last_saved_step"] = ts.step
         if state.progress is not None:
             state.progress.loaded_checkpoint(ts.step, load_s, ts.floating_point_operations_so_far)
-        if data_state.get("consumed_samples") != ts.consumed_train_samples:
+        if "consumed_samples" in data_state and data_state["consumed_samples"] != ts.consumed_train_samples:
             raise RuntimeError(f"checkpoint data position {data_state} disagrees with train_state "
                                f"consumed_train_samples={ts.consumed_train_samples}")
 
     train_ds, valid_ds, _ = build_datasets(cfg.dataset, cfg, state.tokenizer)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
-    stop = cfg.train.exit_signal
+    stop, reads = cfg.train.exit_signal, parallel.reads_data()
     train_it = build_data_iterator(train_ds, ts.consumed_train_samples, mbs, dp_rank, dp_size, cfg.dataset,
-                                   cfg.rng.seed, stop, gbs)
+                                   cfg.rng.seed, stop, gbs, reads=reads)
     valid_it = build_data_iterator(valid_ds, ts.consumed_valid_samples, mbs, dp_rank, dp_size, cfg.dataset,
-                                   cfg.rng.seed, stop, gbs)
+                                   cfg.rng.seed, stop, gbs, reads=reads)
     ts.do_train, ts.do_valid = train_it is not None, valid_it is not None
 
     state.metrics.open(ts.step, RunStart(restart_count=restart_count, load_s=load_s if data_state is not None else None,
@@ -299,12 +304,13 @@ def set_random_seed(seed: int) -> None:
 
 
 def setup_model(cfg: ConfigContainer) -> List[torch.nn.Module]:
-    """The GPT, wrapped for data parallelism; a list of chunks as Bridge passes it around."""
-    model = gpt_model_provider(cfg.model)
-    return [_wrap_ddp(cfg, model)]
+    """The GPT, wrapped for data parallelism; a list of chunks as Bridge passes it around (one, or
+    with virtual pipeline stages one per stage this rank holds: :func:`parallel.build_model_chunks`)."""
+    chunks = parallel.build_model_chunks(cfg.model, gpt_model_provider)
+    return [_wrap_ddp(cfg, chunk, first_chunk=i == 0) for i, chunk in enumerate(chunks)]
 
 
-def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module) -> torch.nn.Module:
+def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module, first_chunk: bool = True) -> torch.nn.Module:
     if not torch.cuda.is_available():
         # No buffer sync in forward: forward then issues no collectives, so a forward on one rank
         # alone (non-loss-data evaluation on the last rank) cannot hang. torch 2.13 renamed the
@@ -323,8 +329,10 @@ def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module) -> torch.nn.Module:
         overlap_param_gather=d.overlap_param_gather, use_distributed_optimizer=d.use_distributed_optimizer,
         average_in_collective=d.average_in_collective, bucket_size=d.bucket_size,
     )
+    # As Megatron-LM: only the first chunk's gradients are bucketed for overlapped reduce; the other
+    # virtual stages' finish at different times in the interleaved schedule.
     return DistributedDataParallel(config=model.config if hasattr(model, "config") else model.module.config,
-                                   ddp_config=ddp_config, module=model)
+                                   ddp_config=ddp_config, module=model, disable_bucketing=not first_chunk)
 
 
 def setup_scheduler(cfg: ConfigContainer, optimizer) -> OptimizerParamScheduler:

@@ -23,7 +23,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-from bridge_hpc.training import rerun
+from bridge_hpc.training import parallel, rerun
 
 # Bridge's names in bridge.training.train. They live with the save path they serve (exit_policy
 # imports nothing from this module, which imports it).
@@ -44,10 +44,10 @@ from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.utils.train_utils import (
+    comm_device,
     logical_and_across_model_parallel_group,
     num_floating_point_operations,
     prepare_forward_step_func,
-    reduce_loss_dicts,
     reduce_loss_dicts_and_flags,
     reduce_max_stat_across_model_parallel_group,
     training_log,
@@ -129,6 +129,37 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
     return store
 
 
+def run_microbatches(forward_step_func: Callable, data_iterator, model: List[torch.nn.Module], global_state: GlobalState,
+                     optimizer=None, forward_only: bool = False, collect_non_loss_data: bool = False,
+                     validate_loss: Optional[Callable[[torch.Tensor], None]] = None) -> List[Any]:
+    """One global batch's micro-batches: :func:`forward_backward`, or with pipeline parallelism
+    megatron-core's pipeline schedule (:func:`bridge_hpc.training.parallel.pipelined_forward_backward`),
+    whose reports only the last stage has."""
+    num_microbatches = get_num_microbatches(global_state)
+    if parallel.pipeline_size() > 1:
+        cfg = global_state.cfg
+        return parallel.pipelined_forward_backward(forward_step_func, data_iterator, model, num_microbatches,
+                                                   cfg.model.seq_length, cfg.train.micro_batch_size,
+                                                   forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                                                   validate_loss=validate_loss)
+    return forward_backward(forward_step_func, data_iterator, model, num_microbatches, optimizer=optimizer,
+                            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                            validate_loss=validate_loss)
+
+
+def reduce_reports_and_flags(reports: List[Dict[str, torch.Tensor]], purpose: str,
+                             flags: Optional[Dict[str, bool]] = None
+                             ) -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
+    """The micro-batches' reports reduced over the data-parallel (and context-parallel) group, and
+    ``flags`` agreed by every rank; with pipeline parallelism the last stage's values then reach
+    every rank (rank 0 logs them), in the all-reduce that agrees on the flags."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if parallel.pipeline_size() == 1:
+        return reduce_loss_dicts_and_flags(reports, group, flags)
+    reduced, _ = reduce_loss_dicts_and_flags(reports, group)
+    return parallel.share_last_stage_values(reduced, flags, purpose, comm_device())
+
+
 def get_num_microbatches(global_state: GlobalState) -> int:
     cfg = global_state.cfg
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.data_parallel_size)
@@ -161,8 +192,8 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     timers("forward-backward", log_level=1).start()
     while rerun_state_machine.should_run_forward_backward(data_iterator):
         zero_grads(model, optimizer)
-        reports = forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(global_state),
-                                   optimizer=optimizer, validate_loss=validate)
+        reports = run_microbatches(forward_step_func, data_iterator, model, global_state, optimizer=optimizer,
+                                   validate_loss=validate)
     timers("forward-backward", log_level=1).stop()
     should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
     if should_exit:
@@ -183,8 +214,8 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
 
     # The ranks' stop observations ride along with the loss (one collective); the exit decision
     # after this step reads them (exit_policy.exit_reasons).
-    loss_dict, global_state.agreed_observations = reduce_loss_dicts_and_flags(
-        reports, parallel_state.get_data_parallel_group(), local_observations(global_state))
+    loss_dict, global_state.agreed_observations = reduce_reports_and_flags(reports, "train",
+                                                                           local_observations(global_state))
     return loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad
 
 
@@ -211,19 +242,18 @@ def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, mod
             if state.rank == 0:
                 print(f"evaluation cut short after {len(reports)} micro-batches: stop signal received", flush=True)
             break
-        reports += forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(state),
-                                    forward_only=True)
+        reports += run_microbatches(forward_step_func, data_iterator, model, state, forward_only=True)
         state.train_state.consumed_valid_samples += cfg.train.global_batch_size
     collected = None
     if process_non_loss_data_func is not None and state.rank == state.world_size - 1:
         if non_loss_data_func is not None:
             collected = non_loss_data_func(model)
         else:
-            collected = forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(state),
-                                         forward_only=True, collect_non_loss_data=True)
+            collected = run_microbatches(forward_step_func, data_iterator, model, state, forward_only=True,
+                                         collect_non_loss_data=True)
     for chunk in model:
         chunk.train()
-    return reduce_loss_dicts(reports, parallel_state.get_data_parallel_group()), collected
+    return reduce_reports_and_flags(reports, "eval")[0], collected
 
 
 def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_func: Callable, data_iterator,

@@ -1,0 +1,306 @@
+"""Model parallelism on GPUs: tokens/s, MFU and memory of data, tensor and pipeline parallelism on one
+~1.3 B GPT, the data-parallel scaling against one GPU, and the checks of the parallelism issue.
+
+Every run is the rank entry point (``python -m bridge_hpc.training.run``), one process per GPU started
+directly (as srun starts a job step's tasks), on mock data with dropout off, so a global batch is the
+same samples at every layout:
+
+1. ``dp1``: one GPU from scratch; its final weights ``W`` (saved without the optimizer) are where the
+   other runs start (``checkpoint.pretrained_checkpoint``: weights loaded at their own layout, a fresh
+   optimizer), so their loss curves compare step by step.
+2. ``dp2``, ``tp2``, ``pp2`` (and ``tp2pp2`` / ``dp4`` with 4 GPUs): the same steps from ``W``: tokens/s,
+   MFU (the toolkit's 6·N·tokens + attention FLOPs over the H100's dense bf16 peak), peak memory per
+   GPU, and each loss curve against ``dp2``'s (the DP-only reference): the largest relative
+   difference over the steps, against a tolerance of 2 % (bf16 training in a different reduction
+   order drifts by about 0.1-1 % over tens of steps).
+3. Exact resume under TP2: ``tp2-usr1`` starts like ``tp2``, gets SIGUSR1 (Slurm's preemption notice)
+   on every rank mid-run, checkpoints (``dist_ckpt_optim_fully_reshardable``) and exits; ``tp2-resume``
+   resumes it to the end. Its losses must equal ``tp2``'s bit for bit.
+4. Another layout: ``dp2-from-tp2`` loads ``tp2-usr1``'s TP2 checkpoint at TP1 × DP2 (weights and
+   optimizer resharded) and trains to the end; its losses follow ``tp2``'s within the tolerance.
+
+Memory: the peak allocated per GPU, and from it the largest GPT of this shape (more layers) that each
+layout fits in the GPU's memory (model state grows with the layers; activations per layer too).
+
+Run: ``python benchmarks/parallel.py [--gpus 2] [--steps 20] [--tiny] [--json FILE]`` on a machine with
+that many GPUs; prints a table and writes JSON (default ``benchmarks/results/parallel.json``).
+``--tiny``: a small GPT, a check of the script (still on GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+#: ~1.3 B parameters (24 layers of hidden 2048: 1.21 B, embeddings and output layer 0.13 B).
+GPT_1_3B = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "vocab_size": 32768,
+            "seq_length": 2048, "micro_batch_size": 4, "global_batch_size": 32}
+TINY = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "vocab_size": 4096, "seq_length": 256,
+        "micro_batch_size": 4, "global_batch_size": 32}
+#: H100 SXM dense bf16 peak, FLOP/s (the MFU denominator of the other GPU benchmarks).
+PEAK_FLOPS = 989e12
+LOSS_TOLERANCE = 0.02
+TARGET_DP2_SCALING = 1.96
+#: Layouts by GPU count: name -> (tensor, pipeline) sizes; data parallelism is the rest.
+LAYOUTS = {2: {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)},
+           4: {"dp4": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}}
+
+
+def job_toml(shape: Dict[str, int], run_dir: Path) -> str:
+    return f"""[job]
+name = "parallel"
+run_dir = "{run_dir}"
+
+[train]
+train_iters = 20
+micro_batch_size = {shape["micro_batch_size"]}
+global_batch_size = {shape["global_batch_size"]}
+
+[model]
+num_layers = {shape["num_layers"]}
+hidden_size = {shape["hidden_size"]}
+num_attention_heads = {shape["num_attention_heads"]}
+vocab_size = {shape["vocab_size"]}
+seq_length = {shape["seq_length"]}
+hidden_dropout = 0.0
+attention_dropout = 0.0
+bf16 = true
+
+[optimizer]
+optimizer = "adam"
+lr = 1e-4
+min_lr = 1e-5
+bf16 = true
+
+[scheduler]
+lr_warmup_iters = 2
+
+[ddp]
+use_distributed_optimizer = true
+grad_reduce_in_fp32 = true
+overlap_grad_reduce = true
+overlap_param_gather = true
+
+[checkpoint]
+save_interval = 1000000
+dist_ckpt_optim_fully_reshardable = true
+
+[logger]
+log_interval = 1
+log_memory_to_tensorboard = true
+tensorboard_dir = ""
+
+[dataset]
+seq_length = {shape["seq_length"]}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(job: Path, gpus: int, overrides: List[str], log: Path) -> List[subprocess.Popen]:
+    """``gpus`` ranks of the entry point, one per GPU, started directly with torch.distributed's variables."""
+    port = _free_port()
+    procs = []
+    out = open(log, "w")
+    for rank in range(gpus):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(gpus), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(gpus), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.pop("SLURM_JOB_ID", None)
+        cmd = [sys.executable, "-m", "bridge_hpc.training.run", str(job)]
+        for item in overrides:
+            cmd += ["--set", item]
+        procs.append(subprocess.Popen(cmd, cwd=job.parent, env=env, stdout=out, stderr=subprocess.STDOUT))
+    out.close()
+    return procs
+
+
+def wait_all(procs: List[subprocess.Popen], log: Path, timeout: float = 900) -> None:
+    deadline = time.time() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.time() > deadline:
+                raise SystemExit(f"ranks still running after {timeout:.0f} s: see {log}")
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(5)  # the others end through the failed collective, or are stopped below
+                if any(p.poll() is None for p in procs):
+                    break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad:
+        raise SystemExit(f"a rank exited with status {bad[0]}: see {log}\n" + log.read_text()[-4000:])
+
+
+def metrics(run_dir: Path) -> Dict[int, dict]:
+    from bridge_hpc.training.metrics import read_metrics
+
+    return read_metrics(str(run_dir / "metrics.jsonl"))
+
+
+def steps_logged(run_dir: Path) -> int:
+    return max(metrics(run_dir), default=0) if (run_dir / "metrics.jsonl").exists() else 0
+
+
+def run(work: Path, name: str, job: Path, gpus: int, tp: int, pp: int, steps: int, extra: List[str] = (),
+        usr1_at: Optional[int] = None, log_name: Optional[str] = None) -> Path:
+    """One run into ``work/name``; with ``usr1_at`` every rank gets SIGUSR1 once that step is logged."""
+    run_dir = work / name
+    sets = [f"job.run_dir={json.dumps(str(run_dir))}", f"train.train_iters={steps}",
+            f"model.tensor_model_parallel_size={tp}", f"model.pipeline_model_parallel_size={pp}"] + list(extra)
+    log = work / f"{log_name or name}.log"
+    print(f"[parallel] {log_name or name}: {gpus} GPU(s), TP{tp} PP{pp} ...", flush=True)
+    started = time.time()
+    procs = launch(job, gpus, sets, log)
+    if usr1_at is not None:
+        deadline = time.time() + 900
+        while steps_logged(run_dir) < usr1_at and time.time() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.1)
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGUSR1)
+    wait_all(procs, log)
+    print(f"[parallel] {log_name or name}: done in {time.time() - started:.0f} s", flush=True)
+    return run_dir
+
+
+def throughput(run_dir: Path, warmup: int, gpus: int, flops_per_step: float) -> dict:
+    m = metrics(run_dir)
+    steady = [m[s] for s in sorted(m) if s > warmup]
+    step_s = statistics.median(r["step_time_s"] for r in steady)
+    peaks = [v for r in steady for k, v in r.items() if "max-allocated" in k]
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady), "step_s": step_s,
+            "mfu": flops_per_step / step_s / (gpus * PEAK_FLOPS),
+            "peak_gb_per_gpu": max(peaks) if peaks else None}
+
+
+def compare(a: Dict[int, dict], b: Dict[int, dict], steps) -> dict:
+    rel = [abs(a[s]["loss"] - b[s]["loss"]) / abs(b[s]["loss"]) for s in steps]
+    return {"steps": [min(steps), max(steps)], "max_rel_diff": max(rel), "mean_rel_diff": sum(rel) / len(rel),
+            "bitwise_equal": all(a[s]["loss"] == b[s]["loss"] for s in steps)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=int, default=2, choices=sorted(LAYOUTS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timings")
+    p.add_argument("--tiny", action="store_true", help="a small GPT: checks the script")
+    p.add_argument("--dir", default=None, help="where the runs go (default: a temporary folder)")
+    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "parallel.json"))
+    args = p.parse_args()
+
+    import torch
+
+    from bridge_hpc.training.config import ConfigContainer
+    from bridge_hpc.training.utils.train_utils import num_floating_point_operations
+
+    if torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"needs {args.gpus} GPUs, this machine has {torch.cuda.device_count()}")
+    shape = TINY if args.tiny else GPT_1_3B
+    work = Path(tempfile.mkdtemp(prefix="bridge-parallel-", dir=args.dir))
+    job = work / "job.toml"
+    job.write_text(job_toml(shape, work / "unused"))
+    cfg = ConfigContainer.from_sections({"model": {k: shape[k] for k in ("num_layers", "hidden_size",
+                                                                           "num_attention_heads", "vocab_size",
+                                                                           "seq_length")},
+                                         "train": {"micro_batch_size": shape["micro_batch_size"],
+                                                   "global_batch_size": shape["global_batch_size"],
+                                                   "train_iters": 1},
+                                         "optimizer": {"lr": 1e-4}})
+    cfg.finalize_sections()
+    flops = num_floating_point_operations(cfg, shape["global_batch_size"])
+    steps, half = args.steps, args.steps // 2
+    weights_only = ["checkpoint.save_optim=false"]
+    results: Dict[str, dict] = {"model": "~1.3B GPT" if not args.tiny else "tiny GPT", "shape": shape,
+                                "gpus": args.gpus, "device": torch.cuda.get_device_name(), "steps": steps,
+                                "warmup": args.warmup, "loss_tolerance": LOSS_TOLERANCE, "runs": {}}
+
+    dp1 = run(work, "dp1", job, 1, 1, 1, steps, weights_only)
+    results["runs"]["dp1"] = throughput(dp1, args.warmup, 1, flops)
+    start = [f"checkpoint.pretrained_checkpoint={json.dumps(str(dp1 / 'checkpoints'))}"]
+    curves = {}
+    for name, (tp, pp) in LAYOUTS[args.gpus].items():
+        run_dir = run(work, name, job, args.gpus, tp, pp, steps, weights_only + start)
+        results["runs"][name] = throughput(run_dir, args.warmup, args.gpus, flops)
+        curves[name] = metrics(run_dir)
+    reference = f"dp{args.gpus}"
+    for name in LAYOUTS[args.gpus]:
+        if name != reference:
+            results["runs"][name]["loss_vs_dp"] = compare(curves[name], curves[reference], range(1, steps + 1))
+    dp_name = f"dp{args.gpus}"
+    results["dp_scaling"] = results["runs"][dp_name]["tokens_per_s"] / results["runs"]["dp1"]["tokens_per_s"]
+
+    # Exact resume under TP2 after SIGUSR1, and the TP2 checkpoint at TP1 x DP2.
+    usr1 = run(work, "tp2-usr1", job, 2, 2, 1, steps, start, usr1_at=half)
+    stopped_at = max(metrics(usr1))
+    from_tp2 = [f"checkpoint.load={json.dumps(str(usr1 / 'checkpoints'))}"]
+    cross = run(work, "dp2-from-tp2", job, 2, 1, 1, steps, weights_only + from_tp2)
+    # the same run folder: resumes its own checkpoint
+    resumed = run(work, "tp2-usr1", job, 2, 2, 1, steps, weights_only + start, log_name="tp2-resume")
+    after = range(stopped_at + 1, steps + 1)
+    results["tp2_usr1_resume"] = {"stopped_at": stopped_at, **compare(metrics(resumed), curves["tp2"], after)}
+    results["tp2_checkpoint_at_dp2"] = {"loaded_iteration": min(metrics(cross)) - 1,
+                                        **compare(metrics(cross), curves["tp2"], after)}
+
+    # Memory: the largest GPT of this shape (more layers) each layout fits, from its peak per GPU.
+    capacity = torch.cuda.get_device_properties(0).total_memory / 1e9
+    for r in results["runs"].values():
+        if r["peak_gb_per_gpu"]:
+            r["fits_layers"] = int(shape["num_layers"] * capacity * 0.95 / r["peak_gb_per_gpu"])
+            r["fits_params_b"] = r["fits_layers"] * 12 * shape["hidden_size"] ** 2 / 1e9
+
+    print()
+    print(f"{results['model']} on {args.gpus} x {results['device']}: seq {shape['seq_length']} x micro-batch "
+          f"{shape['micro_batch_size']}, global batch {shape['global_batch_size']}, bf16, distributed adam; "
+          f"{steps} steps, first {args.warmup} left out")
+    print()
+    print("| layout | GPUs | tokens/s | step s | MFU | peak GB/GPU | fits (layers / B params) | loss vs DP (max rel. diff) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in results["runs"].items():
+        gpus = 1 if name == "dp1" else args.gpus
+        loss = r.get("loss_vs_dp")
+        loss_text = f"{loss['max_rel_diff']:.2e} ({'ok' if loss['max_rel_diff'] <= LOSS_TOLERANCE else 'ABOVE'})" \
+            if loss else "reference" if name == reference else ""
+        fits = f"{r.get('fits_layers', '?')} / {r.get('fits_params_b', 0):.1f}" if r["peak_gb_per_gpu"] else "?"
+        peak = f"{r['peak_gb_per_gpu']:.1f}" if r["peak_gb_per_gpu"] else "?"
+        print(f"| {name} | {gpus} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {r['mfu']:.1%} | {peak} | {fits} "
+              f"| {loss_text} |")
+    print()
+    print(f"DP scaling, {dp_name} vs dp1: {results['dp_scaling']:.3f}x (target >= {TARGET_DP2_SCALING}x on 2 GPUs)")
+    r = results["tp2_usr1_resume"]
+    print(f"TP2, SIGUSR1 after step {r['stopped_at']}, resumed to {steps}: losses bitwise equal to the "
+          f"uninterrupted TP2 run: {r['bitwise_equal']} (max rel. diff {r['max_rel_diff']:.2e})")
+    r = results["tp2_checkpoint_at_dp2"]
+    print(f"TP2 checkpoint of iteration {r['loaded_iteration']} resumed at TP1 x DP2: max rel. loss diff against "
+          f"TP2 {r['max_rel_diff']:.2e} ({'ok' if r['max_rel_diff'] <= LOSS_TOLERANCE else 'ABOVE'} "
+          f"<= {LOSS_TOLERANCE})")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
