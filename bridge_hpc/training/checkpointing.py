@@ -633,24 +633,38 @@ def megatron_sharded_state(model, optimizer, save_optim: bool, fully_reshardable
     return sharded
 
 
+def saved_model_parallel_layout(path: str) -> Optional[Dict[str, int]]:
+    """The tensor/pipeline/context-parallel sizes a checkpoint was saved at (its ``run_config.json``),
+    or None where that cannot be read."""
+    try:
+        with open(os.path.join(path, RUN_CONFIG_FILE)) as f:
+            m = json.load(f).get("model", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {"tp": m.get("tensor_model_parallel_size", 1), "pp": m.get("pipeline_model_parallel_size", 1),
+            "cp": m.get("context_parallel_size", 1)}
+
+
+def _model_parallel_layout() -> Dict[str, int]:
+    from bridge_hpc.training import parallel
+
+    now = parallel.layout()
+    return {k: now[k] for k in ("tp", "pp", "cp")}
+
+
 def check_optimizer_layout(path: str, optimizer, load_optim: bool) -> bool:
     """Whether the distributed optimizer's state in the checkpoint at ``path`` was saved
     ``fully_reshardable`` (read from its ``run_config.json``). Raises ConfigError, before anything is
     loaded, where that state cannot load at this run's model-parallel layout: saved per rank
     (``dp_reshardable``) at another tensor/pipeline/context-parallel size."""
-    from bridge_hpc.training import parallel
-
     try:
         with open(os.path.join(path, RUN_CONFIG_FILE)) as f:
             saved = json.load(f)
     except (OSError, ValueError):
         return False
     fully = bool(saved.get("checkpoint", {}).get("dist_ckpt_optim_fully_reshardable", False))
-    m = saved.get("model", {})
-    saved_mp = {"tp": m.get("tensor_model_parallel_size", 1), "pp": m.get("pipeline_model_parallel_size", 1),
-                "cp": m.get("context_parallel_size", 1)}
-    now = parallel.layout()
-    if load_optim and not fully and _is_distributed_optimizer(optimizer) and saved_mp != {k: now[k] for k in saved_mp}:
+    saved_mp, now = saved_model_parallel_layout(path), _model_parallel_layout()
+    if load_optim and not fully and _is_distributed_optimizer(optimizer) and saved_mp is not None and saved_mp != now:
         raise ConfigError(
             f"{path} holds the distributed optimizer's state per rank (dp_reshardable), saved at tensor/pipeline/"
             f"context-parallel sizes {saved_mp['tp']}/{saved_mp['pp']}/{saved_mp['cp']}; this run is "
@@ -1092,9 +1106,18 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
                 loaded = _read_checkpoint(model, optimizer, path, load_optim, rank, fully)
             except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
                 error = _describe_load_error(exc)
+                logger.warning("loading %s failed on rank %d", path, rank, exc_info=True)
             failures = _gather_errors(error)  # every rank learns of a failure on any rank
             if not failures:
                 break
+            saved, now = saved_model_parallel_layout(path), _model_parallel_layout()
+            if saved is not None and saved != now:
+                # Not damage: the checkpoint loads at the layout it was saved at. It stays in place.
+                failed_rank, cause = failures[0]
+                raise CheckpointLoadError(
+                    f"{path}, saved at tensor/pipeline/context-parallel sizes {saved['tp']}/{saved['pp']}/{saved['cp']}, "
+                    f"failed to load at {now['tp']}/{now['pp']}/{now['cp']} (rank {failed_rank}: {cause}); it is left "
+                    "in place: resume at the saved sizes, or load the weights only (checkpoint.load_optim = false)")
             if chooser is not None:
                 failed_rank, cause = failures[0]
                 chooser.damaged(path, f"load failed on rank {failed_rank}: {cause}")
