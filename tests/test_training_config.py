@@ -68,7 +68,7 @@ def test_unknown_section_suggests():
     ({"dataset__seq_length": 16}, "dataset.seq_length"),
     ({"optimizer__min_lr": 1.0}, "optimizer.min_lr"),
     ({"model__num_attention_heads": 5}, "model.num_attention_heads"),
-    ({"model__tensor_model_parallel_size": 2}, "model.tensor_model_parallel_size"),
+    ({"model__tensor_model_parallel_size": 4}, "model.tensor_model_parallel_size"),  # world 2 % 4 != 0
     ({"train__exit_signal": "SIGFOO"}, "train.exit_signal"),
     ({"checkpoint__async_save_max_failures": 0}, "checkpoint.async_save_max_failures"),
 ])

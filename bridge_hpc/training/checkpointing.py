@@ -615,6 +615,28 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading
     return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
 
 
+def _init_empty_distributed_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer's inner torch Adam the state a load replaces: megatron-core's
+    ``DistributedOptimizer.state_dict`` (called to build the state dict to load into) reads every
+    parameter's ``step`` without Apex or Transformer Engine and asserts they agree, and a fresh
+    optimizer has none (its own ``init_state_fn`` makes the moments only). Zeros, as torch's Adam
+    makes them at its first step (``step`` on the parameter's device for the fused kernel)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(inner, DistributedOptimizer):
+            continue
+        torch_opt = inner.optimizer
+        for group in torch_opt.param_groups:
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for p in group["params"]:
+                state = torch_opt.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def model_sharded_state_dict(model) -> dict:
     """The model's sharded state dict: ``{"model": ...}``, or with virtual pipeline stages
     ``{"model0": ..., "model1": ...}``, one per chunk (Megatron-LM's keys). Tensor keys are global
@@ -701,6 +723,7 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool, ful
 
         sharded = model_sharded_state_dict(model)
         if load_optim:
+            _init_empty_distributed_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(sharded), is_loading=True,
                                                                 fully_reshardable=fully_reshardable)
         loaded = dist_checkpointing.load(sharded, path, sharded_strategy=_megatron_load_strategy())
