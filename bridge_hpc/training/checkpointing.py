@@ -615,18 +615,21 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading
     return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
 
 
-def _init_empty_distributed_optimizer_state(optimizer) -> None:
-    """Give a fresh distributed optimizer's inner torch Adam the state a load replaces: megatron-core's
-    ``DistributedOptimizer.state_dict`` (called to build the state dict to load into) reads every
-    parameter's ``step`` without Apex or Transformer Engine and asserts they agree, and a fresh
-    optimizer has none (its own ``init_state_fn`` makes the moments only). Zeros, as torch's Adam
-    makes them at its first step (``step`` on the parameter's device for the fused kernel)."""
+def _init_empty_distributed_optimizer_state(optimizer) -> list:
+    """Give a fresh distributed optimizer's inner torch Adam placeholder state while the state dict
+    to load into is built: megatron-core's ``DistributedOptimizer.state_dict`` reads every parameter's
+    ``step`` without Apex or Transformer Engine and asserts they agree, and a fresh optimizer has
+    none. Zeros, as torch's Adam makes them at its first step. Returns the state dicts it filled,
+    which the caller empties again before ``load_state_dict``: megatron allocates an empty
+    optimizer's state there itself (and does not expect it filled)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    filled = []
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(inner, DistributedOptimizer):
+        if not isinstance(inner, DistributedOptimizer) or len(inner.optimizer.state) > 0:
             continue
         torch_opt = inner.optimizer
+        filled.append(torch_opt.state)
         for group in torch_opt.param_groups:
             on_device = bool(group.get("fused") or group.get("capturable"))
             for p in group["params"]:
@@ -635,6 +638,7 @@ def _init_empty_distributed_optimizer_state(optimizer) -> None:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return filled
 
 
 def model_sharded_state_dict(model) -> dict:
@@ -723,9 +727,11 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool, ful
 
         sharded = model_sharded_state_dict(model)
         if load_optim:
-            _init_empty_distributed_optimizer_state(optimizer)
+            placeholders = _init_empty_distributed_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(sharded), is_loading=True,
                                                                 fully_reshardable=fully_reshardable)
+            for state in placeholders:  # megatron's load_state_dict allocates the state of an empty optimizer
+                state.clear()
         loaded = dist_checkpointing.load(sharded, path, sharded_strategy=_megatron_load_strategy())
         if len(model) == 1:
             _unwrap(model[0]).load_state_dict(loaded["model"])
