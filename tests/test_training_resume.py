@@ -104,6 +104,18 @@ def test_exact_resume(straight, tmp_path):
         model_params(os.path.join(run_dir, "checkpoints", "iter_0000040"), str(tmp_path)))
 
 
+def test_deterministic_mode_trains_the_same_on_cpu(straight, tmp_path):
+    """``model.deterministic_mode`` (megatron's switch for deterministic GPU kernels) changes nothing
+    that CPU training computes: the same losses bit for bit; the ranks report it in their config log."""
+    job = _job(tmp_path / "deterministic")
+    out = _run(job, "model.deterministic_mode=true")
+    a = read_metrics(os.path.join(_run_dir(straight), "metrics.jsonl"))
+    b = read_metrics(os.path.join(_run_dir(job), "metrics.jsonl"))
+    assert sorted(b) == list(range(1, 41))
+    assert [b[s]["loss"] for s in range(1, 41)] == [a[s]["loss"] for s in range(1, 41)]
+    assert "exiting at iteration 40" in out
+
+
 #: The rank entry point, then the stop signals of the job arriving just after it returns: Slurm's
 #: time-limit warning can land while a rank that has finished tears down.
 LATE_SIGNAL_RANK = """

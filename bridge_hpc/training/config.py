@@ -770,6 +770,12 @@ class GPTModelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     transformer_impl: Literal["local", "transformer_engine"] = "local"
+    #: megatron-core's ``deterministic_mode``: deterministic kernels only, so that two runs (and a
+    #: resumed run) compute bit for bit the same on GPUs, whose fastest attention backward and some
+    #: reductions accumulate in varying order. Slower. On the ranks: torch's deterministic algorithms,
+    #: cuBLAS's fixed workspace (``CUBLAS_WORKSPACE_CONFIG``) and one NCCL algorithm (``NCCL_ALGO``,
+    #: Ring unless set), as Megatron requires. CPU training is deterministic without it.
+    deterministic_mode: bool = False
 
     def finalize(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):

@@ -85,6 +85,7 @@ def transformer_config(cfg: GPTModelConfig) -> TransformerConfig:
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         context_parallel_size=cfg.context_parallel_size, sequence_parallel=cfg.sequence_parallel,
+        deterministic_mode=cfg.deterministic_mode,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
 

@@ -115,6 +115,8 @@ def _stop_async_writer(checkpointing_context: dict, abandon: bool) -> None:
 
 def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpointing_context: dict) -> None:
     cfg = state.cfg
+    if cfg.model.deterministic_mode:
+        enable_deterministic_mode()  # before CUDA's and NCCL's set-up read their variables
     env = initialize_distributed(cfg.dist, store=state.restart_store)
     state.rank, state.world_size = dist.get_rank(), dist.get_world_size()
     # The tokenizer sets the model's vocabulary size (when [model] leaves it to the tokenizer), so it is
@@ -289,6 +291,20 @@ def initialize_distributed(dist_cfg: Optional[DistributedInitConfig] = None, sto
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, store=store,
                                 timeout=datetime.timedelta(minutes=dist_cfg.distributed_timeout_minutes))
     return env
+
+
+#: What ``model.deterministic_mode`` sets where the environment does not already say: cuBLAS's
+#: fixed workspace (its reductions in one order) and one NCCL algorithm (Megatron requires one).
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+
+
+def enable_deterministic_mode() -> None:
+    """Deterministic kernels for this process (``model.deterministic_mode``): torch's deterministic
+    algorithms (SDPA's flash backward then accumulates in a fixed order; an operation without a
+    deterministic kernel raises, naming itself) and :data:`DETERMINISTIC_ENV`."""
+    for name, value in DETERMINISTIC_ENV.items():
+        os.environ.setdefault(name, value)
+    torch.use_deterministic_algorithms(True)
 
 
 def set_random_seed(seed: int) -> None:
