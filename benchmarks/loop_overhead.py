@@ -139,7 +139,7 @@ def _world() -> tuple:
 
 #: What the toolkit's loop does around the calls a bare loop makes too, by the names ``train.py``
 #: calls them (those it has): each is timed when ``--sections`` is given.
-LOOP_SECTIONS = ("train_step", "reduce_loss_dicts_and_flags", "validate_loss", "checkpoint_and_decide_exit", "training_log",
+LOOP_SECTIONS = ("train_step", "start_reduce_loss_dicts_and_flags", "validate_loss", "checkpoint_and_decide_exit", "training_log",
                  "_count_step", "post_training_step_callbacks", "zero_grads", "finalize_grads")
 
 
@@ -510,7 +510,7 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
 
 
 #: Sections a bare loop has no counterpart of (zero_grads and finalize_grads it does too).
-OWN_SECTIONS = ("reduce_loss_dicts_and_flags", "validate_loss", "checkpoint_and_decide_exit", "training_log", "_count_step",
+OWN_SECTIONS = ("start_reduce_loss_dicts_and_flags", "validate_loss", "checkpoint_and_decide_exit", "training_log", "_count_step",
                 "post_training_step_callbacks")
 
 

@@ -10,9 +10,10 @@ with the forward step ``[job] forward_step`` names (default: Bridge's GPT step,
 :func:`bridge_hpc.training.gpt_step.forward_step`).
 
 Exit status: 0 when training stopped as planned (done, or checkpointed with a requeue request), 2 for
-bad input (one line naming file and key), 1 for any other failure. A failing rank leaves at once,
-without the collective teardown that would wait for peers stuck in a collective: srun's
-``--kill-on-bad-exit`` (or ft_launcher) then ends the other ranks within seconds.
+bad input (one line naming file and key), 1 for any other failure. A rank leaves without the
+process-group and interpreter teardown (:func:`_leave`): a failing one at once, so that it does not
+wait for peers stuck in a collective (srun's ``--kill-on-bad-exit``, or ft_launcher, then ends the
+others within seconds); a finished one as soon as its outputs are durable.
 """
 
 from __future__ import annotations
@@ -137,27 +138,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         traceback.print_exc()
         print(f"error: rank failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         _leave(EXIT_FAILED)
-    _teardown()
     return 0
 
 
-def _teardown() -> None:
-    """Normal end: every rank got here, so the collective teardown cannot wait on a missing peer."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _leave(status: int) -> None:
-    """Exit now, skipping interpreter and process-group teardown: a peer blocked in a collective
-    would make either wait for the distributed timeout. Output is flushed first."""
+    """Exit now, skipping interpreter and process-group teardown. After a failure: a peer blocked in
+    a collective would make either wait for the distributed timeout. After a normal end (the entry
+    point's own way out): the run's last collective was its exit decision and save, and everything it
+    writes is closed and fsynced by then (checkpoint, progress log, metrics, TensorBoard); what is
+    left, destroying the process groups and finalizing an interpreter that holds torch, megatron
+    and CUDA memory, costs seconds that a preempted job pays inside Slurm's grace time and that
+    delay its requeue. Output is flushed first."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _leave(main())

@@ -50,6 +50,7 @@ from bridge_hpc.training.utils.train_utils import (
     prepare_forward_step_func,
     reduce_loss_dicts_and_flags,
     reduce_max_stat_across_model_parallel_group,
+    start_reduce_loss_dicts_and_flags,
     training_log,
 )
 
@@ -153,11 +154,21 @@ def reduce_reports_and_flags(reports: List[Dict[str, torch.Tensor]], purpose: st
     """The micro-batches' reports reduced over the data-parallel (and context-parallel) group, and
     ``flags`` agreed by every rank; with pipeline parallelism the last stage's values then reach
     every rank (rank 0 logs them), in the all-reduce that agrees on the flags."""
+    return start_reduce_reports_and_flags(reports, purpose, flags)()
+
+
+def start_reduce_reports_and_flags(reports: List[Dict[str, torch.Tensor]], purpose: str,
+                                   flags: Optional[Dict[str, bool]] = None
+                                   ) -> Callable[[], Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]]:
+    """:func:`reduce_reports_and_flags` issued now, read by the function it returns
+    (:func:`~bridge_hpc.training.utils.train_utils.start_reduce_loss_dicts_and_flags`); with pipeline
+    parallelism it completes here."""
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if parallel.pipeline_size() == 1:
-        return reduce_loss_dicts_and_flags(reports, group, flags)
+        return start_reduce_loss_dicts_and_flags(reports, group, flags)
     reduced, _ = reduce_loss_dicts_and_flags(reports, group)
-    return parallel.share_last_stage_values(reduced, flags, purpose, comm_device())
+    shared = parallel.share_last_stage_values(reduced, flags, purpose, comm_device())
+    return lambda: shared
 
 
 def get_num_microbatches(global_state: GlobalState) -> int:
@@ -199,6 +210,9 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     if should_exit:
         return {}, 1, should_checkpoint, should_exit, exit_code, None, None
 
+    # The loss and the ranks' stop observations in one collective (the exit decision after this step
+    # reads them: exit_policy.exit_reasons), issued before the optimizer step and read after it.
+    finish_reduce = start_reduce_reports_and_flags(reports, "train", local_observations(global_state))
     timers("optimizer", log_level=1).start()
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer", log_level=1).stop()
@@ -212,10 +226,7 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
         scheduler.step(increment=cfg.train.global_batch_size)
     skipped_iter = 0 if update_successful else 1
 
-    # The ranks' stop observations ride along with the loss (one collective); the exit decision
-    # after this step reads them (exit_policy.exit_reasons).
-    loss_dict, global_state.agreed_observations = reduce_reports_and_flags(reports, "train",
-                                                                           local_observations(global_state))
+    loss_dict, global_state.agreed_observations = finish_reduce()
     return loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad
 
 
