@@ -129,10 +129,10 @@ def start_reduce_loss_dicts_and_flags(loss_dicts: List[Dict[str, torch.Tensor]],
                                       flags: Optional[Dict[str, bool]] = None
                                       ) -> Callable[[], Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]]:
     """:func:`reduce_loss_dicts_and_flags` in two halves: this one packs and issues the all-reduce
-    and returns the function that reads its result. On GPUs the collective is queued on the stream
-    without waiting, so the loop issues it before the optimizer step and reads it after: the read
-    then finds it done, and what the loop does between steps overlaps the optimizer's kernels instead
-    of following a drained GPU."""
+    (asynchronously) and returns the function that waits for it and reads the result. The loop issues
+    it before the optimizer step and reads it after: on GPUs the read then finds it done and what the
+    loop does between steps overlaps the optimizer's kernels instead of following a drained GPU; on
+    CPU (gloo, whose collectives run in a thread of their own) it overlaps the optimizer step."""
     keys = sorted(loss_dicts[0].keys()) if loss_dicts else []
     dp_size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -152,15 +152,18 @@ def start_reduce_loss_dicts_and_flags(loss_dicts: List[Dict[str, torch.Tensor]],
     if ride_along:
         parts.append(torch.tensor([1.0 if flags[k] else 0.0 for k in flag_names], device=device))
     packed = torch.cat(parts) if parts else None
+    works = []
     if packed is not None and dp_size > 1:
-        torch.distributed.all_reduce(packed, group=group)
+        works.append(torch.distributed.all_reduce(packed, group=group, async_op=True))
     separate = None
     if flags is not None and not ride_along and world > 1:
         # the data-parallel group is not the world: the flags need their own collective
         separate = torch.tensor([1 if flags[k] else 0 for k in flag_names], dtype=torch.int32, device=device)
-        torch.distributed.all_reduce(separate, op=torch.distributed.ReduceOp.MAX)
+        works.append(torch.distributed.all_reduce(separate, op=torch.distributed.ReduceOp.MAX, async_op=True))
 
     def finish() -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
+        for work in works:
+            work.wait()
         reduced: Dict[str, torch.Tensor] = {}
         offset = 0
         for key, kind in zip(keys, kinds):
