@@ -4,11 +4,12 @@
 #
 #   bash scripts/gpu_figures.sh OUTDIR [STEP ...]
 #
-# STEPs, in this order by default: tests checkpoint preemption loop optimizer data. Each writes its
+# STEPs, in this order by default: tests checkpoint preemption loop optimizer data; and, on a machine
+# with 2 GPUs, parallel (benchmarks/parallel.py, not in the default list). Each writes its
 # log (and its benchmark's JSON) into OUTDIR and has its own time limit, so that one step that hangs
 # does not take the others with it; the last lines of each log are printed as it ends.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu_figures.sh OUTDIR [tests|checkpoint|preemption|loop|optimizer|data ...]}
+out=${1:?usage: bash scripts/gpu_figures.sh OUTDIR [tests|checkpoint|preemption|loop|optimizer|data|parallel ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(tests checkpoint preemption loop optimizer data)
@@ -34,7 +35,8 @@ for step in "${steps[@]}"; do
         loop) run loop 900 python benchmarks/loop_overhead.py --device cuda --json "$out/loop_overhead.json" ;;
         optimizer) run optimizer 600 python benchmarks/optimizer_step.py --json "$out/optimizer_step.json" ;;
         data) run data 900 python benchmarks/prepare_data.py --part 3 --json "$out/prepare_data_gpu.json" ;;
-        *) echo "gpu_figures.sh: unknown step '$step' (tests, checkpoint, preemption, loop, optimizer, data)" >&2
+        parallel) run parallel 900 python benchmarks/parallel.py --json "$out/parallel.json" ;;
+        *) echo "gpu_figures.sh: unknown step '$step' (tests, checkpoint, preemption, loop, optimizer, data, parallel)" >&2
            exit 2 ;;
     esac
 done
