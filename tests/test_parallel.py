@@ -134,3 +134,32 @@ def test_last_stage_values_reach_every_rank_with_the_stop_flags_and_tp_ranks_get
         assert r["batch"] == {"tokens": ["torch.int64", [[0, 1, 2, 3], [4, 5, 6, 7]]],
                               "loss_mask": ["torch.float32", [[1.0] * 4] * 2]}
     assert [r["reads"] for r in results] == [True, False]
+
+
+def test_distributed_optimizer_load_keeps_torch_adams_step():
+    """megatron-core's distributed optimizer copies loaded state into every tensor of torch Adam's
+    state, ``step`` included, which the loaded state never holds (KeyError 'step' without Apex/TE,
+    seen on 2 H100s); the loader's patch keeps ``step`` and copies the rest."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from bridge_hpc.training.checkpointing import _torch_adam_step_kept
+
+    main, model_param = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    adam = torch.optim.Adam([main])
+    adam.state[main] = {"step": torch.tensor(7.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}
+    opt = DistributedOptimizer.__new__(DistributedOptimizer)  # the state-copy method alone, on CPU
+    opt.model_param_group_index_map = {model_param: (0, 0)}
+    opt.optimizer = adam
+    opt.config = SimpleNamespace(use_precision_aware_optimizer=False, use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    loaded = {"param": torch.full((4,), 1.0), "exp_avg": torch.full((4,), 2.0), "exp_avg_sq": torch.full((4,), 3.0)}
+    with torch.no_grad():  # as megatron's load runs it
+        with pytest.raises(KeyError):
+            opt._set_main_param_and_optimizer_states(model_param, loaded)
+        with _torch_adam_step_kept(opt):
+            opt._set_main_param_and_optimizer_states(model_param, loaded)
+    state = adam.state[main]
+    assert main.tolist() == [1.0] * 4 and state["exp_avg"].tolist() == [2.0] * 4
+    assert state["exp_avg_sq"].tolist() == [3.0] * 4 and float(state["step"]) == 7.0
+    assert "_set_main_param_and_optimizer_states" not in vars(opt)  # the class's method again

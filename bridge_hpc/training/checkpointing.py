@@ -641,6 +641,32 @@ def _init_empty_distributed_optimizer_state(optimizer) -> list:
     return filled
 
 
+@contextlib.contextmanager
+def _torch_adam_step_kept(optimizer) -> Iterator[None]:
+    """While a distributed optimizer loads its parameter state: megatron-core's
+    ``_set_main_param_and_optimizer_states`` copies into every tensor of a parameter's torch Adam
+    state, ``step`` included, from loaded tensors that never hold ``step`` (it comes from the
+    parameter groups, set just before), and fails with KeyError 'step' without Apex/TE. Here a state
+    tensor missing from the loaded ones is copied onto itself: ``step`` keeps the groups' value."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = [inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+               if isinstance(inner, DistributedOptimizer) and not inner.config.use_precision_aware_optimizer]
+    for inner in patched:
+        def set_states(model_param, tensors, __inner=inner, __set=inner._set_main_param_and_optimizer_states):
+            group_index, group_order = __inner.model_param_group_index_map[model_param]
+            main_param = __inner.optimizer.param_groups[group_index]["params"][group_order]
+            current = __inner.optimizer.state[main_param]
+            return __set(model_param, {**{k: v for k, v in current.items() if isinstance(v, torch.Tensor)}, **tensors})
+
+        inner._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        for inner in patched:
+            del inner._set_main_param_and_optimizer_states  # the class's method again
+
+
 def model_sharded_state_dict(model) -> dict:
     """The model's sharded state dict: ``{"model": ...}``, or with virtual pipeline stages
     ``{"model0": ..., "model1": ...}``, one per chunk (Megatron-LM's keys). Tensor keys are global
@@ -739,7 +765,8 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool, ful
             for i, chunk in enumerate(model):
                 _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
         if load_optim:
-            optimizer.load_state_dict(loaded["optimizer"])
+            with _torch_adam_step_kept(optimizer):
+                optimizer.load_state_dict(loaded["optimizer"])
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
