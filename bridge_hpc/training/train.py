@@ -256,12 +256,16 @@ def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, mod
         reports += run_microbatches(forward_step_func, data_iterator, model, state, forward_only=True)
         state.train_state.consumed_valid_samples += cfg.train.global_batch_size
     collected = None
-    if process_non_loss_data_func is not None and state.rank == state.world_size - 1:
+    last_rank = state.rank == state.world_size - 1
+    if process_non_loss_data_func is not None:
         if non_loss_data_func is not None:
-            collected = non_loss_data_func(model)
-        else:
+            collected = non_loss_data_func(model) if last_rank else None
+        elif last_rank or state.cfg.model.model_parallel_size > 1:
+            # With model parallelism the forward spans ranks (stages, tensor-parallel peers): every rank
+            # runs it, the last rank keeps what it collected.
             collected = run_microbatches(forward_step_func, data_iterator, model, state, forward_only=True,
                                          collect_non_loss_data=True)
+            collected = collected if last_rank else None
     for chunk in model:
         chunk.train()
     return reduce_reports_and_flags(reports, "eval")[0], collected
