@@ -73,6 +73,7 @@ from torch.futures import Future
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.slurm.job_environment import JobEnvironment
+from bridge_hpc.training import parallel
 from bridge_hpc.training.state import GlobalState
 
 logger = logging.getLogger(__name__)
@@ -685,45 +686,43 @@ def megatron_sharded_state(model, optimizer, save_optim: bool, fully_reshardable
     return sharded
 
 
-def saved_model_parallel_layout(path: str) -> Optional[Dict[str, int]]:
-    """The tensor/pipeline/context-parallel sizes a checkpoint was saved at (its ``run_config.json``),
-    or None where that cannot be read."""
-    try:
-        with open(os.path.join(path, RUN_CONFIG_FILE)) as f:
-            m = json.load(f).get("model", {})
-    except (OSError, ValueError, AttributeError):
-        return None
-    return {"tp": m.get("tensor_model_parallel_size", 1), "pp": m.get("pipeline_model_parallel_size", 1),
-            "cp": m.get("context_parallel_size", 1)}
+@dataclasses.dataclass(frozen=True)
+class SavedParallelism:
+    """How a checkpoint was laid out, from its ``run_config.json``: the model-parallel sizes
+    (:func:`bridge_hpc.training.parallel.model_parallel_sizes`'s keys) and whether the distributed
+    optimizer's state was saved ``fully_reshardable``."""
+
+    sizes: Dict[str, int]
+    fully_reshardable: bool
 
 
-def _model_parallel_layout() -> Dict[str, int]:
-    from bridge_hpc.training import parallel
-
-    now = parallel.layout()
-    return {k: now[k] for k in ("tp", "pp", "cp")}
-
-
-def check_optimizer_layout(path: str, optimizer, load_optim: bool) -> bool:
-    """Whether the distributed optimizer's state in the checkpoint at ``path`` was saved
-    ``fully_reshardable`` (read from its ``run_config.json``). Raises ConfigError, before anything is
-    loaded, where that state cannot load at this run's model-parallel layout: saved per rank
-    (``dp_reshardable``) at another tensor/pipeline/context-parallel size."""
+def saved_parallelism(path: str) -> Optional[SavedParallelism]:
+    """:class:`SavedParallelism` of the checkpoint at ``path``; None where its config cannot be read."""
     try:
         with open(os.path.join(path, RUN_CONFIG_FILE)) as f:
             saved = json.load(f)
-    except (OSError, ValueError):
-        return False
-    fully = bool(saved.get("checkpoint", {}).get("dist_ckpt_optim_fully_reshardable", False))
-    saved_mp, now = saved_model_parallel_layout(path), _model_parallel_layout()
-    if load_optim and not fully and _is_distributed_optimizer(optimizer) and saved_mp is not None and saved_mp != now:
+        m, c = saved.get("model", {}), saved.get("checkpoint", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    return SavedParallelism(
+        sizes={"tp": m.get("tensor_model_parallel_size", 1), "pp": m.get("pipeline_model_parallel_size", 1),
+               "cp": m.get("context_parallel_size", 1)},
+        fully_reshardable=bool(c.get("dist_ckpt_optim_fully_reshardable", False)))
+
+
+def check_optimizer_layout(path: str, saved: Optional[SavedParallelism], now: Dict[str, int], optimizer,
+                           load_optim: bool) -> None:
+    """Raises ConfigError, before anything is loaded, where the distributed optimizer's state in the
+    checkpoint at ``path`` cannot load at this run's model-parallel sizes ``now``: saved per rank
+    (``dp_reshardable``) at other tensor/pipeline/context-parallel sizes."""
+    if (load_optim and saved is not None and not saved.fully_reshardable and saved.sizes != now
+            and _is_distributed_optimizer(optimizer)):
         raise ConfigError(
             f"{path} holds the distributed optimizer's state per rank (dp_reshardable), saved at tensor/pipeline/"
-            f"context-parallel sizes {saved_mp['tp']}/{saved_mp['pp']}/{saved_mp['cp']}; this run is "
+            f"context-parallel sizes {saved.sizes['tp']}/{saved.sizes['pp']}/{saved.sizes['cp']}; this run is "
             f"{now['tp']}/{now['pp']}/{now['cp']}. Resume at the saved sizes, load the weights only "
             "(checkpoint.load_optim = false), or save with checkpoint.dist_ckpt_optim_fully_reshardable = true",
             key="checkpoint.load_optim")
-    return fully
 
 
 def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool, writers: int,
@@ -935,9 +934,7 @@ def write_rank_state(save: SaveInProgress, state: GlobalState, train_data_iterat
     both durable. Taken at the save's iteration: the next step draws random numbers and reads data."""
     cfg = state.cfg.checkpoint
     rank = _rank()
-    from bridge_hpc.training import parallel
-
-    per_rank = {"rank": rank, "world_size": save.world_size, "layout": parallel.layout()}
+    per_rank = {"rank": rank, "world_size": save.world_size}
     if cfg.save_rng:
         per_rank["rng"] = _rng_state()
     if train_data_iterator is not None and hasattr(train_data_iterator, "state_dict"):
@@ -1142,9 +1139,10 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
     """
     cfg = state.cfg.checkpoint
     rank = _rank()
-    path = None
+    path, saved = None, None
     loaded: Optional[Tuple[Dict[str, Any], Optional[Dict[str, Any]]]] = None
     start = time.perf_counter()
+    now = parallel.model_parallel_sizes()
     if cfg.load:
         chooser = _Chooser(cfg.load, _world_size(), state.progress) if rank == 0 else None
         while True:
@@ -1157,7 +1155,10 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
             start = time.perf_counter()
             error = None
             load_optim = cfg.load_optim and not cfg.finetune
-            fully = check_optimizer_layout(path, optimizer, load_optim) if _uses_megatron_dist(model) else False
+            saved = saved_parallelism(path)
+            if _uses_megatron_dist(model):
+                check_optimizer_layout(path, saved, now, optimizer, load_optim)
+            fully = saved is not None and saved.fully_reshardable
             try:
                 loaded = _read_checkpoint(model, optimizer, path, load_optim, rank, fully)
             except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -1166,12 +1167,12 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
             failures = _gather_errors(error)  # every rank learns of a failure on any rank
             if not failures:
                 break
-            saved, now = saved_model_parallel_layout(path), _model_parallel_layout()
-            if saved is not None and saved != now:
+            if saved is not None and saved.sizes != now:
                 # Not damage: the checkpoint loads at the layout it was saved at. It stays in place.
                 failed_rank, cause = failures[0]
+                sizes = saved.sizes
                 raise CheckpointLoadError(
-                    f"{path}, saved at tensor/pipeline/context-parallel sizes {saved['tp']}/{saved['pp']}/{saved['cp']}, "
+                    f"{path}, saved at tensor/pipeline/context-parallel sizes {sizes['tp']}/{sizes['pp']}/{sizes['cp']}, "
                     f"failed to load at {now['tp']}/{now['pp']}/{now['cp']} (rank {failed_rank}: {cause}); it is left "
                     "in place: resume at the saved sizes, or load the weights only (checkpoint.load_optim = false)")
             if chooser is not None:
@@ -1200,18 +1201,18 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
         state.train_state.load_state_dict(common["train_state"])
         if scheduler is not None and common.get("scheduler") is not None:
             scheduler.load_state_dict(common["scheduler"])
-    from bridge_hpc.training import parallel
-
-    saved_layout = per_rank.get("layout", {"tp": 1, "pp": 1, "cp": 1, "dp": per_rank.get("world_size")}) \
-        if per_rank is not None else None
-    same_layout = saved_layout == parallel.layout()
+    # Random-number states belong to ranks' roles: restored only at the layout they were saved at (a
+    # checkpoint whose config cannot be read counts as saved at this one, as before configs recorded it).
+    same_layout = (per_rank is not None and per_rank.get("world_size") == _world_size()
+                   and (saved is None or saved.sizes == now))
     if rank == 0:
         print(f"loaded checkpoint {path} (iteration {common['iteration']}) in {time.perf_counter() - start:.2f}s",
               flush=True)
         if per_rank is None:
             print(f"warning: {path} has no state for rank {rank} (world size changed?); RNG not restored", flush=True)
         elif not same_layout:
-            print(f"note: {path} was saved at parallel layout {saved_layout}, this run is {parallel.layout()}: "
+            print(f"note: {path} was saved at model-parallel sizes {saved.sizes if saved else '?'} on "
+                  f"{per_rank.get('world_size')} ranks, this run is {now} on {_world_size()}: "
                   "weights and optimizer resharded, random-number states not restored (they belong to other "
                   "ranks' roles)", flush=True)
     if finetune:

@@ -57,15 +57,14 @@ def initialize(cfg) -> None:
     )
 
 
-def layout() -> Dict[str, int]:
-    """This run's parallel layout, as recorded with each rank's checkpoint state."""
+def model_parallel_sizes() -> Dict[str, int]:
+    """This run's tensor/pipeline/context-parallel sizes (``tp``, ``pp``, ``cp``); the data-parallel size is
+    the world over their product. A checkpoint records them in its ``run_config.json``."""
     if not parallel_state.model_parallel_is_initialized():
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        return {"tp": 1, "pp": 1, "cp": 1, "dp": world}
+        return {"tp": 1, "pp": 1, "cp": 1}
     return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-            "cp": parallel_state.get_context_parallel_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size()}
+            "cp": parallel_state.get_context_parallel_world_size()}
 
 
 def pipeline_size() -> int:
