@@ -216,8 +216,8 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     timers("optimizer", log_level=1).start()
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer", log_level=1).stop()
-    mp_group = parallel_state.get_model_parallel_group()
-    if torch.distributed.get_world_size(mp_group) > 1:  # ranks that hold parts of one model agree
+    if cfg.model.model_parallel_size > 1:  # ranks that hold parts of one model agree
+        mp_group = parallel_state.get_model_parallel_group()
         if cfg.train.check_optimizer_step_success:
             update_successful = logical_and_across_model_parallel_group(update_successful, mp_group)
         if not cfg.train.skip_sync_grad_norm_across_mp:
