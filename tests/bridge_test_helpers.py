@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -221,6 +222,23 @@ def log_text(run_dir: Path, job_id: str) -> str:
     folder = RunFolder(str(run_dir))
     parts = [Path(p).read_text() for p in (folder.stdout(job_id), folder.stderr(job_id)) if os.path.exists(p)]
     return "\n".join(parts)
+
+
+#: Lines of a job's log that tell its story across runs: the batch script's own words, Slurm's errors,
+#: the ranks' failures and their checkpoint loads and ends.
+_STORY = re.compile(r"bridge_hpc: |slurmstepd|srun: error|Traceback|Error|Loaded checkpoint|Ending job|"
+                    r"requeue|SIMULATED FAULT|will restart worker group")
+
+
+def job_story(run_dir: Path, job_id: str, limit: int = 6000) -> str:
+    """What a failed assertion about a job should show: every run's Slurm record (state, exit code,
+    reason, times) and the log lines of :data:`_STORY` of every run, not only the last run's tail."""
+    records = subprocess.run(["sacct", "-j", job_id, "-X", "-P", "--duplicates",
+                              "-o", "State,ExitCode,Reason,Start,End,NodeList"],
+                             capture_output=True, text=True).stdout
+    lines = [line for line in log_text(run_dir, job_id).splitlines() if _STORY.search(line)]
+    story = "\n".join(lines)
+    return f"sacct:\n{records}\nlog ({len(lines)} lines of note):\n{story[-limit:]}"
 
 
 def model_params(checkpoint_dir: str, scratch: str) -> dict:

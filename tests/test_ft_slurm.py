@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bridge_test_helpers import FAULTY_FORWARD_STEP, drive, log_text, losses, reference_run, sacct_runs, submit_cli
+from bridge_test_helpers import FAULTY_FORWARD_STEP, drive, job_story, log_text, losses, reference_run, sacct_runs, submit_cli
 
 from bridge_hpc.report.progress import RESTART, parse_progress
 
@@ -40,6 +40,7 @@ STEP_TIMEOUT = 3.0
 CHECK = 0.5  # ft.workload_check_interval
 MARGIN = 5.0  # generous: detection is judged on a shared, loaded 2-core machine (CI), where a process can stall for seconds
 SAVE_DELAY = 4.0  # > STEP_TIMEOUT: the slow-save job
+HUNG_STEP_SLEEP = 0.05  # the hung job's forward passes take at least this: its 120 steps outlast the fault's 5 s delay
 LOOSE_STEP_TIMEOUT = 60.0  # the requeue job's configured step timeout, before any is computed
 #: The requeue job's floor under computed timeouts: its steps take ~50 ms, so every computed timeout
 #: is this floor, far below the loose one; with room for a first step or a checkpoint load on a
@@ -96,7 +97,12 @@ def jobs(slurm_cluster, tmp_path_factory):
     t0 = time.time()
     hung = submit_ft(base / "hung", ["ft.simulate_fault=true", "ft.simulated_fault_type='rank_hung'",
                                       "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=5",
-                                      "checkpoint.save_interval=20"])
+                                      # a checkpoint before the fault (it comes about 30 steps in) and a floor
+                                      # under the step time (same numerics): the run outlasts the fault's delay
+                                      # however fast the machine is (its 120 steps once took 4.6 s)
+                                      "checkpoint.save_interval=10",
+                                      f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
+                                      f"env.TEST_STEP_SLEEP='{HUNG_STEP_SLEEP}'"])
     killed = submit_ft(base / "killed", ["ft.simulate_fault=true", "ft.simulated_fault_type='rank_killed'",
                                           "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=10",
                                           "checkpoint.save_interval=40",
@@ -116,10 +122,11 @@ def jobs(slurm_cluster, tmp_path_factory):
 
 
 def check_restarted_once_and_exact(job: Job, reference: Path) -> None:
-    assert job.state == "COMPLETED", job.log[-4000:]
-    assert sacct_runs(job.job_id) == ["COMPLETED"], "restarted in place: one Slurm run, no requeue"
+    story = job_story(job.run_dir, job.job_id)
+    assert job.state == "COMPLETED", story
+    assert sacct_runs(job.job_id) == ["COMPLETED"], "restarted in place: one Slurm run, no requeue\n" + story
     assert "requeueing" not in job.log
-    assert len(job.detected()) == 1, job.log[-4000:]  # one restart: the fault's, no false one
+    assert len(job.detected()) == 1, story  # one restart: the fault's, no false one
     got, want = losses(job.run_dir), losses(reference)
     assert sorted(got) == list(range(1, ITERS + 1))
     assert got == want  # bitwise

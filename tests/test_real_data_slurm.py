@@ -49,6 +49,7 @@ from bridge_test_helpers import (
     ROOT,
     assert_bitwise_equal,
     drive,
+    job_story,
     log_text,
     losses,
     model_params,
@@ -161,9 +162,9 @@ def test_usr1_preemption_on_prepared_data_resumes_bitwise(slurm_cluster, prefixe
     log = log_text(run_dir, job_id)
 
     # Slurm ran it twice: preempted, requeued by its batch script, finished.
-    assert sacct_runs(job_id) == ["REQUEUED", "COMPLETED"] and "requeueing" in log, log[-4000:]
+    assert sacct_runs(job_id) == ["REQUEUED", "COMPLETED"] and "requeueing" in log, job_story(run_dir, job_id)
     runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
-    assert len(runs) == 2, log[-4000:]
+    assert len(runs) == 2, job_story(run_dir, job_id)
     first_end = runs[0].last(ENDING_JOB)
     assert first_end.fields["Reason"] == "signal" and first_end.fields["Steps lost"] == "0", first_end
     stopped_at = int(first_end.fields["Iteration"])
