@@ -32,6 +32,7 @@ from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig, r
 from bridge_hpc.training.data import build_data_iterator, build_datasets
 from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.gpt import gpt_model_provider
+from bridge_hpc.training.grad_reduce_rider import GradReduceRider
 from bridge_hpc.training.metrics import RunStart
 from bridge_hpc.training.optimizer import TorchOptimizer, setup_optimizer  # noqa: F401  (TorchOptimizer: old import path)
 from bridge_hpc.training.state import GlobalState, StopSignalRecorder
@@ -333,7 +334,9 @@ def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module, first_chunk: bool = 
         # option (forward_sync_buffers; it still syncs once at init, where the buffers are equal).
         params = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
         no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
-        return torch.nn.parallel.DistributedDataParallel(model, **no_sync)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, **no_sync)
+        GradReduceRider.install(ddp)  # the step's losses and stop flags ride on its gradient all-reduce
+        return ddp
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 

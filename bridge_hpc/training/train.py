@@ -41,6 +41,7 @@ from bridge_hpc.training.exit_policy import (  # noqa: F401
     signal_seen,
 )
 from bridge_hpc.training.fault_tolerance import FaultTolerance
+from bridge_hpc.training.grad_reduce_rider import GradReduceRider
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.utils.train_utils import (
@@ -80,7 +81,8 @@ def finalize_grads(model: List[torch.nn.Module]) -> None:
 
 def forward_backward(forward_step_func: Callable, data_iterator, model: List[torch.nn.Module], num_microbatches: int,
                      optimizer=None, forward_only: bool = False, collect_non_loss_data: bool = False,
-                     validate_loss: Optional[Callable[[torch.Tensor], None]] = None) -> List[Any]:
+                     validate_loss: Optional[Callable[[torch.Tensor], None]] = None,
+                     before_grad_sync: Optional[Callable[[List[Any]], None]] = None) -> List[Any]:
     """Run ``num_microbatches`` forward (and backward) steps; return what each loss function reported.
 
     Semantics of megatron-core's ``forward_backward_no_pipelining`` (whose token counter lives on
@@ -90,11 +92,13 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
     ``loss_func(output, non_loss_data=True)`` and whatever it returns is collected. Gradients are
     synchronized only on the last micro-batch (``no_sync`` before). ``validate_loss`` gets each
     micro-batch's loss as the loss function returned it (:func:`bridge_hpc.training.rerun.validate_loss`).
+    ``before_grad_sync`` gets every micro-batch's report just before the last backward, the one that
+    synchronizes the gradients (:class:`~bridge_hpc.training.grad_reduce_rider.GradReduceRider`).
     """
     chunk = model[0]
     store: List[Any] = []
 
-    def one_microbatch() -> None:
+    def one_microbatch(last: bool) -> None:
         output, loss_func = forward_step_func(data_iterator, chunk)
         if loss_func is None:
             store.append(output)
@@ -116,6 +120,8 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
                              f"got {len(outputs)} values")
         store.append(report)
         if not forward_only:
+            if last and before_grad_sync is not None:
+                before_grad_sync(store)
             optimizer.scale_loss(loss).backward()
 
     grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
@@ -123,8 +129,8 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
     with grad_context:
         with no_sync():
             for _ in range(num_microbatches - 1):
-                one_microbatch()
-        one_microbatch()
+                one_microbatch(last=False)
+        one_microbatch(last=True)
     if not forward_only:
         finalize_grads(model)
     return store
@@ -132,7 +138,8 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
 
 def run_microbatches(forward_step_func: Callable, data_iterator, model: List[torch.nn.Module], global_state: GlobalState,
                      optimizer=None, forward_only: bool = False, collect_non_loss_data: bool = False,
-                     validate_loss: Optional[Callable[[torch.Tensor], None]] = None) -> List[Any]:
+                     validate_loss: Optional[Callable[[torch.Tensor], None]] = None,
+                     before_grad_sync: Optional[Callable[[List[Any]], None]] = None) -> List[Any]:
     """One global batch's micro-batches: :func:`forward_backward`, or with pipeline parallelism
     megatron-core's pipeline schedule (:func:`bridge_hpc.training.parallel.pipelined_forward_backward`),
     whose reports only the last stage has."""
@@ -145,7 +152,7 @@ def run_microbatches(forward_step_func: Callable, data_iterator, model: List[tor
                                                    validate_loss=validate_loss)
     return forward_backward(forward_step_func, data_iterator, model, num_microbatches, optimizer=optimizer,
                             forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-                            validate_loss=validate_loss)
+                            validate_loss=validate_loss, before_grad_sync=before_grad_sync)
 
 
 def reduce_reports_and_flags(reports: List[Dict[str, torch.Tensor]], purpose: str,
@@ -199,20 +206,24 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     timers = global_state.timers
     rerun_state_machine = get_rerun_state_machine()
     validate = partial(rerun.validate_loss, config=cfg.rerun_state_machine)
+    # The loss and the ranks' stop observations (the exit decision after this step reads them:
+    # exit_policy.exit_reasons) are reduced in one collective: the gradients' own where a rider is
+    # installed (CPU ranks), else their own, issued before the optimizer step and read after it.
+    rider = GradReduceRider.on(model[0])
+    load_rider = (lambda reports: rider.load(reports, local_observations(global_state))) if rider else None
 
     timers("forward-backward", log_level=1).start()
     while rerun_state_machine.should_run_forward_backward(data_iterator):
         zero_grads(model, optimizer)
         reports = run_microbatches(forward_step_func, data_iterator, model, global_state, optimizer=optimizer,
-                                   validate_loss=validate)
+                                   validate_loss=validate, before_grad_sync=load_rider)
     timers("forward-backward", log_level=1).stop()
     should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
     if should_exit:
         return {}, 1, should_checkpoint, should_exit, exit_code, None, None
 
-    # The loss and the ranks' stop observations in one collective (the exit decision after this step
-    # reads them: exit_policy.exit_reasons), issued before the optimizer step and read after it.
-    finish_reduce = start_reduce_reports_and_flags(reports, "train", local_observations(global_state))
+    finish_reduce = (rider.take() if rider else None) or start_reduce_reports_and_flags(
+        reports, "train", local_observations(global_state))
     timers("optimizer", log_level=1).start()
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer", log_level=1).stop()

@@ -125,63 +125,89 @@ def reduce_loss_dicts_and_flags(loss_dicts: List[Dict[str, torch.Tensor]], group
     return start_reduce_loss_dicts_and_flags(loss_dicts, group, flags)()
 
 
+class PackedReports:
+    """One global batch's loss reports (and optionally the ranks' stop observations) packed in ONE
+    float tensor, so that one SUM all-reduce serves both, and read back from the reduced tensor.
+
+    Keys are packed in sorted order, so every rank builds the same layout. A 2-element report
+    ``[loss_sum, num_tokens]`` is summed over micro-batches (then over ranks, then divided: a
+    per-token mean); a 1-element report is averaged over micro-batches (then over ranks). The flags
+    ride along only when the data-parallel group is the world (``flags_ride``); a flag is agreed when
+    any rank raised it (a SUM above 0). :func:`start_reduce_loss_dicts_and_flags` all-reduces
+    :attr:`tensor` by itself; :class:`bridge_hpc.training.grad_reduce_rider.GradReduceRider` appends
+    it to the data-parallel gradient all-reduce instead."""
+
+    def __init__(self, loss_dicts: List[Dict[str, torch.Tensor]], flags: Optional[Dict[str, bool]],
+                 dp_size: int, world: int, device: torch.device):
+        self.keys = sorted(loss_dicts[0].keys()) if loss_dicts else []
+        self.dp_size = dp_size
+        self.flags = flags
+        parts, self.kinds = [], []
+        for key in self.keys:
+            values = [torch.as_tensor(d[key]).detach().float().view(-1).to(device) for d in loss_dicts]
+            if values[0].numel() == 2:
+                parts.append(torch.vstack(values).sum(dim=0))
+            elif values[0].numel() == 1:
+                parts.append(torch.cat(values).mean().view(1))
+            else:
+                raise ValueError(f"loss report '{key}' must have 1 or 2 elements, got shape {tuple(values[0].shape)}")
+            self.kinds.append(values[0].numel())
+        self.flag_names = list(flags) if flags is not None else []
+        self.flags_ride = bool(self.flag_names) and dp_size == world
+        if self.flags_ride:
+            parts.append(torch.tensor([1.0 if flags[k] else 0.0 for k in self.flag_names], device=device))
+        self.tensor: Optional[torch.Tensor] = torch.cat(parts) if parts else None
+
+    def unpack(self, reduced: Optional[torch.Tensor],
+               separate_flags: Optional[torch.Tensor] = None) -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
+        """``(reduced report per key, agreed flags or None)`` from :attr:`tensor` after its SUM over the
+        data-parallel group (``reduced``); ``separate_flags``: the flags' own MAX all-reduce when they
+        did not ride along (None on a single rank: this rank's flags stand)."""
+        out: Dict[str, torch.Tensor] = {}
+        offset = 0
+        for key, kind in zip(self.keys, self.kinds):
+            if kind == 2:
+                total = reduced[offset:offset + 2]
+                out[key] = total[0] / total[1].clamp(min=1)
+            else:
+                out[key] = reduced[offset] / self.dp_size if self.dp_size > 1 else reduced[offset]
+            offset += kind
+        agreed = None
+        if self.flags is not None:
+            if self.flags_ride:
+                agreed = {k: v > 0 for k, v in zip(self.flag_names, reduced[offset:].tolist())}
+            elif separate_flags is not None:
+                agreed = {k: bool(v) for k, v in zip(self.flag_names, separate_flags.tolist())}
+            else:
+                agreed = dict(self.flags)
+        return out, agreed
+
+
 def start_reduce_loss_dicts_and_flags(loss_dicts: List[Dict[str, torch.Tensor]], group=None,
                                       flags: Optional[Dict[str, bool]] = None
                                       ) -> Callable[[], Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]]:
-    """:func:`reduce_loss_dicts_and_flags` in two halves: this one packs and issues the all-reduce
-    (asynchronously) and returns the function that waits for it and reads the result. The loop issues
-    it before the optimizer step and reads it after: on GPUs the read then finds it done and what the
-    loop does between steps overlaps the optimizer's kernels instead of following a drained GPU; on
-    CPU (gloo, whose collectives run in a thread of their own) it overlaps the optimizer step."""
-    keys = sorted(loss_dicts[0].keys()) if loss_dicts else []
+    """:func:`reduce_loss_dicts_and_flags` in two halves: this one packs (:class:`PackedReports`) and
+    issues the all-reduce (asynchronously) and returns the function that waits for it and reads the
+    result. The loop issues it before the optimizer step and reads it after: on GPUs the read then
+    finds it done and what the loop does between steps overlaps the optimizer's kernels instead of
+    following a drained GPU."""
     dp_size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     device = comm_device()
-    parts, kinds = [], []
-    for key in keys:
-        values = [torch.as_tensor(d[key]).detach().float().view(-1).to(device) for d in loss_dicts]
-        if values[0].numel() == 2:
-            parts.append(torch.vstack(values).sum(dim=0))
-        elif values[0].numel() == 1:
-            parts.append(torch.cat(values).mean().view(1))
-        else:
-            raise ValueError(f"loss report '{key}' must have 1 or 2 elements, got shape {tuple(values[0].shape)}")
-        kinds.append(values[0].numel())
-    flag_names = list(flags) if flags is not None else []
-    ride_along = bool(flag_names) and dp_size == world
-    if ride_along:
-        parts.append(torch.tensor([1.0 if flags[k] else 0.0 for k in flag_names], device=device))
-    packed = torch.cat(parts) if parts else None
+    packed = PackedReports(loss_dicts, flags, dp_size, world, device)
     works = []
-    if packed is not None and dp_size > 1:
-        works.append(torch.distributed.all_reduce(packed, group=group, async_op=True))
+    if packed.tensor is not None and dp_size > 1:
+        works.append(torch.distributed.all_reduce(packed.tensor, group=group, async_op=True))
     separate = None
-    if flags is not None and not ride_along and world > 1:
+    if flags is not None and not packed.flags_ride and world > 1:
         # the data-parallel group is not the world: the flags need their own collective
-        separate = torch.tensor([1 if flags[k] else 0 for k in flag_names], dtype=torch.int32, device=device)
+        separate = torch.tensor([1 if flags[k] else 0 for k in packed.flag_names], dtype=torch.int32, device=device)
         works.append(torch.distributed.all_reduce(separate, op=torch.distributed.ReduceOp.MAX, async_op=True))
 
     def finish() -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
         for work in works:
             work.wait()
-        reduced: Dict[str, torch.Tensor] = {}
-        offset = 0
-        for key, kind in zip(keys, kinds):
-            if kind == 2:
-                total = packed[offset:offset + 2]
-                reduced[key] = total[0] / total[1].clamp(min=1)
-            else:
-                reduced[key] = packed[offset] / dp_size if dp_size > 1 else packed[offset]
-            offset += kind
-        agreed = None
-        if flags is not None:
-            if ride_along:
-                agreed = {k: v > 0 for k, v in zip(flag_names, packed[offset:].tolist())}
-            elif separate is not None:
-                agreed = {k: bool(v) for k, v in zip(flag_names, separate.tolist())}
-            else:
-                agreed = dict(flags)
-        return reduced, agreed
+        return packed.unpack(packed.tensor, separate)
 
     return finish
 
