@@ -5,8 +5,9 @@ differs:
 
 - **bridge**: :func:`bridge_hpc.training.pretrain.pretrain`, the loop every rank runs, with the job's
   defaults: metrics.jsonl on rank 0, TensorBoard on the last rank, the log line every
-  ``logger.log_interval`` steps, the exit checks and the loss reduction (an all-reduce each, every
-  step), the step timers. Evaluation and checkpoints are off (``eval_interval = 0``, no
+  ``logger.log_interval`` steps, the loss reduction and the exit checks every step (in one
+  all-reduce of their own on GPU; on CPU ranks riding on DDP's gradient all-reduce:
+  :mod:`bridge_hpc.training.grad_reduce_rider`), the result validation, the step timers. Evaluation and checkpoints are off (``eval_interval = 0``, no
   ``checkpoint.save``): no save falls inside the timed steps either way, and the exit save after the
   last step would only lengthen the run.
 - **bare**: a plain for-loop a user would write with the same pieces: the toolkit's GPT builder (the
@@ -139,22 +140,26 @@ def _world() -> tuple:
 
 #: What the toolkit's loop does around the calls a bare loop makes too, by the names ``train.py``
 #: calls them (those it has): each is timed when ``--sections`` is given.
+#: The rider's methods (bridge_hpc.training.grad_reduce_rider), timed as ``GradReduceRider.<name>``.
+RIDER_SECTIONS = ("load", "take")
 LOOP_SECTIONS = ("train_step", "start_reduce_loss_dicts_and_flags", "validate_loss", "checkpoint_and_decide_exit", "training_log",
                  "_count_step", "post_training_step_callbacks", "zero_grads", "finalize_grads")
 
 
 def time_sections(module, names, totals: Dict[str, List[float]]) -> None:
-    """Wrap ``module``'s functions ``names`` (those it has) to add their wall and CPU seconds to
-    ``totals[name]`` (``[calls, wall_s, cpu_s]``). Benchmark instrumentation: a few µs a call."""
+    """Wrap ``module``'s functions ``names`` (those it has; ``module`` may be a class, whose methods are
+    then timed as ``Class.name``) to add their wall and CPU seconds to ``totals[name]``
+    (``[calls, wall_s, cpu_s]``). Benchmark instrumentation: a few µs a call."""
     import functools
 
     for name in names:
         if name not in vars(module):
             continue
         inner = vars(module)[name]
-        totals[name] = [0, 0.0, 0.0]
+        key = f"{module.__name__}.{name}" if isinstance(module, type) else name
+        totals[key] = [0, 0.0, 0.0]
 
-        def timed(*args, __inner=inner, __total=totals[name], **kwargs):
+        def timed(*args, __inner=inner, __total=totals[key], **kwargs):
             wall, cpu = time.perf_counter(), time.process_time()
             try:
                 return __inner(*args, **kwargs)
@@ -183,6 +188,9 @@ def bridge_worker(cfg, clock: StepClock, sections: Optional[Dict[str, List[float
             from bridge_hpc.training import rerun
 
             time_sections(rerun, ("validate_loss",), sections)
+        from bridge_hpc.training.grad_reduce_rider import GradReduceRider
+
+        time_sections(GradReduceRider, RIDER_SECTIONS, sections)
     clock.inner = forward_step
     pretrain(cfg, clock)
     parallel_state.destroy_model_parallel()
@@ -509,9 +517,11 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
     return result
 
 
-#: Sections a bare loop has no counterpart of (zero_grads and finalize_grads it does too).
-OWN_SECTIONS = ("start_reduce_loss_dicts_and_flags", "validate_loss", "checkpoint_and_decide_exit", "training_log", "_count_step",
-                "post_training_step_callbacks")
+#: Sections a bare loop has no counterpart of (zero_grads and finalize_grads it does too). On CPU
+#: ranks the losses and flags are packed for the gradient all-reduce (GradReduceRider.load) instead
+#: of reduced on their own (start_reduce_loss_dicts_and_flags).
+OWN_SECTIONS = ("start_reduce_loss_dicts_and_flags", "GradReduceRider.load", "GradReduceRider.take", "validate_loss",
+                "checkpoint_and_decide_exit", "training_log", "_count_step", "post_training_step_callbacks")
 
 
 def summarize_sections(runs: List[Dict[str, Any]], steps: int) -> Dict[str, Any]:

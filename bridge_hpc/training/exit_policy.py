@@ -369,8 +369,10 @@ def exit_reasons(state: GlobalState) -> List[str]:
 
 def local_observations(state: GlobalState) -> Dict[str, bool]:
     """What this rank alone sees that may stop the run; the ranks agree on them (logical OR) before
-    acting, so that every rank stops at the same step. ``train_step`` takes them at the end of each
-    step and agrees on them inside its loss all-reduce (one collective a step, not two)."""
+    acting, so that every rank stops at the same step. ``train_step`` takes them once a step and agrees
+    on them in the collective that reduces the step's loss: its own all-reduce after the backward, or
+    on CPU ranks the gradient all-reduce of the last backward (taken just before it:
+    :mod:`bridge_hpc.training.grad_reduce_rider`)."""
     t = state.cfg.train
     return {
         "signal received": signal_seen(state),
