@@ -17,7 +17,8 @@ started (as Slurm's ``scancel --signal=USR1`` does), waits for the rank to exit,
 run, which resumes. Allocated time lost per preemption = signal -> rank gone (the step in flight,
 the synchronous exit save, teardown) + the next run's start-up to its first step (progress.txt's
 ``First step`` line: imports, init, model build, checkpoint load and that step), less one step time
-(work, not loss) + lost steps x step time. Target (issue 11): <= 15 s. ``--tiny`` runs the same
+(work, not loss) + lost steps x step time. Target (issue 11): <= 15 s. Both modes also print where
+each run's start-up went, phase by phase (``First step``'s ``Start-up phases``). ``--tiny`` runs the same
 cycles with a small model on CPU: it checks the script (and the direct start, signal and resume
 path), not the figure.
 """
@@ -38,7 +39,25 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from bridge_test_helpers import drive, signal_tree, steps_done, submit, wait_running_past  # noqa: E402
 
-from bridge_hpc.report.progress import parse_progress  # noqa: E402
+from bridge_hpc.report.progress import FIRST_STEP, STARTUP_PHASES, parse_progress  # noqa: E402
+from bridge_hpc.training.startup import parse_phases  # noqa: E402
+
+
+def startup_phases(runs) -> list:
+    """Each run's start-up phases (seconds by phase, from its progress log's ``First step`` line)."""
+    return [parse_phases(r.last(FIRST_STEP).fields[STARTUP_PHASES]) for r in runs
+            if r.last(FIRST_STEP) is not None and STARTUP_PHASES in r.last(FIRST_STEP).fields]
+
+
+def print_startup_phases(phases: list) -> None:
+    """Where start-up went: the first run's phases against the median of the requeued runs'."""
+    if not phases:
+        return
+    later = phases[1:]
+    print(f"\n{'start-up phase':>20} {'first run s':>12} {'requeued runs s (median)':>25}")
+    for name in phases[0]:
+        restart = statistics.median(p.get(name, 0.0) for p in later) if later else float("nan")
+        print(f"{name:>20} {phases[0][name]:>12.2f} {restart:>25.2f}")
 
 
 def step_gone(job_id: str) -> bool:
@@ -86,6 +105,7 @@ def preempt_every(run_dir: Path, iters: int, every: int) -> dict:
     lost = [int(r.last("Ending job").fields["Steps lost"]) for r in runs[:-1] if r.last("Ending job")]
     return {"job_id": job_id, "state": state, "every": every, "iters": iters, "exits": exits,
             "step_s": step_s, "save_s": statistics.median(saves) if saves else None, "startup_s": startups,
+            "startup_phases_s": startup_phases(runs),
             "lost_steps": lost, "steps_logged": sorted(m["step"] for m in metrics) == list(range(1, iters + 1)),
             "goodput": report["totals"]["goodput"], "runs": report["totals"]["runs"]}
 
@@ -154,7 +174,8 @@ def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False) -
     model = "tiny GPT on CPU (a check of the script)" if tiny else "370M GPT, seq 2048 x mb 8, bf16, adam"
     return {"device": "cpu" if tiny else "cuda", "model": model + ", async_save", "cycles": cycles,
             "steps_per_run": steps, "exits": exits, "step_s": step_s, "startup_to_first_step_s": startups,
-            "load_s": loads, "lost_steps": lost, "lost_per_preemption_s": per_preemption, "target_s": 15.0}
+            "load_s": loads, "lost_steps": lost, "lost_per_preemption_s": per_preemption, "target_s": 15.0,
+            "startup_phases_s": startup_phases(runs)}
 
 
 def gpu_main(args) -> int:
@@ -168,6 +189,7 @@ def gpu_main(args) -> int:
               f"{r['load_s'][i]:>7.1f} {r['lost_steps'][i]:>11} {lost_s:>7.1f} {'<= 15':>7} "
               f"{'ok' if lost_s <= 15 else 'ABOVE'}")
     print(f"first run's start-up to its first step: {r['startup_to_first_step_s'][0]:.1f} s; step {r['step_s']:.3f} s")
+    print_startup_phases(r["startup_phases_s"])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(r, indent=2))
     print(f"\nwrote {args.json}")
@@ -204,6 +226,9 @@ def main() -> int:
         print(f"{r['every']:>15} {r['runs']:>5} {durable:>18.2f} {gone:>15.2f} {r['step_s'] + (r['save_s'] or 0):>12.2f} "
               f"{sum(r['lost_steps']):>11} {r['startup_s'][0]:>17.1f} {restart:>19.1f} {r['goodput']:>8.1%}")
         assert r["state"] == "COMPLETED" and r["steps_logged"], r
+    for r in results:
+        print(f"\npreempted every {r['every']} steps:", end="")
+        print_startup_phases(r["startup_phases_s"])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))
     print(f"\nwrote {args.json}")

@@ -18,9 +18,10 @@ import pytest
 import torch
 from bridge_test_helpers import assert_bitwise_equal, free_port, model_params
 
-from bridge_hpc.report.progress import parse_events
+from bridge_hpc.report.progress import FIRST_STEP, STARTUP_PHASES, parse_events
 from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint
 from bridge_hpc.training.metrics import read_metrics
+from bridge_hpc.training.startup import parse_phases
 
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 
@@ -91,6 +92,14 @@ def test_exact_resume(straight, tmp_path):
               for e in parse_events(os.path.join(run_dir, "checkpoints", "progress.txt"))]
     assert ("Ending job", "20", "interval") in events and ("Loaded checkpoint", "20", None) in events
     assert events[-1] == ("Ending job", "40", "done") and ("First step", "21", None) in events
+    # The resumed run's start-up, phase by phase: every phase in the order it ran, adding up to the total
+    first = [e for e in parse_events(os.path.join(run_dir, "checkpoints", "progress.txt"))
+             if e.name == FIRST_STEP and e.fields["Iteration"] == "21"][0]
+    phases = parse_phases(first.fields[STARTUP_PHASES])
+    assert list(phases) == ["launch and imports", "process group", "set-up", "model", "optimizer", "checkpoint load",
+                            "data", "first step"]
+    assert phases["launch and imports"] > 0.5 and all(v >= 0 for v in phases.values())  # torch alone takes that
+    assert abs(sum(phases.values()) - first.number("Start-up seconds")) <= 0.1 + 0.005 * len(phases)
 
     a = read_metrics(os.path.join(_run_dir(straight), "metrics.jsonl"))
     b = read_metrics(os.path.join(run_dir, "metrics.jsonl"))

@@ -29,6 +29,8 @@ SAVED_CHECKPOINT = "Saved checkpoint"
 SAVING_ASYNC = "Saving async checkpoint"
 LOADED_CHECKPOINT = "Loaded checkpoint"
 FIRST_STEP = "First step"
+#: The ``First step`` field listing where the start-up went (bridge_hpc.training.startup).
+STARTUP_PHASES = "Start-up phases"
 ENDING_JOB = "Ending job"
 RESTART = "Restart"
 CHECKPOINT_FALLBACK = "Checkpoint fallback"
@@ -263,12 +265,17 @@ class ProgressLog:
         self._job_start_flops = float(flops_so_far)
         self._write(LOADED_CHECKPOINT, [("Iteration", str(iteration)), ("Load seconds", f"{load_s:.1f}")])
 
-    def first_step(self, iteration: int) -> float:
+    def first_step(self, iteration: int, phases: Optional[str] = None) -> float:
         """The first training step of this run is done; logs and returns the start-up seconds
-        (process start to now: launch, load, compilation, the first step itself)."""
+        (process start to now: launch, load, compilation, the first step itself). ``phases``: where
+        they went (:meth:`bridge_hpc.training.startup.StartupPhases.describe`), logged as the field
+        ``Start-up phases``."""
         now = self.clock()
         startup = now - self._started()
-        self._write(FIRST_STEP, [("Iteration", str(iteration)), ("Start-up seconds", f"{startup:.1f}")], now)
+        fields = [("Iteration", str(iteration)), ("Start-up seconds", f"{startup:.1f}")]
+        if phases:
+            fields.append((STARTUP_PHASES, phases))
+        self._write(FIRST_STEP, fields, now)
         return startup
 
     def saved_checkpoint(

@@ -35,6 +35,7 @@ from bridge_hpc.training.gpt import gpt_model_provider
 from bridge_hpc.training.grad_reduce_rider import GradReduceRider
 from bridge_hpc.training.metrics import RunStart
 from bridge_hpc.training.optimizer import TorchOptimizer, setup_optimizer  # noqa: F401  (TorchOptimizer: old import path)
+from bridge_hpc.training.startup import StartupPhases
 from bridge_hpc.training.state import GlobalState, StopSignalRecorder
 from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.tokenizers import build_tokenizer_for
@@ -116,9 +117,15 @@ def _stop_async_writer(checkpointing_context: dict, abandon: bool) -> None:
 
 def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpointing_context: dict) -> None:
     cfg = state.cfg
+    in_process, last_step_time = state.inprocess_restart or (0, None)
+    # An in-process re-run's start-up counts from its own start, not from the process start.
+    process_age_s = None if in_process else _process_age_s()
+    startup = state.startup = StartupPhases(time.time() - (process_age_s or 0.0))
+    startup.mark("launch and imports")
     if cfg.model.deterministic_mode:
         enable_deterministic_mode()  # before CUDA's and NCCL's set-up read their variables
     env = initialize_distributed(cfg.dist, store=state.restart_store)
+    startup.mark("process group")
     state.rank, state.world_size = dist.get_rank(), dist.get_world_size()
     # The tokenizer sets the model's vocabulary size (when [model] leaves it to the tokenizer), so it is
     # built before the runtime update's validation (mock data copies model.vocab_size there) and before
@@ -147,10 +154,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     state.straggler_detector = StragglerDetector(cfg.nvrx_straggler,
                                                  clock="wall" if torch.cuda.is_available() else "process")
     state.straggler_detector.setup()
-    in_process, last_step_time = state.inprocess_restart or (0, None)
-    # An in-process re-run's start-up counts from its own start, not from the process start.
-    process_age_s = None if in_process else _process_age_s()
-    started_at = time.time() - (process_age_s or 0.0)
+    started_at = startup.origin
     restart_count = env.restart_count + ft.restart_count + in_process
     if cfg.logger.log_progress and cfg.checkpoint.save and state.rank == 0:
         path = run_folder.checkpoint_file(cfg.checkpoint.save, run_folder.PROGRESS_FILE)
@@ -174,16 +178,20 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     set_random_seed(cfg.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
                     + (10 * parallel_state.get_data_parallel_rank() if cfg.rng.data_parallel_random_init else 0))
     rerun.init_rerun_state(cfg.rerun_state_machine)  # megatron-core's rerun state machine (train_step uses it)
+    startup.mark("set-up")
 
     start_memory_history_recording(cfg.profiling)  # before the model: its allocations are in the history
     model = setup_model(cfg)
+    startup.mark("model")
     optimizer = setup_optimizer(cfg, model)
     if parallel.pipeline_size() > 1:
         parallel.install_schedule_hooks(model, optimizer, cfg)
     scheduler = setup_scheduler(cfg, optimizer)
+    startup.mark("optimizer")
     load_start = time.perf_counter()
     data_state = checkpointing.load_checkpoint(state, model, optimizer, scheduler)
     load_s = time.perf_counter() - load_start
+    startup.mark("checkpoint load")
     ts = state.train_state
     if ts.step > 0:  # a checkpoint was loaded: reuse the timeouts computed before
         ft.load_state_dict(state.checkpoint_extra.get("fault_tolerance", {}))
@@ -205,6 +213,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     valid_it = build_data_iterator(valid_ds, ts.consumed_valid_samples, mbs, dp_rank, dp_size, cfg.dataset,
                                    cfg.rng.seed, stop, gbs, reads=reads)
     ts.do_train, ts.do_valid = train_it is not None, valid_it is not None
+    startup.mark("data")
 
     state.metrics.open(ts.step, RunStart(restart_count=restart_count, load_s=load_s if data_state is not None else None,
                                          started_at=started_at))

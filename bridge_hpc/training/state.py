@@ -15,6 +15,7 @@ import torch
 
 from bridge_hpc.training.config import ConfigContainer
 from bridge_hpc.training.signal_recorder import StopSignalRecorder
+from bridge_hpc.training.startup import StartupPhases
 
 
 @dataclass
@@ -163,6 +164,8 @@ class GlobalState:
         self.agreed_observations: Optional[Dict[str, bool]] = None
         #: Wall-clock time of this run's last finished step (what a restart charges lost time from).
         self.last_step_time: Optional[float] = None
+        #: Where this run's start-up went (``pretrain`` marks the phases, the first step the last one).
+        self.startup: Optional[StartupPhases] = None
         #: In a re-run by the in-process restart wrapper: (its iteration, the failed attempt's
         #: ``last_step_time``); None otherwise.
         self.inprocess_restart = None

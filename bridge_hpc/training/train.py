@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import os
 import time
@@ -54,6 +55,8 @@ from bridge_hpc.training.utils.train_utils import (
     start_reduce_loss_dicts_and_flags,
     training_log,
 )
+
+logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # Forward/backward over the micro-batches of one global batch
@@ -446,6 +449,10 @@ def _count_step(state: GlobalState, step_time_s: float, skipped_iter: int) -> fl
         ts.skipped_train_samples += cfg.train.global_batch_size
     step_flops = num_floating_point_operations(cfg, cfg.train.global_batch_size)
     ts.floating_point_operations_so_far += step_flops
-    if first_of_run and state.progress is not None:
-        state.progress.first_step(ts.step)
+    if first_of_run and state.startup is not None:
+        state.startup.mark("first step")
+        if state.rank == 0:
+            logger.info("start-up to the first step: %s", state.startup.describe())
+        if state.progress is not None:
+            state.progress.first_step(ts.step, state.startup.describe())
     return step_flops
