@@ -76,6 +76,8 @@ TINY_JOB = ROOT / "configs" / "local-tiny.toml"
 #: NVIDIA H100 SXM dense bf16 peak, FLOP/s (the MFU denominator).
 H100_BF16_PEAK = 989e12
 TARGET_CPU_OVERHEAD = 0.03
+#: Steps in ``--kernels``' profiler window (right after the warm-up).
+KERNEL_STEPS = 3
 #: The issue's GPU target: tokens/s of the toolkit against a bare megatron-core loop.
 TARGET_GPU_SPEEDUP = 1.15
 #: The loops: a bare loop with the optimizer a user builds, the same loop with the toolkit's
@@ -107,6 +109,28 @@ class StepClock:
         #: This process's CPU seconds (all its threads) at the same points: the work a step costs,
         #: which other load on a shared machine disturbs far less than the wall clock.
         self.cpu_stamps: List[float] = []
+        #: ``--kernels``: (first step, step after the last, output file) of a torch.profiler window.
+        self.kernels: Optional[tuple] = None
+        self._profiler = None
+
+    def _kernel_window(self, step: int) -> None:
+        """Start or end ``--kernels``' torch.profiler window at the start of ``step``; at its end the
+        top operators and kernels by self time (device time on GPU) go to the output file."""
+        import torch
+
+        first, end, path = self.kernels
+        if step == first:
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.__enter__()
+        elif step == end and self._profiler is not None:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self._profiler.__exit__(None, None, None)
+            sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+            table = self._profiler.key_averages().table(sort_by=sort, row_limit=50)
+            Path(path).write_text(f"{end - first} steps (steps {first}..{end - 1}), sorted by {sort}\n{table}\n")
+            self._profiler = None
 
     def tick(self) -> None:
         if self.calls % self.microbatches == 0:
@@ -114,6 +138,8 @@ class StepClock:
                 import torch
 
                 torch.cuda.synchronize()
+            if self.kernels is not None:
+                self._kernel_window(len(self.stamps))
             self.stamps.append(time.perf_counter())
             self.cpu_stamps.append(time.process_time())
         self.calls += 1
@@ -368,6 +394,8 @@ def worker_main(args: argparse.Namespace) -> int:
     t = cfg.train
     microbatches = t.global_batch_size // (t.micro_batch_size * world)
     clock = StepClock(microbatches, (args.warmup, t.train_iters - 1), cuda)
+    if args.kernels and rank == 0:
+        clock.kernels = (args.warmup, args.warmup + KERNEL_STEPS, args.out + ".kernels.txt")
     # The heavy imports first, so that a profile shows the run rather than the imports.
     import megatron.core.optimizer  # noqa: F401
 
@@ -409,7 +437,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
 
 def run_one(kind: str, device: str, ranks: int, job: Path, overrides: List[str], warmup: int, out: Path,
-            profile: bool, sections: bool) -> Dict[str, Any]:
+            profile: bool, sections: bool, kernels: bool = False) -> Dict[str, Any]:
     """One torchrun of ``kind`` (one of :data:`LOOPS`); returns the run's figures."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            str(Path(__file__).resolve()), "--worker", kind, "--device", device, "--job", str(job),
@@ -418,6 +446,8 @@ def run_one(kind: str, device: str, ranks: int, job: Path, overrides: List[str],
         cmd.append("--profile")
     if sections:
         cmd.append("--sections")
+    if kernels:
+        cmd.append("--kernels")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
@@ -461,9 +491,11 @@ def run_one(kind: str, device: str, ranks: int, job: Path, overrides: List[str],
 
 
 def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp: Path,
-              profile_dir: Optional[Path], kinds: tuple = LOOPS, sections: bool = False) -> Dict[str, Any]:
-    if steps < warmup + 3:
-        raise SystemExit(f"--steps ({steps}) must exceed --warmup ({warmup}) by at least 3")
+              profile_dir: Optional[Path], kinds: tuple = LOOPS, sections: bool = False,
+              profile: bool = False, kernels: bool = False) -> Dict[str, Any]:
+    if steps < warmup + max(3, KERNEL_STEPS + 1 if kernels else 0):
+        raise SystemExit(f"--steps ({steps}) must exceed --warmup ({warmup}) by at least "
+                         f"{max(3, KERNEL_STEPS + 1 if kernels else 0)}")
     common = [f"train.train_iters={steps}", "train.eval_interval=0"]
     if device == "cpu":
         job = TINY_JOB
@@ -478,7 +510,7 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
             name = f"{kind}{i}"
             overrides = common + [f'job.run_dir="{tmp / name}"']
             out = (profile_dir / f"loop_overhead_{name}.json") if profile_dir else tmp / f"{name}.json"
-            run = run_one(kind, device, ranks, job, overrides, warmup, out, profile_dir is not None, sections)
+            run = run_one(kind, device, ranks, job, overrides, warmup, out, profile, sections, kernels)
             run["run"] = len(runs)
             runs.append(run)
             print(f"[loop-overhead] {kind} run {i + 1}/{repeat}: {run['tokens_per_s']:,.0f} tokens/s "
@@ -623,6 +655,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--loops", default=",".join(LOOPS),
                    help=f"which loops to run, comma-separated (default: {','.join(LOOPS)})")
     p.add_argument("--profile", action="store_true", help="cProfile rank 0 of every run (files next to the JSON)")
+    p.add_argument("--kernels", action="store_true",
+                   help=f"torch.profiler over {KERNEL_STEPS} steady steps of rank 0 of every run: the top operators "
+                        "and kernels by self time, device time on GPU (*.kernels.txt next to the JSON); the profiler "
+                        "slows those steps, so the run's speed figures are not comparable")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "loop_overhead.json")
     # Worker mode (internal: one rank, started by torchrun from run_one).
     p.add_argument("--worker", choices=LOOPS, help=argparse.SUPPRESS)
@@ -645,10 +681,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.steps and args.warmup is None:
         warmup = min(warmup, max(1, steps // 5))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    profile_dir = args.json.parent if args.profile else None
+    profile_dir = args.json.parent if args.profile or args.kernels else None
     with tempfile.TemporaryDirectory(prefix="loop-overhead-", dir=os.environ.get("BENCH_TMP")) as tmp:
         result = benchmark(args.device, args.ranks or d["ranks"], steps, warmup, args.repeat or d["repeat"],
-                           Path(tmp), profile_dir, kinds, args.sections)
+                           Path(tmp), profile_dir, kinds, args.sections, args.profile, args.kernels)
     print_table(result)
     print_sections(result)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
