@@ -76,6 +76,8 @@ TINY_JOB = ROOT / "configs" / "local-tiny.toml"
 #: NVIDIA H100 SXM dense bf16 peak, FLOP/s (the MFU denominator).
 H100_BF16_PEAK = 989e12
 TARGET_CPU_OVERHEAD = 0.03
+#: ``--fused``: megatron-core's torch.compile'd fusions, for the toolkit's loops only.
+FUSED = ("model.bias_activation_fusion=true", "model.bias_dropout_fusion=true", "model.cross_entropy_loss_fusion=true")
 #: Steps in ``--kernels``' profiler window (right after the warm-up).
 KERNEL_STEPS = 3
 #: The issue's GPU target: tokens/s of the toolkit against a bare megatron-core loop.
@@ -492,7 +494,7 @@ def run_one(kind: str, device: str, ranks: int, job: Path, overrides: List[str],
 
 def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp: Path,
               profile_dir: Optional[Path], kinds: tuple = LOOPS, sections: bool = False,
-              profile: bool = False, kernels: bool = False) -> Dict[str, Any]:
+              profile: bool = False, kernels: bool = False, fused: bool = False) -> Dict[str, Any]:
     if steps < warmup + max(3, KERNEL_STEPS + 1 if kernels else 0):
         raise SystemExit(f"--steps ({steps}) must exceed --warmup ({warmup}) by at least "
                          f"{max(3, KERNEL_STEPS + 1 if kernels else 0)}")
@@ -508,7 +510,7 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
     for i in range(repeat):
         for kind in (kinds if i % 2 == 0 else kinds[::-1]):
             name = f"{kind}{i}"
-            overrides = common + [f'job.run_dir="{tmp / name}"']
+            overrides = common + [f'job.run_dir="{tmp / name}"'] + (list(FUSED) if fused and kind != "bare" else [])
             out = (profile_dir / f"loop_overhead_{name}.json") if profile_dir else tmp / f"{name}.json"
             run = run_one(kind, device, ranks, job, overrides, warmup, out, profile, sections, kernels)
             run["run"] = len(runs)
@@ -531,6 +533,7 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
     result: Dict[str, Any] = {
         "device": _device_name(device), "shape": shape, "ranks": ranks, "steps": steps, "warmup": warmup,
         "repeat": repeat, "order": [r["kind"] for r in runs], "loops": loops,
+        "fused": list(FUSED) if fused else [],
     }
     if "bridge" in by and "bare-opt" in by:
         # Only the loop differs: the figure the CPU target (<= 3 %) is about; losses should be bitwise equal.
@@ -601,7 +604,8 @@ def _device_name(device: str) -> str:
 def print_table(r: Dict[str, Any]) -> None:
     gpu = "peak_flops" in r
     print(f"\nloop overhead on {r['device']}, {r['ranks']} rank(s), {r['shape']}: {r['steps']} steps per run, "
-          f"first {r['warmup']} left out, {r['repeat']} runs of each ({', '.join(r['order'])})\n")
+          f"first {r['warmup']} left out, {r['repeat']} runs of each ({', '.join(r['order'])})"
+          + (f"; the toolkit's loops fused ({', '.join(r['fused'])})" if r.get("fused") else "") + "\n")
     head = ("| loop | tokens/s | median-step tokens/s | fastest-tenth tokens/s | CPU ms/step/rank |"
             + (" TFLOP/s | MFU | peak GiB |" if gpu else ""))
     print(head)
@@ -655,6 +659,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--loops", default=",".join(LOOPS),
                    help=f"which loops to run, comma-separated (default: {','.join(LOOPS)})")
     p.add_argument("--profile", action="store_true", help="cProfile rank 0 of every run (files next to the JSON)")
+    p.add_argument("--fused", action="store_true",
+                   help="the toolkit's loops (bare-opt, bridge) build the GPT with megatron-core's fused kernels "
+                        f"({', '.join(k.split('=')[0] for k in FUSED)}); the plain bare loop keeps megatron-core's "
+                        "defaults (unfused)")
     p.add_argument("--kernels", action="store_true",
                    help=f"torch.profiler over {KERNEL_STEPS} steady steps of rank 0 of every run: the top operators "
                         "and kernels by self time, device time on GPU (*.kernels.txt next to the JSON); the profiler "
@@ -684,7 +692,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     profile_dir = args.json.parent if args.profile or args.kernels else None
     with tempfile.TemporaryDirectory(prefix="loop-overhead-", dir=os.environ.get("BENCH_TMP")) as tmp:
         result = benchmark(args.device, args.ranks or d["ranks"], steps, warmup, args.repeat or d["repeat"],
-                           Path(tmp), profile_dir, kinds, args.sections, args.profile, args.kernels)
+                           Path(tmp), profile_dir, kinds, args.sections, args.profile, args.kernels, args.fused)
     print_table(result)
     print_sections(result)
     args.json.write_text(json.dumps(result, indent=1) + "\n")

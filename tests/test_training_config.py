@@ -71,6 +71,9 @@ def test_unknown_section_suggests():
     ({"model__tensor_model_parallel_size": 4}, "model.tensor_model_parallel_size"),  # world 2 % 4 != 0
     ({"train__exit_signal": "SIGFOO"}, "train.exit_signal"),
     ({"checkpoint__async_save_max_failures": 0}, "checkpoint.async_save_max_failures"),
+    # megatron-core's fusions exist for gelu with its bias, and swiglu
+    ({"model__bias_activation_fusion": True, "model__activation_func": "silu"}, "model.bias_activation_fusion"),
+    ({"model__bias_activation_fusion": True, "model__add_bias_linear": False}, "model.bias_activation_fusion"),
 ])
 def test_inconsistent_settings_fail_in_validate(changes, key):
     with pytest.raises(ConfigError) as err:
@@ -172,3 +175,15 @@ def test_a_bad_tensorboard_dir_built_in_python_names_the_key():
     cfg = LoggerConfig(tensorboard_dir="")
     cfg.finalize()
     assert cfg.tensorboard_dir is None
+
+
+def test_fusions_reach_megatron_cores_transformer_config():
+    from bridge_hpc.training.gpt import transformer_config
+
+    cfg = ConfigContainer.from_sections(sections(model__bias_activation_fusion=True, model__bias_dropout_fusion=True,
+                                                 model__cross_entropy_loss_fusion=True), source="job.toml")
+    tc = transformer_config(cfg.model)
+    assert (tc.bias_activation_fusion, tc.bias_dropout_fusion, tc.cross_entropy_loss_fusion) == (True, True, True)
+    assert tc.cross_entropy_fusion_impl == "native"
+    plain = transformer_config(ConfigContainer.from_sections(sections(), source="job.toml").model)
+    assert (plain.bias_activation_fusion, plain.bias_dropout_fusion, plain.cross_entropy_loss_fusion) == (False, False, False)

@@ -776,6 +776,17 @@ class GPTModelConfig:
     #: cuBLAS's fixed workspace (``CUBLAS_WORKSPACE_CONFIG``) and one NCCL algorithm (``NCCL_ALGO``,
     #: Ring unless set), as Megatron requires. CPU training is deterministic without it.
     deterministic_mode: bool = False
+    #: megatron-core's fused kernels, built with ``torch.compile`` (its ``jit_fuser``) at their first
+    #: call, i.e. during the first step; Inductor caches the compiled kernels on the node's disk, so a
+    #: requeued run on the same node compiles faster. Each fuses memory-bound work into one kernel:
+    #: the MLP's bias and activation (gelu with ``add_bias_linear``, or swiglu), the bias, dropout and
+    #: residual add after attention and MLP, and the output layer's cross entropy (the logits of a
+    #: large vocabulary are the step's biggest tensor; ``"native"``: megatron-core's own, not TE's).
+    #: Off by default as in megatron-core; meant for GPUs (compiling on a CPU rank costs seconds for a
+    #: small gain).
+    bias_activation_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    cross_entropy_loss_fusion: bool = False
 
     def finalize(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
@@ -797,6 +808,11 @@ class GPTModelConfig:
         _check(not (self.bf16 and self.fp16), "model.fp16", "bf16 and fp16 are exclusive")
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             _check(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, f"model.{key}", "must be an integer >= 1")
+        if self.bias_activation_fusion:
+            _check(self.activation_func != "silu", "model.bias_activation_fusion",
+                   "fuses gelu or swiglu only (model.activation_func = \"silu\" has no fused kernel)")
+            _check(self.activation_func != "gelu" or self.add_bias_linear, "model.bias_activation_fusion",
+                   "with model.activation_func = \"gelu\" needs model.add_bias_linear = true (it fuses the bias)")
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
         _check(self.num_attention_heads % tp == 0, "model.tensor_model_parallel_size",
                f"must divide model.num_attention_heads ({self.num_attention_heads}), got {tp}")

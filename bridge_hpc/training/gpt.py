@@ -86,6 +86,8 @@ def transformer_config(cfg: GPTModelConfig) -> TransformerConfig:
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         context_parallel_size=cfg.context_parallel_size, sequence_parallel=cfg.sequence_parallel,
         deterministic_mode=cfg.deterministic_mode,
+        bias_activation_fusion=cfg.bias_activation_fusion, bias_dropout_fusion=cfg.bias_dropout_fusion,
+        cross_entropy_loss_fusion=cfg.cross_entropy_loss_fusion, cross_entropy_fusion_impl="native",
         use_cpu_initialization=not torch.cuda.is_available(),
     )
 
