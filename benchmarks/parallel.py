@@ -26,12 +26,14 @@ layout fits in the GPU's memory (model state grows with the layers; activations 
 
 Run: ``python benchmarks/parallel.py [--gpus 2] [--steps 20] [--tiny] [--json FILE]`` on a machine with
 that many GPUs; prints a table and writes JSON (default ``benchmarks/results/parallel.json``).
-``--tiny``: a small GPT, a check of the script (still on GPUs).
+``--tiny``: a small GPT, a check of the script (still on GPUs). ``--scaling-only --set KEY=VALUE``:
+only ``dp1`` and ``dpN`` with a variant (bucket size, reduce dtype, overlap), to tune the DP scaling.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -166,11 +168,12 @@ def steps_logged(run_dir: Path) -> int:
 
 
 def run(work: Path, name: str, job: Path, gpus: int, tp: int, pp: int, steps: int, extra: List[str] = (),
-        usr1_at: Optional[int] = None, log_name: Optional[str] = None) -> Path:
-    """One run into ``work/name``; with ``usr1_at`` every rank gets SIGUSR1 once that step is logged."""
+        usr1_at: Optional[int] = None, log_name: Optional[str] = None, common: List[str] = ()) -> Path:
+    """One run into ``work/name``; with ``usr1_at`` every rank gets SIGUSR1 once that step is logged.
+    ``common``: ``--set`` overrides of every run (a variant under test)."""
     run_dir = work / name
     sets = [f"job.run_dir={json.dumps(str(run_dir))}", f"train.train_iters={steps}",
-            f"model.tensor_model_parallel_size={tp}", f"model.pipeline_model_parallel_size={pp}"] + list(extra)
+            f"model.tensor_model_parallel_size={tp}", f"model.pipeline_model_parallel_size={pp}"] + list(common) + list(extra)
     log = work / f"{log_name or name}.log"
     print(f"[parallel] {log_name or name}: {gpus} GPU(s), TP{tp} PP{pp} ...", flush=True)
     started = time.time()
@@ -211,6 +214,10 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true", help="a small GPT: checks the script")
     p.add_argument("--dir", default=None, help="where the runs go (default: a temporary folder)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "parallel.json"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run, to try a variant (e.g. ddp.bucket_size=20000000)")
+    p.add_argument("--scaling-only", action="store_true",
+                   help="only the data-parallel runs (1 GPU and all of them): tokens/s and the DP scaling")
     args = p.parse_args()
 
     import torch
@@ -239,39 +246,51 @@ def main() -> int:
                                 "gpus": args.gpus, "device": torch.cuda.get_device_name(), "steps": steps,
                                 "warmup": args.warmup, "loss_tolerance": LOSS_TOLERANCE, "runs": {}}
 
-    dp1 = run(work, "dp1", job, 1, 1, 1, steps, weights_only)
+    go = functools.partial(run, common=args.set)
+    results["overrides"] = args.set
+    dp1 = go(work, "dp1", job, 1, 1, 1, steps, weights_only)
     results["runs"]["dp1"] = throughput(dp1, args.warmup, 1, flops)
     start = [f"checkpoint.pretrained_checkpoint={json.dumps(str(dp1 / 'checkpoints'))}"]
     curves = {}
-    for name, (tp, pp) in LAYOUTS[args.gpus].items():
-        run_dir = run(work, name, job, args.gpus, tp, pp, steps, weights_only + start)
+    layouts = {name: sizes for name, sizes in LAYOUTS[args.gpus].items()
+               if not args.scaling_only or name == f"dp{args.gpus}"}
+    for name, (tp, pp) in layouts.items():
+        run_dir = go(work, name, job, args.gpus, tp, pp, steps, weights_only + start)
         results["runs"][name] = throughput(run_dir, args.warmup, args.gpus, flops)
         curves[name] = metrics(run_dir)
     reference = f"dp{args.gpus}"
-    for name in LAYOUTS[args.gpus]:
+    for name in layouts:
         if name != reference:
             results["runs"][name]["loss_vs_dp"] = compare(curves[name], curves[reference], range(1, steps + 1))
     dp_name = f"dp{args.gpus}"
     results["dp_scaling"] = results["runs"][dp_name]["tokens_per_s"] / results["runs"]["dp1"]["tokens_per_s"]
+    if args.scaling_only:
+        print(f"\nDP scaling, {dp_name} vs dp1{' with ' + ', '.join(args.set) if args.set else ''}: "
+              f"{results['dp_scaling']:.3f}x (target >= {TARGET_DP2_SCALING}x on 2 GPUs); tokens/s "
+              f"{results['runs']['dp1']['tokens_per_s']:,.0f} -> {results['runs'][dp_name]['tokens_per_s']:,.0f}")
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        print(f"\nwrote {args.json}")
+        return 0
 
     # Exact resume under TP2 after SIGUSR1 (deterministic kernels: two runs of the fastest ones agree
     # only to about 1e-5), and the TP2 checkpoint at TP1 x DP2.
     deterministic = ["model.deterministic_mode=true"]
-    straight = run(work, "tp2-deterministic", job, 2, 2, 1, steps, weights_only + start + deterministic)
+    straight = go(work, "tp2-deterministic", job, 2, 2, 1, steps, weights_only + start + deterministic)
     curves["tp2-deterministic"] = metrics(straight)
-    usr1 = run(work, "tp2-usr1", job, 2, 2, 1, steps, start + deterministic, usr1_at=half)
+    usr1 = go(work, "tp2-usr1", job, 2, 2, 1, steps, start + deterministic, usr1_at=half)
     stopped_at = max(metrics(usr1))
     from_tp2 = [f"checkpoint.load={json.dumps(str(usr1 / 'checkpoints'))}"]
     after = range(stopped_at + 1, steps + 1)
     try:
-        cross = run(work, "dp2-from-tp2", job, 2, 1, 1, steps, weights_only + from_tp2)
+        cross = go(work, "dp2-from-tp2", job, 2, 1, 1, steps, weights_only + from_tp2)
         results["tp2_checkpoint_at_dp2"] = {"loaded_iteration": min(metrics(cross)) - 1,
                                             **compare(metrics(cross), curves["tp2"], after)}
     except SystemExit as failure:  # reported, and the other results are still written
         results["tp2_checkpoint_at_dp2"] = {"error": str(failure)[-3000:]}
         print(f"[parallel] dp2-from-tp2 FAILED: {str(failure)[-3000:]}", flush=True)
     # the same run folder: resumes its own checkpoint
-    resumed = run(work, "tp2-usr1", job, 2, 2, 1, steps, weights_only + start + deterministic, log_name="tp2-resume")
+    resumed = go(work, "tp2-usr1", job, 2, 2, 1, steps, weights_only + start + deterministic, log_name="tp2-resume")
     results["tp2_usr1_resume"] = {"stopped_at": stopped_at,
                                   **compare(metrics(resumed), curves["tp2-deterministic"], after),
                                   "deterministic_vs_default_kernels": compare(curves["tp2-deterministic"],
