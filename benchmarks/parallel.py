@@ -206,6 +206,14 @@ def compare(a: Dict[int, dict], b: Dict[int, dict], steps) -> dict:
             "bitwise_equal": all(a[s]["loss"] == b[s]["loss"] for s in steps)}
 
 
+def write_results(path: str, results: dict) -> int:
+    """The JSON of the results, at ``path``; the exit status of a finished benchmark."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=2, default=str))
+    print(f"\nwrote {path}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=2, choices=sorted(LAYOUTS))
@@ -268,10 +276,7 @@ def main() -> int:
         print(f"\nDP scaling, {dp_name} vs dp1{' with ' + ', '.join(args.set) if args.set else ''}: "
               f"{results['dp_scaling']:.3f}x (target >= {TARGET_DP2_SCALING}x on 2 GPUs); tokens/s "
               f"{results['runs']['dp1']['tokens_per_s']:,.0f} -> {results['runs'][dp_name]['tokens_per_s']:,.0f}")
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
-        print(f"\nwrote {args.json}")
-        return 0
+        return write_results(args.json, results)
 
     # Exact resume under TP2 after SIGUSR1 (deterministic kernels: two runs of the fastest ones agree
     # only to about 1e-5), and the TP2 checkpoint at TP1 x DP2.
@@ -333,10 +338,7 @@ def main() -> int:
         print(f"TP2 checkpoint of iteration {r['loaded_iteration']} resumed at TP1 x DP2: max rel. loss diff against "
               f"TP2 {r['max_rel_diff']:.2e} ({'ok' if r['max_rel_diff'] <= LOSS_TOLERANCE else 'ABOVE'} "
               f"<= {LOSS_TOLERANCE})")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2, default=str))
-    print(f"\nwrote {args.json}")
-    return 0
+    return write_results(args.json, results)
 
 
 if __name__ == "__main__":

@@ -451,8 +451,9 @@ def _count_step(state: GlobalState, step_time_s: float, skipped_iter: int) -> fl
     ts.floating_point_operations_so_far += step_flops
     if first_of_run and state.startup is not None:
         state.startup.mark("first step")
+        phases = state.startup.describe()
         if state.rank == 0:
-            logger.info("start-up to the first step: %s", state.startup.describe())
+            logger.info("start-up to the first step: %s", phases)
         if state.progress is not None:
-            state.progress.first_step(ts.step, state.startup.describe())
+            state.progress.first_step(ts.step, phases)
     return step_flops
