@@ -206,11 +206,16 @@ def compare(a: Dict[int, dict], b: Dict[int, dict], steps) -> dict:
             "bitwise_equal": all(a[s]["loss"] == b[s]["loss"] for s in steps)}
 
 
-def write_results(path: str, results: dict) -> int:
-    """The JSON of the results, at ``path``; the exit status of a finished benchmark."""
+def write_results(path: str, results: dict, finished: bool = True) -> int:
+    """The JSON of the results, at ``path``; the exit status of a finished benchmark. Also written after
+    every run with ``finished`` false, so that a benchmark stopped by a time limit still leaves its
+    figures so far (``"finished": false`` in the file)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(results, indent=2, default=str))
-    print(f"\nwrote {path}")
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(results, finished=finished), indent=2, default=str))
+    tmp.replace(path)
+    if finished:
+        print(f"\nwrote {path}")
     return 0
 
 
@@ -258,6 +263,7 @@ def main() -> int:
     results["overrides"] = args.set
     dp1 = go(work, "dp1", job, 1, 1, 1, steps, weights_only)
     results["runs"]["dp1"] = throughput(dp1, args.warmup, 1, flops)
+    write_results(args.json, results, finished=False)
     start = [f"checkpoint.pretrained_checkpoint={json.dumps(str(dp1 / 'checkpoints'))}"]
     curves = {}
     layouts = {name: sizes for name, sizes in LAYOUTS[args.gpus].items()
@@ -266,6 +272,7 @@ def main() -> int:
         run_dir = go(work, name, job, args.gpus, tp, pp, steps, weights_only + start)
         results["runs"][name] = throughput(run_dir, args.warmup, args.gpus, flops)
         curves[name] = metrics(run_dir)
+        write_results(args.json, results, finished=False)
     reference = f"dp{args.gpus}"
     for name in layouts:
         if name != reference:
@@ -294,6 +301,7 @@ def main() -> int:
     except SystemExit as failure:  # reported, and the other results are still written
         results["tp2_checkpoint_at_dp2"] = {"error": str(failure)[-3000:]}
         print(f"[parallel] dp2-from-tp2 FAILED: {str(failure)[-3000:]}", flush=True)
+    write_results(args.json, results, finished=False)
     # the same run folder: resumes its own checkpoint
     resumed = go(work, "tp2-usr1", job, 2, 2, 1, steps, weights_only + start + deterministic, log_name="tp2-resume")
     results["tp2_usr1_resume"] = {"stopped_at": stopped_at,
