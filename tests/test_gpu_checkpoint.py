@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 ITERS = 40
 ASYNC = ("checkpoint.async_save=true", "logger.log_progress=true")
-RUN_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 180
 #: The first save's blocking part for a model this small: plan + snapshot + handoff, no process start.
 FIRST_SAVE_LIMIT_S = 1.0
 _STARTED = re.compile(r"started asynchronous checkpoint save of iteration (\d+) \(([\d.]+)s blocking\)")
@@ -67,8 +67,12 @@ def _cmd(job: str, *overrides: str) -> List[str]:
 
 
 def _run(job: str, *overrides: str) -> str:
-    proc = subprocess.run(_cmd(job, *overrides), cwd=os.path.dirname(job), capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
+    try:
+        proc = subprocess.run(_cmd(job, *overrides), cwd=os.path.dirname(job), capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as hung:  # what the run said before it hung
+        said = [out.decode(errors="replace") if isinstance(out, bytes) else out or "" for out in (hung.stdout, hung.stderr)]
+        pytest.fail(f"the run did not end in {RUN_TIMEOUT_S} s:\n{said[0][-3000:]}\n{said[1][-6000:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout
 
