@@ -6,8 +6,9 @@ the persistent checkpoint worker copying to pinned host memory). The GPU twin of
 tests/test_async_checkpoint.py:
 
 * The first save of the process blocks training well under a second (the worker, its CUDA context
-  and megatron-core's write-results Manager are started at start-up, not in the first save); each
-  save's blocking time is printed.
+  and the write-results Manager are started at start-up, not in the first save; the steps are slowed
+  so that the first save comes after the worker is ready); each save's blocking time is printed. The
+  run ends: no process it started outlives it (an orphaned Manager once held the output open).
 * SIGKILL of the whole job while a background save is being written leaves the last finalized
   checkpoint loadable (verified, tracker naming it), and the run resumed from it reproduces the
   losses of an uninterrupted run with synchronous saves bit for bit.
@@ -22,11 +23,11 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
-from bridge_test_helpers import free_port, kill_tree
+from bridge_test_helpers import FAULTY_FORWARD_STEP, free_port, kill_tree
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint, verify_checkpoint
@@ -40,6 +41,13 @@ ASYNC = ("checkpoint.async_save=true", "logger.log_progress=true")
 RUN_TIMEOUT_S = 180
 #: The first save's blocking part for a model this small: plan + snapshot + handoff, no process start.
 FIRST_SAVE_LIMIT_S = 1.0
+#: The first-save test's floor under the step time (tests/data/faulty_forward_step.py: Bridge's GPT step, the
+#: same numerics, plus this sleep): its first save, at iteration 10, then comes after the checkpoint worker
+#: started at start-up is ready, as it does for a model that takes more than seconds to reach its first
+#: save. The worker imports torch and megatron-core first (3-12 s on the GPU hosts used; an H200 host
+#: without a bytecode cache took 12 s), and a save asked for earlier waits for it.
+STEP_SLEEP_S = 1.5
+_WORKER_READY = "checkpoint worker ready"
 _STARTED = re.compile(r"started asynchronous checkpoint save of iteration (\d+) \(([\d.]+)s blocking\)")
 
 
@@ -66,10 +74,10 @@ def _cmd(job: str, *overrides: str) -> List[str]:
     return cmd
 
 
-def _run(job: str, *overrides: str) -> str:
+def _run(job: str, *overrides: str, env: Optional[dict] = None) -> str:
     try:
         proc = subprocess.run(_cmd(job, *overrides), cwd=os.path.dirname(job), capture_output=True, text=True,
-                              timeout=RUN_TIMEOUT_S)
+                              timeout=RUN_TIMEOUT_S, env=dict(os.environ, **(env or {})))
     except subprocess.TimeoutExpired as hung:  # what the run said before it hung
         said = [out.decode(errors="replace") if isinstance(out, bytes) else out or "" for out in (hung.stdout, hung.stderr)]
         pytest.fail(f"the run did not end in {RUN_TIMEOUT_S} s:\n{said[0][-3000:]}\n{said[1][-6000:]}")
@@ -104,7 +112,11 @@ def straight(tmp_path_factory):
 
 def test_first_async_save_blocks_well_under_a_second(straight, tmp_path):
     job = _job(tmp_path / "async")
-    out = _run(job, *ASYNC)
+    out = _run(job, *ASYNC, f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
+               env={"TEST_STEP_SLEEP": str(STEP_SLEEP_S)})
+    first = _STARTED.search(out)
+    assert first and 0 <= out.find(_WORKER_READY) < first.start(), \
+        f"the checkpoint worker was not ready before the first save ({STEP_SLEEP_S} s a step):\n{out[-3000:]}"
     started = [(int(it), float(s)) for it, s in _STARTED.findall(out)]
     print("async saves on GPU, blocking seconds by iteration:", started)
     assert [it for it, _ in started] == [10, 20, 30]  # 40 is the exit save: synchronous

@@ -101,11 +101,29 @@ def queue_api(on_gpu: bool) -> Tuple[type, type, str]:
                       f"({problem}); install nvidia-resiliency-ext >= 0.4 or set false", key="checkpoint.async_save")
 
 
+#: The module of nvidia-resiliency-ext's async DCP writer (``FileSystemWriterAsync``).
+NVRX_WRITER_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
+
+
+def _megatron_save_takes_async_strategy() -> bool:
+    """megatron-core >= 0.19: ``dist_checkpointing.save`` takes ``async_strategy`` and, by default
+    ("nvrx"), writes an async save through nvidia-resiliency-ext's writer; older versions always
+    through their own."""
+    from megatron.core import dist_checkpointing
+
+    return "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+
+
 def _writer_module(on_gpu: bool) -> str:
-    """The module of the async DCP writer whose function the worker runs."""
-    if on_gpu:
+    """The module of the async writer whose function the worker runs, and whose module-global
+    write-results queue an async save's planning takes (created at start-up in
+    :meth:`AsyncCheckpointWriter.start`). It must be the writer the save really uses: with another
+    module's queue made ready, the first save started a *spawn* Manager itself (10 s of imports
+    inside its blocking part on an H200 host), and that Manager, never shut down, outlived the rank
+    and held the job's output open (a torchrun job under ``subprocess.run`` never ended)."""
+    if on_gpu and not _megatron_save_takes_async_strategy():
         return "megatron.core.dist_checkpointing.strategies.filesystem_async"
-    return "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
+    return NVRX_WRITER_MODULE
 
 
 def _how_it_died(process) -> str:
@@ -464,7 +482,11 @@ def _megatron_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str,
         for v in nested_values(sharded))
     strategy = writer.plans.get(structure, lambda: TorchDistSaveShardedStrategy(
         "torch_dist", 1, thread_count=writers, cached_metadata=True))
-    megatron_request = dist_checkpointing.save(sharded, tmp, sharded_strategy=strategy, async_sharded_save=True)
+    # Through nvidia-resiliency-ext's writer where megatron-core offers the choice (the module of
+    # _writer_module), spelled out rather than left to megatron-core's default.
+    through = {"async_strategy": "nvrx"} if _megatron_save_takes_async_strategy() else {}
+    megatron_request = dist_checkpointing.save(sharded, tmp, sharded_strategy=strategy, async_sharded_save=True,
+                                               **through)
     fields = megatron_request._asdict()
     request = writer.request_class(fields["async_fn"], tuple(fields["async_fn_args"]), [],
                                    fields["async_fn_kwargs"], preload_fn=fields["preload_fn"])
