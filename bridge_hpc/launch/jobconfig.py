@@ -105,6 +105,11 @@ class JobSection:
     # Megatron Bridge's entry point the ranks run: pretrain(config, forward_step) or finetune(config,
     # forward_step) (starts from [checkpoint] pretrained_checkpoint: weights only, iteration 0).
     entry: Literal["pretrain", "finetune"] = "pretrain"
+    # Where the ranks keep compiled modules when the installed torch / megatron-core have none and
+    # Python would not write them (read-only install, PYTHONDONTWRITEBYTECODE): "auto"
+    # ($XDG_CACHE_HOME/bridge_hpc/pycache), "off", or an absolute folder. See
+    # bridge_hpc.training.bytecode_cache.
+    bytecode_cache: str = "auto"
 
 
 @dataclass
@@ -668,6 +673,7 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         raise where.error("job.run_dir", "expected a folder name without '%' or '\\' (sbatch reads them as patterns "
                           f"in the names of the log files it writes there), got {what}")
     job.forward_step = _resolve_forward_step(job.forward_step, base, where)
+    _check_bytecode_cache(job.bytecode_cache, where)
     resolved = dict(doc)
     resolved["job"] = dict(doc.get("job", {}), name=job.name, run_dir=job.run_dir)
     if job.forward_step != DEFAULT_FORWARD_STEP:
@@ -684,6 +690,19 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         path=path, job=job, slurm=slurm, env=env, container=container, setup=setup,
         cluster=cluster, training=container_cfg, raw=resolved, stop_signal=stop_signal, where=where,
     )
+
+
+def _check_bytecode_cache(setting: str, where) -> None:
+    """``[job] bytecode_cache``: "auto", "off", or an absolute folder (``~`` allowed: it is the
+    compute node's home, expanded there)."""
+    from bridge_hpc.training.bytecode_cache import AUTO, OFF
+
+    if setting in (AUTO, OFF):
+        return
+    folder = setting[1:] if setting.startswith("~/") else setting
+    if not setting.strip() or not (setting.startswith("~/") or os.path.isabs(setting)) or "\n" in setting \
+            or not folder.strip("/"):
+        raise where.error("job.bytecode_cache", f'expected "{AUTO}", "{OFF}" or an absolute folder, got {setting!r}')
 
 
 #: Training paths placed in the run folder: (section, key, default name in the run folder or None).

@@ -29,6 +29,7 @@ from typing import Callable, List, Optional
 from bridge_hpc.contracts import signals
 from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
 from bridge_hpc.launch.jobconfig import load_job_config
+from bridge_hpc.training.bytecode_cache import ensure_bytecode_cache
 from bridge_hpc.training.config import ConfigContainer
 from bridge_hpc.training.signal_recorder import StopSignalRecorder
 
@@ -110,6 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         job = load_job_config(args.config, args.overrides)
+        ensure_bytecode_cache(job.job.bytecode_cache)  # before torch and megatron-core are imported
         if job.training.train.exit_signal_handler:
             # Before torch is imported: a stop signal during those seconds is recorded, not fatal;
             # pretrain's own recorder takes it over.

@@ -24,7 +24,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-from bridge_hpc.training import parallel, rerun
+from bridge_hpc.training import bytecode_cache, parallel, rerun
 
 # Bridge's names in bridge.training.train. They live with the save path they serve (exit_policy
 # imports nothing from this module, which imports it).
@@ -453,7 +453,8 @@ def _count_step(state: GlobalState, step_time_s: float, skipped_iter: int) -> fl
         state.startup.mark("first step")
         phases = state.startup.describe()
         if state.rank == 0:
-            logger.info("start-up to the first step: %s", phases)
+            logger.info("start-up to the first step: %s%s", phases, "" if bytecode_cache.in_use is None else
+                        f" (the installed packages have no bytecode: compiled modules kept in {bytecode_cache.in_use})")
         if state.progress is not None:
             state.progress.first_step(ts.step, phases)
     return step_flops
