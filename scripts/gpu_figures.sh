@@ -22,7 +22,8 @@ run() {  # run NAME SECONDS COMMAND...
     local name=$1 limit=$2 rc
     shift 2
     echo "== $name: $*"
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    # SIGINT first: pytest then still prints its summary (which test failed) before it stops
+    timeout -s INT -k 30 "$limit" "$@" > "$out/$name.log" 2>&1
     rc=$?
     echo "== $name: exit status $rc ($out/$name.log)"
     tail -n 25 "$out/$name.log"

@@ -150,10 +150,23 @@ def _leave(status: int) -> None:
     writes is closed and fsynced by then (checkpoint, progress log, metrics, TensorBoard); what is
     left, destroying the process groups and finalizing an interpreter that holds torch, megatron
     and CUDA memory, costs seconds that a preempted job pays inside Slurm's grace time and that
-    delay its requeue. Output is flushed first."""
+    delay its requeue. Output is flushed first, and the rank's own ``multiprocessing`` children
+    still alive are ended (:func:`_end_children`)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    _end_children()
     os._exit(status)
+
+
+def _end_children() -> None:
+    """Kill the ``multiprocessing`` children this rank still has: ``os._exit`` skips the finalizers
+    that would shut them down, and an orphan lives on holding the job's output open (a library's
+    write-results Manager did: a torchrun job never ended on a GPU host). The toolkit's own
+    checkpoint worker and Manager are stopped before this; whatever a library started is not."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
 
 
 if __name__ == "__main__":
