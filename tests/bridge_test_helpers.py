@@ -18,6 +18,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from bridge_hpc.contracts.run_folder import METRICS_FILE, RunFolder
 from bridge_hpc.slurm.query import TERMINAL_STATES
+from bridge_hpc.training.checkpoint_worker import WORKER_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "local-tiny.toml"
@@ -328,3 +330,50 @@ def single_rank_world():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def processes_in(folder) -> List[int]:
+    """Processes whose working directory is under ``folder`` (ranks and everything they started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cwd = os.readlink(f"/proc/{entry}/cwd")
+            except OSError:
+                continue
+            if cwd == str(folder) or cwd.startswith(f"{folder}/"):
+                found.append(int(entry))
+    return found
+
+
+def assert_no_process_left(folder, grace_s: float = 10.0) -> None:
+    """Nothing a run started outlives it: checkpoint workers die with their rank, the processes a
+    worker forks die with it, the write-results Manager ends within a second of its rank."""
+    deadline = time.time() + grace_s
+    while processes_in(folder) and time.time() < deadline:
+        time.sleep(0.2)
+    left = processes_in(folder)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes left behind: {left}"
+
+
+def worker_of_rank(root_pid: int, rank: int) -> Optional[int]:
+    """The checkpoint worker (``bridge-ckpt``) whose parent is the given rank, among the processes
+    under ``root_pid`` (torchrun's, or the rank's own when it was started directly)."""
+    for pid in descendants(root_pid):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() != WORKER_NAME:
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{parent}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return pid
+        except (OSError, ValueError, IndexError):
+            continue
+    return None

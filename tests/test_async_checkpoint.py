@@ -31,13 +31,12 @@ from typing import List, Optional
 
 import pytest
 import torch
-from bridge_test_helpers import assert_bitwise_equal, descendants, free_port, kill_tree, model_params
+from bridge_test_helpers import assert_bitwise_equal, assert_no_process_left, free_port, kill_tree, model_params, worker_of_rank
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.report.progress import CHECKPOINT_SAVE_FAILED, parse_events
 from bridge_hpc.training import checkpointing
-from bridge_hpc.training.checkpoint_worker import WORKER_NAME
 from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint, iteration_dir, verify_checkpoint
 from bridge_hpc.training.config import CheckpointConfig
 from bridge_hpc.training.metrics import read_metrics
@@ -74,35 +73,6 @@ def _start(job: str, *overrides: str, stdout=subprocess.PIPE) -> subprocess.Pope
                             start_new_session=True)
 
 
-
-
-def _processes_in(folder) -> List[int]:
-    """Processes whose working directory is under ``folder`` (ranks and everything they started)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cwd = os.readlink(f"/proc/{entry}/cwd")
-            except OSError:
-                continue
-            if cwd == str(folder) or cwd.startswith(f"{folder}/"):
-                found.append(int(entry))
-    return found
-
-
-def _assert_no_process_left(folder, grace_s: float = 10.0) -> None:
-    """Nothing a run started outlives it: checkpoint workers die with their rank, the processes a
-    worker forks die with it, the write-results Manager ends within a second of its rank."""
-    deadline = time.time() + grace_s
-    while _processes_in(folder) and time.time() < deadline:
-        time.sleep(0.2)
-    left = _processes_in(folder)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, f"processes left behind: {left}"
 
 
 def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S):
@@ -199,29 +169,12 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
         last = iteration
     assert kills == 10 and in_flight >= 8, (kills, in_flight)  # the kills hit saves being written
 
-    _assert_no_process_left(os.path.dirname(job))
+    assert_no_process_left(os.path.dirname(job))
 
     _run(job, *ASYNC, "checkpoint.save_interval=1")
     _assert_same_training(job, straight, tmp_path)
     assert not [n for n in os.listdir(ckpts) if n.endswith((".tmp", ".del"))]
     assert _tracked(ckpts) == ITERS
-
-
-def _worker_of_rank(torchrun_pid: int, rank: int) -> Optional[int]:
-    """The checkpoint worker (``bridge-ckpt``) whose parent is the given rank."""
-    for pid in descendants(torchrun_pid):
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                if f.read().strip() != WORKER_NAME:
-                    continue
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{parent}/environ", "rb") as f:
-                if f"RANK={rank}".encode() in f.read().split(b"\0"):
-                    return pid
-        except (OSError, ValueError, IndexError):
-            continue
-    return None
 
 
 def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straight, tmp_path):
@@ -231,7 +184,7 @@ def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straigh
     deadline = time.time() + RUN_TIMEOUT_S
     while _tracked(ckpts) != 8 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.005)
-    worker = _worker_of_rank(proc.pid, 1)
+    worker = worker_of_rank(proc.pid, 1)
     assert worker is not None, "rank 1 has no checkpoint worker"
     os.kill(worker, signal.SIGKILL)
     status, output = _finish(proc)
@@ -254,7 +207,7 @@ def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straigh
     assert _saved(ckpts) == [i for i in (8, 16, 24, 32, 40) if i != failed]
     assert not glob.glob(os.path.join(ckpts, "iter_*.tmp"))
     _assert_same_training(job, straight, tmp_path)
-    _assert_no_process_left(os.path.dirname(job))
+    assert_no_process_left(os.path.dirname(job))
 
 
 @pytest.fixture
@@ -299,4 +252,4 @@ def test_a_full_disk_fails_async_saves_until_the_run_stops(small_disk, tmp_path)
     # The checkpoint before the failures is intact and tracked; the failed ones left nothing.
     assert _tracked(ckpts) == 2 and verify_checkpoint(iteration_dir(ckpts, 2), world_size=2) is None
     assert sorted(n for n in os.listdir(ckpts) if n.startswith("iter_")) == ["iter_0000002"]
-    _assert_no_process_left(os.path.dirname(job))  # the failed rank left with os._exit
+    assert_no_process_left(os.path.dirname(job))  # the failed rank left with os._exit

@@ -12,6 +12,11 @@ tests/test_async_checkpoint.py:
 * SIGKILL of the whole job while a background save is being written leaves the last finalized
   checkpoint loadable (verified, tracker naming it), and the run resumed from it reproduces the
   losses of an uninterrupted run with synchronous saves bit for bit.
+* SIGUSR1 (what ``scancel --signal=USR1`` delivers to a job step's tasks) while a save is being
+  written: the rank finishes that save, writes the exit save and leaves; the resumed run reproduces
+  the uninterrupted one bit for bit. The rank is started directly, as srun starts a task.
+* A checkpoint worker killed: that save fails and is reported, the tracker keeps naming the previous
+  checkpoint, a new worker takes over and training goes on to the same losses.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -27,9 +33,11 @@ from typing import List, Optional
 
 import pytest
 import torch
-from bridge_test_helpers import FAULTY_FORWARD_STEP, free_port, kill_tree
+from bridge_test_helpers import FAULTY_FORWARD_STEP, assert_no_process_left, free_port, kill_tree, worker_of_rank
 
 from bridge_hpc.contracts import run_folder
+from bridge_hpc.report.progress import CHECKPOINT_SAVE_FAILED, parse_events, parse_progress
+from bridge_hpc.training import checkpointing
 from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint, verify_checkpoint
 from bridge_hpc.training.metrics import read_metrics
 
@@ -124,6 +132,7 @@ def test_first_async_save_blocks_well_under_a_second(straight, tmp_path):
     assert first_s < FIRST_SAVE_LIMIT_S, f"the first save of the process blocked {first_s:.2f}s"
     assert _tracked(_ckpts(job)) == ITERS
     assert _trained(job) == straight  # saving in the background changes nothing trained (exact)
+    assert_no_process_left(os.path.dirname(job))
 
 
 def test_sigkill_during_an_async_save_leaves_the_last_finalized_checkpoint(straight, tmp_path):
@@ -150,3 +159,93 @@ def test_sigkill_during_an_async_save_leaves_the_last_finalized_checkpoint(strai
     assert resumed_from < ITERS
     assert _trained(job) == straight  # exact, the steps redone after the kill included
     assert _tracked(ckpts) == ITERS
+
+
+def _start_rank(job: str, *overrides: str) -> subprocess.Popen:
+    """The job's one rank started directly, as srun starts a job step's task: a signal reaches the
+    rank itself, not a launcher."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.pop("SLURM_JOB_ID", None)
+    cmd = [sys.executable, "-m", "bridge_hpc.training.run", job]
+    for item in overrides:
+        cmd += ["--set", item]
+    return subprocess.Popen(cmd, cwd=os.path.dirname(job), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    """The output of a run that must end with status 0; a hanging one is killed and fails the test."""
+    try:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        pytest.fail(f"the run did not end in {RUN_TIMEOUT_S} s")
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+def _steps_done(job: str) -> int:
+    path = os.path.join(_run_dir(job), run_folder.METRICS_FILE)
+    return max(read_metrics(path), default=0) if os.path.exists(path) else 0
+
+
+def test_usr1_during_an_async_save_finishes_it_then_saves_and_exits(straight, tmp_path):
+    job = _job(tmp_path / "usr1")
+    ckpts = _ckpts(job)
+    every_step = "checkpoint.save_interval=1"  # a save is always being written when the signal lands
+    rank = _start_rank(job, *ASYNC, every_step)
+    deadline = time.time() + RUN_TIMEOUT_S
+    while _steps_done(job) < 15 and time.time() < deadline and rank.poll() is None:
+        time.sleep(0.01)
+    assert rank.poll() is None, "the run ended before the signal"
+    os.kill(rank.pid, signal.SIGUSR1)
+    out = _finish(rank)
+
+    in_flight = re.search(r"stopping at iteration (\d+): the asynchronous checkpoint save of iteration (\d+) "
+                          r"is still being written; finishing it before the exit save", out)
+    assert in_flight, out[-4000:]
+    stopped, writing = int(in_flight[1]), int(in_flight[2])
+    assert writing < stopped < ITERS
+    after = out[in_flight.end():]
+    order = [after.find(f"saved checkpoint at iteration {writing} "), after.find(f"saved checkpoint at iteration {stopped} "),
+             after.find(f"exiting at iteration {stopped}: signal received")]
+    assert -1 not in order and order == sorted(order), out[-4000:]
+    run = parse_progress(os.path.join(ckpts, run_folder.PROGRESS_FILE))[-1]
+    end = run.last("Ending job")
+    assert (end.fields["Reason"], end.fields["Iteration"], end.fields["Steps lost"]) == ("signal", str(stopped), "0")
+    assert [int(e.fields["Iteration"]) for e in run.of("Saved checkpoint")][-2:] == [writing, stopped]
+    assert _tracked(ckpts) == stopped
+    assert_no_process_left(os.path.dirname(job))
+
+    _finish(_start_rank(job, *ASYNC, every_step))  # the requeued run
+    assert _trained(job) == straight  # bitwise, the exit and the resume included
+    assert _tracked(ckpts) == ITERS
+    assert_no_process_left(os.path.dirname(job))
+
+
+def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straight, tmp_path):
+    job = _job(tmp_path / "worker")
+    ckpts = _ckpts(job)
+    rank = _start_rank(job, *ASYNC, "checkpoint.save_interval=8", "checkpoint.most_recent_k=-1")
+    deadline = time.time() + RUN_TIMEOUT_S
+    while _tracked(ckpts) != 8 and time.time() < deadline and rank.poll() is None:
+        time.sleep(0.005)
+    worker = worker_of_rank(rank.pid, 0)
+    assert worker is not None, "the rank has no checkpoint worker"
+    os.kill(worker, signal.SIGKILL)
+    out = _finish(rank)
+
+    failures = [e for e in parse_events(os.path.join(ckpts, run_folder.PROGRESS_FILE)) if e.name == CHECKPOINT_SAVE_FAILED]
+    assert len(failures) == 1, out[-4000:]
+    failed = int(failures[0].fields["Iteration"])
+    assert failed in (16, 24) and failures[0].fields["Action"] == "retry"
+    assert "died (killed by SIGKILL)" in failures[0].fields["Reason"]
+    assert (f"error: asynchronous checkpoint save of iteration {failed} failed (1 in a row, "
+            f"checkpoint.async_save_max_failures = 3): training goes on; the next save retries; "
+            f"the last checkpoint is iteration {failed - 8}") in out, out[-4000:]
+    assert "rank 0 started a new checkpoint worker" in out
+    assert checkpointing.complete_iterations(ckpts) == [i for i in (8, 16, 24, 32, 40) if i != failed]
+    assert not glob.glob(os.path.join(ckpts, "iter_*.tmp"))
+    assert _trained(job) == straight
+    assert_no_process_left(os.path.dirname(job))

@@ -26,7 +26,7 @@ try:  # TOML 1.0 as the standard library reads it (Python >= 3.11); the toml pac
 except ImportError:  # pragma: no cover - Python 3.10
     _tomllib = None
 
-from bridge_hpc.contracts import run_folder, signals
+from bridge_hpc.contracts import bytecode_cache, run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
@@ -673,7 +673,8 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         raise where.error("job.run_dir", "expected a folder name without '%' or '\\' (sbatch reads them as patterns "
                           f"in the names of the log files it writes there), got {what}")
     job.forward_step = _resolve_forward_step(job.forward_step, base, where)
-    _check_bytecode_cache(job.bytecode_cache, where)
+    if bytecode_cache.problem(job.bytecode_cache):
+        raise where.error("job.bytecode_cache", bytecode_cache.problem(job.bytecode_cache))
     resolved = dict(doc)
     resolved["job"] = dict(doc.get("job", {}), name=job.name, run_dir=job.run_dir)
     if job.forward_step != DEFAULT_FORWARD_STEP:
@@ -690,19 +691,6 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         path=path, job=job, slurm=slurm, env=env, container=container, setup=setup,
         cluster=cluster, training=container_cfg, raw=resolved, stop_signal=stop_signal, where=where,
     )
-
-
-def _check_bytecode_cache(setting: str, where) -> None:
-    """``[job] bytecode_cache``: "auto", "off", or an absolute folder (``~`` allowed: it is the
-    compute node's home, expanded there)."""
-    from bridge_hpc.training.bytecode_cache import AUTO, OFF
-
-    if setting in (AUTO, OFF):
-        return
-    folder = setting[1:] if setting.startswith("~/") else setting
-    if not setting.strip() or not (setting.startswith("~/") or os.path.isabs(setting)) or "\n" in setting \
-            or not folder.strip("/"):
-        raise where.error("job.bytecode_cache", f'expected "{AUTO}", "{OFF}" or an absolute folder, got {setting!r}')
 
 
 #: Training paths placed in the run folder: (section, key, default name in the run folder or None).

@@ -24,11 +24,11 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from bridge_hpc.contracts.bytecode_cache import AUTO, OFF
+
 #: The packages whose import dominates a rank's start-up; their ``__init__`` is probed (finding
 #: ``megatron.core`` imports only the namespace package ``megatron``, which has no code).
 PROBED_PACKAGES = ("torch", "megatron.core")
-#: ``[job] bytecode_cache`` values: the default folder, or no cache.
-AUTO, OFF = "auto", "off"
 #: The folder :func:`ensure_bytecode_cache` put in use in this process, for the start-up log line.
 in_use: Optional[str] = None
 
@@ -62,8 +62,9 @@ def compiles_every_time(packages: Sequence[str] = PROBED_PACKAGES) -> bool:
 def ensure_bytecode_cache(setting: str, packages: Sequence[str] = PROBED_PACKAGES) -> Optional[str]:
     """Point this process's bytecode cache, and its children's, at a writable folder where
     ``packages`` would otherwise be compiled at every start. ``setting``: ``[job] bytecode_cache``
-    (:data:`AUTO`, :data:`OFF` or an absolute folder). Returns the folder now in use, or None when
-    nothing was changed (off, not needed, a prefix already set, or the folder cannot be made)."""
+    (``auto``, ``off`` or an absolute folder: :mod:`bridge_hpc.contracts.bytecode_cache`). Returns
+    the folder now in use, or None when nothing was changed (off, not needed, a prefix already
+    set, or the folder cannot be made)."""
     if setting == OFF or sys.pycache_prefix is not None or not compiles_every_time(packages):
         return None
     folder = default_cache_dir() if setting == AUTO else os.path.expanduser(setting)
