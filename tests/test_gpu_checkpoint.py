@@ -50,11 +50,12 @@ RUN_TIMEOUT_S = 180
 #: The first save's blocking part for a model this small: plan + snapshot + handoff, no process start.
 FIRST_SAVE_LIMIT_S = 1.0
 #: The first-save test's floor under the step time (tests/data/faulty_forward_step.py: Bridge's GPT step, the
-#: same numerics, plus this sleep): its first save, at iteration 10, then comes after the checkpoint worker
-#: started at start-up is ready, as it does for a model that takes more than seconds to reach its first
-#: save. The worker imports torch and megatron-core first (3-12 s on the GPU hosts used; an H200 host
-#: without a bytecode cache took 12 s), and a save asked for earlier waits for it.
-STEP_SLEEP_S = 1.5
+#: same numerics, plus this sleep before each of a step's 4 micro-batches: 2 s a step): its first save, at
+#: iteration 10, then comes after the checkpoint worker started at start-up is ready, as it does for a
+#: model that takes more than seconds to reach its first save. The worker imports torch and megatron-core
+#: first (3-12 s on the GPU hosts used; 12 s on an H200 host without a bytecode cache), and a save asked
+#: for earlier waits for it.
+STEP_SLEEP_S = 0.5
 _WORKER_READY = "checkpoint worker ready"
 _STARTED = re.compile(r"started asynchronous checkpoint save of iteration (\d+) \(([\d.]+)s blocking\)")
 
