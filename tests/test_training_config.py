@@ -74,6 +74,10 @@ def test_unknown_section_suggests():
     # megatron-core's fusions exist for gelu with its bias, and swiglu
     ({"model__bias_activation_fusion": True, "model__activation_func": "silu"}, "model.bias_activation_fusion"),
     ({"model__bias_activation_fusion": True, "model__add_bias_linear": False}, "model.bias_activation_fusion"),
+    # megatron-core's scheduler asserts warm-up < decay steps (decay defaults to train_iters), any style
+    ({"train__train_iters": 4, "scheduler__lr_warmup_iters": 4}, "scheduler.lr_warmup_iters"),
+    ({"scheduler__lr_decay_style": "constant", "scheduler__lr_decay_iters": 3, "scheduler__lr_warmup_iters": 3},
+     "scheduler.lr_warmup_iters"),
 ])
 def test_inconsistent_settings_fail_in_validate(changes, key):
     with pytest.raises(ConfigError) as err:

@@ -27,6 +27,7 @@ instead of resolving them again)::
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -121,6 +122,16 @@ class RunFolder:
 
     def progress_log(self) -> str:
         return checkpoint_file(self.checkpoint_dir, PROGRESS_FILE)
+
+
+#: The name of one complete checkpoint's folder (Megatron's), and its pattern.
+ITERATION_DIR = "iter_{:07d}"
+ITERATION_DIR_RE = re.compile(r"^iter_(\d{7})$")
+
+
+def iteration_dir(checkpoint_dir: str, iteration: int) -> str:
+    """The folder of one complete checkpoint: ``iter_0000020``."""
+    return os.path.join(checkpoint_dir, ITERATION_DIR.format(iteration))
 
 
 def checkpoint_file(checkpoint_dir: str, name: str) -> str:

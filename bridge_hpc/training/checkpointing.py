@@ -90,7 +90,7 @@ MANIFEST_FILE = "manifest.json"
 RUN_CONFIG_FILE = "run_config.json"
 #: Suffix of a checkpoint folder set aside because it failed verification or loading.
 DAMAGED_SUFFIX = ".damaged"
-_ITER_RE = re.compile(r"^iter_(\d{7})$")
+_ITER_RE = run_folder.ITERATION_DIR_RE
 FORMAT_VERSION = 2
 #: A save failure with less free space than this on the file system is reported as a full disk even
 #: when the OSError itself was lost on the way (megatron's writers and torch's zip writer replace it).
@@ -110,8 +110,7 @@ class CheckpointFolderInUse(RuntimeError):
     """Another process holds the checkpoint folder's lock: two jobs would write the same checkpoints."""
 
 
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+iteration_dir = run_folder.iteration_dir
 
 
 # ---------------------------------------------------------------------------------------------

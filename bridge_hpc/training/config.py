@@ -1690,8 +1690,9 @@ class ConfigContainer:
             s.lr_decay_iters = t.train_iters
         if s.lr_warmup_fraction is not None:
             s.lr_warmup_iters = int(s.lr_warmup_fraction * s.lr_decay_iters)
-        _check(s.lr_warmup_iters <= max(s.lr_decay_iters, 0) or s.lr_decay_style == "constant",
-               "scheduler.lr_warmup_iters", f"must be <= lr_decay_iters ({s.lr_decay_iters})")
+        # megatron-core's scheduler asserts warm-up steps < decay steps, whatever the decay style.
+        _check(s.lr_warmup_iters < max(s.lr_decay_iters, 1), "scheduler.lr_warmup_iters",
+               f"must be < lr_decay_iters ({s.lr_decay_iters}; by default train.train_iters)")
         if s.start_weight_decay is None:
             s.start_weight_decay = self.optimizer.weight_decay
         if s.end_weight_decay is None:

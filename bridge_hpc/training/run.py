@@ -29,7 +29,9 @@ from typing import Callable, List, Optional
 from bridge_hpc.contracts import signals
 from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
 from bridge_hpc.launch.jobconfig import load_job_config
+from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training.bytecode_cache import ensure_bytecode_cache
+from bridge_hpc.training.checkpoint_read_ahead import start_read_ahead
 from bridge_hpc.training.config import ConfigContainer
 from bridge_hpc.training.signal_recorder import StopSignalRecorder
 
@@ -111,7 +113,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         job = load_job_config(args.config, args.overrides)
-        ensure_bytecode_cache(job.job.bytecode_cache)  # before torch and megatron-core are imported
+        # Before torch and megatron-core are imported: their bytecode, and the checkpoint the run will
+        # load read into the page cache while they are.
+        ensure_bytecode_cache(job.job.bytecode_cache)
+        start_read_ahead(job.training.checkpoint.load, first_on_node=JobEnvironment.from_env().local_rank == 0)
         if job.training.train.exit_signal_handler:
             # Before torch is imported: a stop signal during those seconds is recorded, not fatal;
             # pretrain's own recorder takes it over.
