@@ -18,7 +18,7 @@ import sys
 import time
 
 import pytest
-from bridge_test_helpers import free_port
+from bridge_test_helpers import evict_from_page_cache, free_port
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.training import checkpoint_read_ahead
@@ -49,15 +49,6 @@ def _resident_fraction(path: str) -> float:
         mapping.close()
 
 
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> str:
     """The checkpoint folder of a 4-step run of the tiny GPT that saved at steps 2 and 4."""
@@ -80,8 +71,7 @@ def test_the_tracked_checkpoint_is_read_back_into_memory(checkpoints):
     assert folder == run_folder.iteration_dir(checkpoints, 4)
     files = checkpoint_files(folder)
     assert files and sum(os.path.getsize(p) for p in files) > 0
-    for path in files:
-        _evict(path)
+    evict_from_page_cache(files)
     if max(_resident_fraction(p) for p in files) > 0.5:
         pytest.skip("this file system keeps the files in memory (nothing to read ahead)")
 
