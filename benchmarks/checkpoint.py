@@ -74,6 +74,9 @@ from typing import Any, Callable, Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "checkpoint.json"
+sys.path.insert(0, str(ROOT / "tests"))
+
+from bridge_test_helpers import evict_from_page_cache  # noqa: E402
 
 #: [model] of each device: CPU a GPT with ~36 M parameters (fp32 + adam: ~430 MB of state); GPU the
 #: 370 M GPT of issue 11 (bf16 + fp32 main params + adam: 5.2 GB).
@@ -193,17 +196,6 @@ def plain_write(folder: str, nbytes: int, rank: int) -> float:
     return elapsed
 
 
-def evict(paths: List[str]) -> None:
-    """Drop the files' pages from the page cache (they are fsynced: clean pages go at once)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def plain_read(paths: List[str]) -> float:
     began = time.perf_counter()
     for path in paths:
@@ -320,7 +312,7 @@ def rank_main(job: str, mode: str, result_path: str) -> None:
                                  ("cold_one_thread", 1, True)):
         default_threads, checkpointing.LOAD_READ_THREADS = checkpointing.LOAD_READ_THREADS, threads
         if cold:
-            evict(files)
+            evict_from_page_cache(files)
         dist.barrier()
         state.train_state.step = 0
         began = time.perf_counter()
@@ -330,7 +322,7 @@ def rank_main(job: str, mode: str, result_path: str) -> None:
         dist.barrier()
         loads[label] = time.perf_counter() - began
         checkpointing.LOAD_READ_THREADS = default_threads
-    evict(files)
+    evict_from_page_cache(files)
     dist.barrier()
     began = time.perf_counter()
     if rank == 0:  # the whole checkpoint, one reader: what a cold load must read at least
@@ -417,7 +409,6 @@ def main(argv=None) -> int:
     if args.rank_main:
         rank_main(*args.rank_main)
         return 0
-    sys.path.insert(0, str(ROOT / "tests"))
     from bridge_test_helpers import free_port
 
     ranks = args.ranks or ([1, 2] if args.device == "cpu" else [1])
