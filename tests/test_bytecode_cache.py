@@ -81,6 +81,9 @@ def test_nothing_changes_where_bytecode_exists_or_is_not_wanted(package, tmp_pat
     own = tmp_path / "own-prefix"
     out = _start(package, str(cache), PYTHONPYCACHEPREFIX=str(own))
     assert "in use: None" in out and f"child prefix: {own}" in out
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert "in use: None" in _start(package, str(blocked / "cache"))  # cannot be made: warned, imports as before
     assert compileall.compile_dir(str(package), quiet=1)
     assert "in use: None" in _start(package, str(cache))
     assert not cache.exists()

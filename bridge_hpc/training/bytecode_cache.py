@@ -70,9 +70,11 @@ def ensure_bytecode_cache(setting: str, packages: Sequence[str] = PROBED_PACKAGE
     folder = default_cache_dir() if setting == AUTO else os.path.expanduser(setting)
     try:
         os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError("not writable")
     except OSError as err:
-        print(f"warning: no bytecode cache in {folder} ({err}): modules are compiled at every start",
-              file=sys.stderr, flush=True)
+        print(f"warning: no bytecode cache in {folder} ([job] bytecode_cache; {err}): torch and megatron-core "
+              f"are compiled from source at every start", file=sys.stderr, flush=True)
         return None
     global in_use
     in_use = sys.pycache_prefix = folder
