@@ -389,3 +389,12 @@ def evict_from_page_cache(paths: Sequence[str]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def direct_rank_env() -> Dict[str, str]:
+    """The environment of a job's only rank started directly, as srun starts a task (no launcher
+    between the signal and the rank): torch.distributed's variables for a world of one, no Slurm job."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.pop("SLURM_JOB_ID", None)
+    return env

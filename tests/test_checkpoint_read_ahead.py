@@ -18,7 +18,7 @@ import sys
 import time
 
 import pytest
-from bridge_test_helpers import evict_from_page_cache, free_port
+from bridge_test_helpers import direct_rank_env, evict_from_page_cache
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.training import checkpoint_read_ahead
@@ -55,9 +55,7 @@ def checkpoints(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("run")
     job = folder / "job.toml"
     shutil.copy(TINY, job)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env.pop("SLURM_JOB_ID", None)
+    env = direct_rank_env()
     proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", str(job), "--set", "train.train_iters=4",
                            "--set", "scheduler.lr_warmup_iters=1", "--set", "checkpoint.save_interval=2",
                            "--set", "checkpoint.most_recent_k=-1"],

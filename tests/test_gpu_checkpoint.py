@@ -33,7 +33,14 @@ from typing import List, Optional
 
 import pytest
 import torch
-from bridge_test_helpers import FAULTY_FORWARD_STEP, assert_no_process_left, free_port, kill_tree, worker_of_rank
+from bridge_test_helpers import (
+    FAULTY_FORWARD_STEP,
+    assert_no_process_left,
+    direct_rank_env,
+    free_port,
+    kill_tree,
+    worker_of_rank,
+)
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import CHECKPOINT_SAVE_FAILED, parse_events, parse_progress
@@ -165,9 +172,7 @@ def test_sigkill_during_an_async_save_leaves_the_last_finalized_checkpoint(strai
 def _start_rank(job: str, *overrides: str) -> subprocess.Popen:
     """The job's one rank started directly, as srun starts a job step's task: a signal reaches the
     rank itself, not a launcher."""
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env.pop("SLURM_JOB_ID", None)
+    env = direct_rank_env()
     cmd = [sys.executable, "-m", "bridge_hpc.training.run", job]
     for item in overrides:
         cmd += ["--set", item]
