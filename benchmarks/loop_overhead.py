@@ -249,6 +249,7 @@ def bare_worker(cfg, clock: StepClock, cuda: bool, toolkit_optimizer: bool) -> L
     from bridge_hpc.training.data import MockGPTDataset
     from bridge_hpc.training.gpt import gpt_model_provider
     from bridge_hpc.training.losses import masked_token_loss
+    from bridge_hpc.training.pretrain import megatron_ddp_config
     from bridge_hpc.training.utils.train_utils import reduce_loss_dicts
 
     rank, world, local_rank = _world()
@@ -269,19 +270,13 @@ def bare_worker(cfg, clock: StepClock, cuda: bool, toolkit_optimizer: bool) -> L
     m, o, t, s = cfg.model, cfg.optimizer, cfg.train, cfg.scheduler
     model = gpt_model_provider(m)
     if cuda:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
         if m.bf16 or m.fp16:
             model = Float16Module(model.config, model)
-        d = cfg.ddp
-        model = DistributedDataParallel(
-            config=model.config, module=model,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
-                overlap_param_gather=d.overlap_param_gather, use_distributed_optimizer=d.use_distributed_optimizer,
-                average_in_collective=d.average_in_collective, bucket_size=d.bucket_size))
+        model = DistributedDataParallel(config=model.config, module=model, ddp_config=megatron_ddp_config(cfg.ddp))
         if not toolkit_optimizer:
             dtype = torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32
             optimizer = get_megatron_optimizer(OptimizerConfig(

@@ -48,7 +48,8 @@ from bridge_test_helpers import (  # noqa: E402
     wait_running_past,
 )
 
-from bridge_hpc.report.progress import FIRST_STEP, STARTUP_PHASES, parse_progress  # noqa: E402
+from bridge_hpc.contracts.run_folder import TRACKER_FILE  # noqa: E402
+from bridge_hpc.report.progress import FIRST_STEP, SAVED_CHECKPOINT, STARTUP_PHASES, parse_progress  # noqa: E402
 from bridge_hpc.training.startup import parse_phases  # noqa: E402
 
 
@@ -77,7 +78,7 @@ def step_gone(job_id: str) -> bool:
 
 def tracker_iteration(run_dir: Path) -> int:
     try:
-        return int((run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip())
+        return int((run_dir / "checkpoints" / TRACKER_FILE).read_text().strip())
     except (OSError, ValueError):
         return -1
 
@@ -165,13 +166,21 @@ def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False, n
                 time.sleep(0.05)
             if cycle == cycles:
                 break  # the last run only restarts: stopped below, not measured
+            before = tracker_iteration(run_dir)
             t0 = time.time()
             signal_tree(proc.pid, signal.SIGUSR1)
-            proc.wait(timeout=300)
-            exits.append({"at_step": steps_done(run_dir), "gone_s": time.time() - t0,
-                          "returncode": proc.returncode})
-            print(f"  preempted at step {exits[-1]['at_step']}: rank gone after {exits[-1]['gone_s']:.2f} s",
-                  flush=True)
+            durable = None
+            while proc.poll() is None and time.time() - t0 < 300:
+                if durable is None and tracker_iteration(run_dir) != before:
+                    durable = time.time() - t0
+                time.sleep(0.01)
+            gone = time.time() - t0
+            if durable is None and tracker_iteration(run_dir) != before:
+                durable = gone
+            exits.append({"at_step": steps_done(run_dir), "signal_at": t0, "durable_s": durable, "gone_s": gone,
+                          "returncode": proc.wait(timeout=60)})
+            print(f"  preempted at step {exits[-1]['at_step']}: exit checkpoint durable after "
+                  f"{durable if durable is not None else float('nan'):.2f} s, rank gone after {gone:.2f} s", flush=True)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -183,23 +192,29 @@ def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False, n
     startups = [float(r.last("First step").fields["Start-up seconds"]) for r in runs if r.last("First step")]
     loads = [float(r.last("Loaded checkpoint").fields["Load seconds"]) for r in runs if r.last("Loaded checkpoint")]
     lost = [int(r.last("Ending job").fields["Steps lost"]) for r in runs[:-1] if r.last("Ending job")]
+    # the exit save of each preempted run: the last synchronous save it logged
+    exit_saves = [float(r.last(SAVED_CHECKPOINT).fields["Save seconds"]) for r in runs[:-1]
+                  if r.last(SAVED_CHECKPOINT) is not None and "Save seconds" in r.last(SAVED_CHECKPOINT).fields]
     per_preemption = [e["gone_s"] + (startup - step_s) + n * step_s
                       for e, startup, n in zip(exits, startups[1:], lost)]
     model = "tiny GPT on CPU (a check of the script)" if tiny else "370M GPT, seq 2048 x mb 8, bf16, adam"
     return {"device": "cpu" if tiny else "cuda", "model": model + ", async_save", "cycles": cycles, "new_node": new_node,
             "steps_per_run": steps, "exits": exits, "step_s": step_s, "startup_to_first_step_s": startups,
-            "load_s": loads, "lost_steps": lost, "lost_per_preemption_s": per_preemption, "target_s": 15.0,
-            "startup_phases_s": startup_phases(runs)}
+            "load_s": loads, "exit_save_s": exit_saves, "lost_steps": lost, "lost_per_preemption_s": per_preemption,
+            "target_s": 15.0,            "startup_phases_s": startup_phases(runs)}
 
 
 def gpu_main(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="bridge-preemption-gpu-", dir=args.dir))
     r = gpu_preemptions(work, args.cycles, args.steps, args.tiny, args.new_node)
     print()
-    print(f"{'preemption':>10} {'signal->gone s':>15} {'restart to 1st step s':>22} {'load s':>7} "
-          f"{'lost steps':>11} {'lost s':>7} {'target':>7}")
+    print(f"{'preemption':>10} {'exit save s':>12} {'signal->durable s':>18} {'signal->gone s':>15} "
+          f"{'restart to 1st step s':>22} {'load s':>7} {'lost steps':>11} {'lost s':>7} {'target':>7}")
     for i, lost_s in enumerate(r["lost_per_preemption_s"]):
-        print(f"{i + 1:>10} {r['exits'][i]['gone_s']:>15.2f} {r['startup_to_first_step_s'][i + 1]:>22.1f} "
+        save = r["exit_save_s"][i] if i < len(r["exit_save_s"]) else float("nan")
+        durable = r["exits"][i]["durable_s"] if r["exits"][i]["durable_s"] is not None else float("nan")
+        print(f"{i + 1:>10} {save:>12.2f} {durable:>18.2f} {r['exits'][i]['gone_s']:>15.2f} "
+              f"{r['startup_to_first_step_s'][i + 1]:>22.1f} "
               f"{r['load_s'][i]:>7.1f} {r['lost_steps'][i]:>11} {lost_s:>7.1f} {'<= 15':>7} "
               f"{'ok' if lost_s <= 15 else 'ABOVE'}")
     if r["new_node"]:

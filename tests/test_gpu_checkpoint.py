@@ -196,11 +196,25 @@ def _steps_done(job: str) -> int:
     return max(read_metrics(path), default=0) if os.path.exists(path) else 0
 
 
-def test_usr1_during_an_async_save_finishes_it_then_saves_and_exits(straight, tmp_path):
+#: A larger model of the tiny one's shape for the SIGUSR1 test: on a GPU the tiny model's background
+#: write (a few MB) ends within the step that follows it, so no save would be in flight when a signal
+#: lands. This one's model and optimizer state (~0.5 GB) takes far longer to write than a step takes.
+LARGER = ("model.vocab_size=32768", "model.hidden_size=512", "model.num_layers=4", "model.num_attention_heads=8")
+
+
+@pytest.fixture(scope="module")
+def straight_larger(tmp_path_factory):
+    """The reference for :data:`LARGER`: 40 steps with synchronous saves, uninterrupted."""
+    job = _job(tmp_path_factory.mktemp("straight-larger"))
+    _run(job, *LARGER)
+    return _trained(job)
+
+
+def test_usr1_during_an_async_save_finishes_it_then_saves_and_exits(straight_larger, tmp_path):
     job = _job(tmp_path / "usr1")
     ckpts = _ckpts(job)
     every_step = "checkpoint.save_interval=1"  # a save is always being written when the signal lands
-    rank = _start_rank(job, *ASYNC, every_step)
+    rank = _start_rank(job, *LARGER, *ASYNC, every_step)
     deadline = time.time() + RUN_TIMEOUT_S
     while _steps_done(job) < 15 and time.time() < deadline and rank.poll() is None:
         time.sleep(0.01)
@@ -224,8 +238,8 @@ def test_usr1_during_an_async_save_finishes_it_then_saves_and_exits(straight, tm
     assert _tracked(ckpts) == stopped
     assert_no_process_left(os.path.dirname(job))
 
-    _finish(_start_rank(job, *ASYNC, every_step))  # the requeued run
-    assert _trained(job) == straight  # bitwise, the exit and the resume included
+    _finish(_start_rank(job, *LARGER, *ASYNC, every_step))  # the requeued run
+    assert _trained(job) == straight_larger  # bitwise, the exit and the resume included
     assert _tracked(ckpts) == ITERS
     assert_no_process_left(os.path.dirname(job))
 

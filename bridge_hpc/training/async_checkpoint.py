@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 ASYNC_WRITER_KEY = "async_checkpoint_writer"
 #: While a rank waits for its worker, it logs that it still does this often (seconds).
 WAIT_REPORT_S = 60.0
+#: While a save's tensors are being staged by the worker, the rank checks this often that it lives.
+WORKER_WATCH_S = 0.05
 
 
 class CheckpointWorkerDied(RuntimeError):
@@ -261,12 +263,50 @@ class AsyncCheckpointWriter:
             self._results_queue_thread = None
 
     def submit(self, pending: PendingSave) -> None:
-        """Give ``pending``'s write to the worker (this rank only; all ranks call it together)."""
+        """Give ``pending``'s write to the worker (this rank only; all ranks call it together). A
+        worker found dead, before or while it stages the tensors, fails this save (reported as its
+        write's failure is, by :func:`finalize_async_save`) instead of hanging the rank."""
+        self.pending = pending
         if pending.request.async_fn is None:
             pending.done = True  # nothing to write on this rank
-        else:
+            return
+        worker = self.worker
+        if worker is not None and not worker.is_alive():  # died since the last save
+            self._fail_dead_worker(pending, worker)
+            return
+        if pending.request.preload_fn is None:
             self.queue.schedule_async_request(pending.request)
-        self.pending = pending
+            return
+        # With a preload function (GPU: the worker copies the tensors to host memory first) the queue
+        # waits, without a time limit, for the worker to say it has staged them: a worker that dies
+        # first would hang the rank. A watcher ends that wait when the worker is gone.
+        caller, stop = self.queue.persistent_caller, threading.Event()
+
+        def release_if_dead() -> None:
+            while not stop.wait(WORKER_WATCH_S):
+                process = caller.process
+                if process is not None and not process.is_alive():
+                    with contextlib.suppress(ValueError):  # it had said so just before it died
+                        caller.preload_q.task_done()
+                    return
+
+        watcher = threading.Thread(target=release_if_dead, name="ckpt-worker-watch", daemon=True)
+        watcher.start()
+        try:
+            self.queue.schedule_async_request(pending.request)
+        finally:
+            stop.set()
+            watcher.join()
+        worker = self.worker
+        if worker is not None and not worker.is_alive() and not self._written():
+            self._fail_dead_worker(pending, worker)
+
+    @staticmethod
+    def _fail_dead_worker(pending: PendingSave, worker) -> None:
+        pending.done = True
+        pending.error = CheckpointWorkerDied(f"the checkpoint worker of rank {checkpointing._rank()} "
+                                             f"(pid {worker.pid}) died ({_how_it_died(worker)}) before it "
+                                             f"wrote its shards")
 
     def check(self, blocking: bool) -> bool:
         """Whether this rank's write of the pending save is over (``pending.error`` says how);
@@ -304,11 +344,12 @@ class AsyncCheckpointWriter:
             if self._written():  # it finished just before it died
                 pending.done, pending.error = True, self._write_error(pending)
                 return
-            pid = worker.pid if worker is not None else "?"
-            how = _how_it_died(worker) if worker is not None else "not started"
-            pending.done = True
-            pending.error = CheckpointWorkerDied(f"the checkpoint worker of rank {checkpointing._rank()} "
-                                                 f"(pid {pid}) died ({how}) before it wrote its shards")
+            if worker is None:
+                pending.done = True
+                pending.error = CheckpointWorkerDied(f"the checkpoint worker of rank {checkpointing._rank()} "
+                                                     f"was not started")
+            else:
+                self._fail_dead_worker(pending, worker)
 
     @staticmethod
     def _write_error(pending: PendingSave) -> Optional[BaseException]:
@@ -365,9 +406,15 @@ class AsyncCheckpointWriter:
                            checkpointing._rank(), self.pending.save.iteration)
         self.wait_until_started()
         worker = self.worker
+        # Both killed before either is waited for: each exit (a CUDA context, a forked copy of the
+        # rank's address space) takes the kernel a while, and they overlap.
+        if worker is not None and worker.is_alive():
+            worker.kill()
+        if self._results_manager is not None:
+            # Idle as the worker: killed rather than asked, which costs up to a second (its server
+            # polls for the stop request once a second).
+            self._results_manager[1]._process.kill()
         if worker is not None:
-            if worker.is_alive():
-                worker.kill()
             worker.join(timeout=10)
             self._forget_dead_worker()
         self.queue = None
@@ -375,9 +422,6 @@ class AsyncCheckpointWriter:
         if self._results_manager is not None:
             module, manager = self._results_manager
             module._results_queue = None  # an in-process restart starts a new one
-            # Idle as the worker: killed rather than asked, which costs up to a second (its server
-            # polls for the stop request once a second).
-            manager._process.kill()
             manager.shutdown()
             self._results_manager = None
 

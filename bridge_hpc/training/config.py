@@ -109,6 +109,12 @@ class DistributedDataParallelConfig(DeferredPostInit):
     use_distributed_optimizer: bool = False
     average_in_collective: bool = False
     bucket_size: Optional[int] = None
+    #: megatron-core's: pad each bucket to a size at which NCCL's bus bandwidth is high (a multiple of
+    #: a large power of 2), for a faster overlapped reduce-scatter and param all-gather.
+    pad_buckets_for_high_nccl_busbw: bool = False
+    #: megatron-core's: with pipeline parallelism and overlapped param gather, start every virtual
+    #: stage's param all-gather together (at the first stage's forward) instead of one stage at a time.
+    align_param_gather: bool = False
     #: Bridge's (synced from a later megatron-core): fnmatch patterns of parameters whose gradients
     #: accumulate locally in FP32. megatron-core 0.19.2's DDP has no such option, so only the empty
     #: default is accepted; ``grad_reduce_in_fp32 = true`` keeps every gradient in FP32.

@@ -42,6 +42,7 @@ from bridge_hpc.training.tokenizers import build_tokenizer_for
 from bridge_hpc.training.train import evaluate_and_print_results, train
 from bridge_hpc.training.utils.train_utils import start_memory_history_recording
 
+logger = logging.getLogger(__name__)
 
 def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
     """Train the GPT described by ``config`` with ``forward_step_func`` (any Bridge signature).
@@ -100,11 +101,25 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
                 logging.getLogger(__name__).warning("could not record the failure in the progress log: %s", err)
         raise
     finally:
-        _stop_async_writer(checkpointing_context, abandon=False)
-        rerun.destroy_rerun_state()
-        state.close()
-        if cfg.checkpoint.save:
-            checkpointing.release_checkpoint_folder(cfg.checkpoint.save)
+        _shut_down(state, checkpointing_context)
+
+
+def _shut_down(state: GlobalState, checkpointing_context: dict) -> None:
+    """What a run does after its loop, each part timed: a preempted job pays it inside Slurm's grace
+    time, after its exit save is durable, so rank 0 logs where it went."""
+    save = state.cfg.checkpoint.save
+    parts = (("checkpoint worker", lambda: _stop_async_writer(checkpointing_context, abandon=False)),
+             ("result validation", rerun.destroy_rerun_state),
+             ("logs", state.close),
+             ("checkpoint folder lock", lambda: checkpointing.release_checkpoint_folder(save) if save else None))
+    spent = []
+    for name, part in parts:
+        began = time.perf_counter()
+        part()
+        spent.append((name, time.perf_counter() - began))
+    if state.rank == 0:
+        logger.info("shut down in %.2fs (%s)", sum(s for _, s in spent),
+                    ", ".join(f"{name} {s:.2f}s" for name, s in spent))
 
 
 def _stop_async_writer(checkpointing_context: dict, abandon: bool) -> None:
@@ -346,21 +361,29 @@ def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module, first_chunk: bool = 
         ddp = torch.nn.parallel.DistributedDataParallel(model, **no_sync)
         GradReduceRider.install(ddp)  # the step's losses and stop flags ride on its gradient all-reduce
         return ddp
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
     if cfg.model.bf16 or cfg.model.fp16:
         model = Float16Module(model.config, model)
-    d = cfg.ddp
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
-        overlap_param_gather=d.overlap_param_gather, use_distributed_optimizer=d.use_distributed_optimizer,
-        average_in_collective=d.average_in_collective, bucket_size=d.bucket_size,
-    )
+    ddp_config = megatron_ddp_config(cfg.ddp)
     # As Megatron-LM: only the first chunk's gradients are bucketed for overlapped reduce; the other
     # virtual stages' finish at different times in the interleaved schedule.
     return DistributedDataParallel(config=model.config if hasattr(model, "config") else model.module.config,
                                    ddp_config=ddp_config, module=model, disable_bucketing=not first_chunk)
+
+
+def megatron_ddp_config(d):
+    """megatron-core's DistributedDataParallelConfig from the ``[ddp]`` section (the toolkit's loop and
+    benchmarks/loop_overhead.py's bare loop build the same one)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
+        overlap_param_gather=d.overlap_param_gather, use_distributed_optimizer=d.use_distributed_optimizer,
+        average_in_collective=d.average_in_collective, bucket_size=d.bucket_size,
+        pad_buckets_for_high_nccl_busbw=d.pad_buckets_for_high_nccl_busbw, align_param_gather=d.align_param_gather,
+    )
 
 
 def setup_scheduler(cfg: ConfigContainer, optimizer) -> OptimizerParamScheduler:
