@@ -8,7 +8,7 @@ same samples at every layout:
 1. ``dp1``: one GPU from scratch; its final weights ``W`` (saved without the optimizer) are where the
    other runs start (``checkpoint.pretrained_checkpoint``: weights loaded at their own layout, a fresh
    optimizer), so their loss curves compare step by step.
-2. ``dp2``, ``tp2``, ``pp2`` (and ``tp2pp2`` / ``dp4`` with 4 GPUs): the same steps from ``W``: tokens/s,
+2. ``dp2``, ``tp2``, ``pp2`` (and ``tp2pp2``, ``tp2pp2-vpp2`` / ``dp4`` with 4 GPUs): the same steps from ``W``: tokens/s,
    MFU (the toolkit's 6·N·tokens + attention FLOPs over the H100's dense bf16 peak), peak memory per
    GPU, and each loss curve against ``dp2``'s (the DP-only reference): the largest relative
    difference over the steps, against a tolerance of 2 % (bf16 training in a different reduction
@@ -32,6 +32,9 @@ that many GPUs; prints a table and writes JSON (default ``benchmarks/results/par
 only ``dp1`` and data parallelism on 2 (and 4) GPUs with a variant (bucket size, reduce dtype,
 overlap), to tune the DP scaling; ``--global-batch N`` changes the sequences per step (32: 8
 micro-batches on one GPU, 4 per rank on two), the share of a step the gradient reduce can hide behind.
+``--layouts tp2pp2-vpp2``: only those layouts (with dp1 and the DP reference), without the resume checks.
+A layout that fails (other than dp1 and the reference) is reported and the others still run; the
+benchmark then exits 1.
 """
 
 from __future__ import annotations
@@ -64,9 +67,13 @@ PEAK_FLOPS = 989e12
 LOSS_TOLERANCE = 0.02
 #: The parallelism issue's data-parallel scaling targets, tokens/s against one GPU, by GPU count.
 TARGET_DP_SCALING = {2: 1.96, 4: 3.85}
-#: Layouts by GPU count: name -> (tensor, pipeline) sizes; data parallelism is the rest.
-LAYOUTS = {2: {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)},
-           4: {"dp4": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}}
+#: Layouts by GPU count: name -> (tensor, pipeline sizes, other overrides); data parallelism is the rest.
+#: ``tp2pp2-vpp2``: the interleaved pipeline schedule (2 model chunks per stage). Sequence parallelism
+#: needs Transformer Engine's layers (model.sequence_parallel), which this benchmark does not assume.
+INTERLEAVED = ("model.virtual_pipeline_model_parallel_size=2",)
+LAYOUTS = {2: {"dp2": (1, 1, ()), "tp2": (2, 1, ()), "pp2": (1, 2, ())},
+           4: {"dp4": (1, 1, ()), "tp2": (2, 1, ()), "pp2": (1, 2, ()), "tp2pp2": (2, 2, ()),
+               "tp2pp2-vpp2": (2, 2, INTERLEAVED)}}
 
 
 def job_toml(shape: Dict[str, int], run_dir: Path) -> str:
@@ -224,6 +231,37 @@ def write_results(path: str, results: dict, finished: bool = True) -> int:
     return 0
 
 
+def resume_checks(results: dict, work: Path, job: Path, curves: dict, steps: int, start: List[str],
+                  weights_only: List[str], args, flops: float, go) -> None:
+    """Exact resume under TP2 after SIGUSR1 (deterministic kernels: two runs of the fastest ones agree
+    only to about 1e-5), and the TP2 checkpoint at TP1 x DP2, on 2 GPUs."""
+    half = steps // 2
+    deterministic = ["model.deterministic_mode=true"]
+    straight = go(work, "tp2-deterministic", job, 2, 2, 1, steps, weights_only + start + deterministic)
+    curves["tp2-deterministic"] = metrics(straight)
+    usr1 = go(work, "tp2-usr1", job, 2, 2, 1, steps, start + deterministic, usr1_at=half)
+    stopped_at = max(metrics(usr1))
+    from_tp2 = [f"checkpoint.load={json.dumps(str(usr1 / 'checkpoints'))}"]
+    after = range(stopped_at + 1, steps + 1)
+    try:
+        cross = go(work, "dp2-from-tp2", job, 2, 1, 1, steps, weights_only + from_tp2)
+        results["tp2_checkpoint_at_dp2"] = {"loaded_iteration": min(metrics(cross)) - 1,
+                                            **compare(metrics(cross), curves["tp2-deterministic"], after)}
+    except SystemExit as failure:  # reported, and the other results are still written
+        results["tp2_checkpoint_at_dp2"] = {"error": str(failure)[-3000:]}
+        print(f"[parallel] dp2-from-tp2 FAILED: {str(failure)[-3000:]}", flush=True)
+    write_results(args.json, results, finished=False)
+    # the same run folder: resumes its own checkpoint
+    resumed = go(work, "tp2-usr1", job, 2, 2, 1, steps, weights_only + start + deterministic, log_name="tp2-resume")
+    results["tp2_usr1_resume"] = {"stopped_at": stopped_at,
+                                  **compare(metrics(resumed), curves["tp2-deterministic"], after),
+                                  "tokens_per_s_deterministic": throughput(straight, args.warmup, 2, flops)["tokens_per_s"]}
+
+    if args.gpus == 2 and "tp2" in curves:  # the same TP2 layout with the default kernels
+        results["tp2_usr1_resume"]["deterministic_vs_default_kernels"] = compare(
+            curves["tp2-deterministic"], curves["tp2"], range(1, steps + 1))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=2, choices=sorted(LAYOUTS))
@@ -239,7 +277,12 @@ def main() -> int:
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step instead of the shape's 32 (more micro-batches per rank to hide the "
                         "gradient reduce behind)")
+    p.add_argument("--layouts", default=None, metavar="NAMES",
+                   help="comma-separated layouts to run (default: all of --gpus'); dp1 and the DP reference always "
+                        "run, the 2-GPU resume checks only without this option")
     args = p.parse_args()
+    if args.layouts and not set(args.layouts.split(",")) <= set(LAYOUTS[args.gpus]):
+        p.error(f"--layouts: choose among {', '.join(LAYOUTS[args.gpus])}")
 
     import torch
 
@@ -263,7 +306,7 @@ def main() -> int:
                                          "optimizer": {"lr": 1e-4}})
     cfg.finalize_sections()
     flops = num_floating_point_operations(cfg, shape["global_batch_size"])
-    steps, half = args.steps, args.steps // 2
+    steps = args.steps
     weights_only = ["checkpoint.save_optim=false"]
     results: Dict[str, dict] = {"model": "~1.3B GPT" if not args.tiny else "tiny GPT", "shape": shape,
                                 "gpus": args.gpus, "device": torch.cuda.get_device_name(), "steps": steps,
@@ -277,16 +320,26 @@ def main() -> int:
     start = [f"checkpoint.pretrained_checkpoint={json.dumps(str(dp1 / 'checkpoints'))}"]
     curves = {}
     # name -> (GPUs, tensor, pipeline); --scaling-only: data parallelism on every GPU count up to --gpus
-    layouts = ({f"dp{n}": (n, 1, 1) for n in sorted(LAYOUTS) if n <= args.gpus} if args.scaling_only
-               else {name: (args.gpus, tp, pp) for name, (tp, pp) in LAYOUTS[args.gpus].items()})
-    for name, (gpus, tp, pp) in layouts.items():
-        run_dir = go(work, name, job, gpus, tp, pp, steps, weights_only + start)
-        results["runs"][name] = dict(throughput(run_dir, args.warmup, gpus, flops), gpus=gpus,
-                                     layout=f"TP{tp} x PP{pp} x DP{gpus // (tp * pp)}")
+    layouts = ({f"dp{n}": (n, 1, 1, ()) for n in sorted(LAYOUTS) if n <= args.gpus} if args.scaling_only
+               else {name: (args.gpus, *sizes) for name, sizes in LAYOUTS[args.gpus].items()
+                     if not args.layouts or name in args.layouts.split(",") or name == f"dp{args.gpus}"})
+    reference = f"dp{args.gpus}"
+    failed: Dict[str, str] = {}
+    for name, (gpus, tp, pp, extra) in layouts.items():
+        layout = f"TP{tp} x PP{pp} x DP{gpus // (tp * pp)}" + (" (VPP2)" if extra == INTERLEAVED else "")
+        try:
+            run_dir = go(work, name, job, gpus, tp, pp, steps, weights_only + start + list(extra))
+        except SystemExit as failure:
+            if name in ("dp1", reference):
+                raise
+            failed[name] = str(failure)[-3000:]  # reported; the other layouts still run
+            print(f"[parallel] {name} FAILED: {failed[name]}", flush=True)
+            continue
+        results["runs"][name] = dict(throughput(run_dir, args.warmup, gpus, flops), gpus=gpus, layout=layout)
         curves[name] = metrics(run_dir)
         write_results(args.json, results, finished=False)
-    reference = f"dp{args.gpus}"
-    for name in layouts:
+    results["failed_layouts"] = failed
+    for name in curves:
         if name != reference and layouts[name][0] == args.gpus:
             results["runs"][name]["loss_vs_dp"] = compare(curves[name], curves[reference], range(1, steps + 1))
     dp_name = f"dp{args.gpus}"
@@ -302,34 +355,10 @@ def main() -> int:
         for n, r in results["dp_scaling_by_gpus"].items():
             print(f"DP scaling, dp{n} vs dp1: {r['scaling']:.3f}x (target >= {r['target']}x on {n} GPUs); tokens/s "
                   f"{results['runs'][f'dp{n}']['tokens_per_s']:,.0f}")
-        return write_results(args.json, results)
+        return write_results(args.json, results) or int(bool(failed))
 
-    # Exact resume under TP2 after SIGUSR1 (deterministic kernels: two runs of the fastest ones agree
-    # only to about 1e-5), and the TP2 checkpoint at TP1 x DP2.
-    deterministic = ["model.deterministic_mode=true"]
-    straight = go(work, "tp2-deterministic", job, 2, 2, 1, steps, weights_only + start + deterministic)
-    curves["tp2-deterministic"] = metrics(straight)
-    usr1 = go(work, "tp2-usr1", job, 2, 2, 1, steps, start + deterministic, usr1_at=half)
-    stopped_at = max(metrics(usr1))
-    from_tp2 = [f"checkpoint.load={json.dumps(str(usr1 / 'checkpoints'))}"]
-    after = range(stopped_at + 1, steps + 1)
-    try:
-        cross = go(work, "dp2-from-tp2", job, 2, 1, 1, steps, weights_only + from_tp2)
-        results["tp2_checkpoint_at_dp2"] = {"loaded_iteration": min(metrics(cross)) - 1,
-                                            **compare(metrics(cross), curves["tp2-deterministic"], after)}
-    except SystemExit as failure:  # reported, and the other results are still written
-        results["tp2_checkpoint_at_dp2"] = {"error": str(failure)[-3000:]}
-        print(f"[parallel] dp2-from-tp2 FAILED: {str(failure)[-3000:]}", flush=True)
-    write_results(args.json, results, finished=False)
-    # the same run folder: resumes its own checkpoint
-    resumed = go(work, "tp2-usr1", job, 2, 2, 1, steps, weights_only + start + deterministic, log_name="tp2-resume")
-    results["tp2_usr1_resume"] = {"stopped_at": stopped_at,
-                                  **compare(metrics(resumed), curves["tp2-deterministic"], after),
-                                  "tokens_per_s_deterministic": throughput(straight, args.warmup, 2, flops)["tokens_per_s"]}
-
-    if args.gpus == 2:  # the same TP2 layout with the default kernels
-        results["tp2_usr1_resume"]["deterministic_vs_default_kernels"] = compare(
-            curves["tp2-deterministic"], curves["tp2"], range(1, steps + 1))
+    if not args.layouts:
+        resume_checks(results, work, job, curves, steps, start, weights_only, args, flops, go)
 
     # Memory: the largest GPT of this shape (more layers) each layout fits, from its peak per GPU.
     capacity = torch.cuda.get_device_properties(0).total_memory / 1e9
@@ -355,9 +384,13 @@ def main() -> int:
         peak = f"{r['peak_gb_per_gpu']:.1f}" if r["peak_gb_per_gpu"] else "?"
         print(f"| {name} | {r['layout']} | {gpus} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {r['mfu']:.1%} "
               f"| {peak} | {fits} | {loss_text} |")
+    for name, error in failed.items():
+        print(f"| {name} | FAILED: {error.strip().splitlines()[-1][:200] if error.strip() else '?'} |")
     print()
     print(f"DP scaling, {dp_name} vs dp1: {results['dp_scaling']:.3f}x (target >= {TARGET_DP_SCALING[args.gpus]}x "
           f"on {args.gpus} GPUs)")
+    if "tp2_usr1_resume" not in results:
+        return write_results(args.json, results) or int(bool(failed))
     r = results["tp2_usr1_resume"]
     print(f"TP2 with deterministic kernels ({r['tokens_per_s_deterministic']:,.0f} tokens/s), SIGUSR1 after step "
           f"{r['stopped_at']}, resumed to {steps}: losses bitwise equal to the uninterrupted run: "
@@ -369,7 +402,7 @@ def main() -> int:
         print(f"TP2 checkpoint of iteration {r['loaded_iteration']} resumed at TP1 x DP2: max rel. loss diff against "
               f"TP2 {r['max_rel_diff']:.2e} ({'ok' if r['max_rel_diff'] <= LOSS_TOLERANCE else 'ABOVE'} "
               f"<= {LOSS_TOLERANCE})")
-    return write_results(args.json, results)
+    return write_results(args.json, results) or int(bool(failed))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ def test_position_iterator_keeps_the_readers_position():
     ({"virtual_pipeline_model_parallel_size": 2}, "model.virtual_pipeline_model_parallel_size",
      "needs model.pipeline_model_parallel_size > 1"),
     ({"context_parallel_size": 2}, "model.context_parallel_size", "transformer_engine"),
+    ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, "model.sequence_parallel",
+     "needs model.transformer_impl = \"transformer_engine\""),
     ({"tensor_model_parallel_size": 0}, "model.tensor_model_parallel_size", "must be an integer >= 1"),
 ])
 def test_parallel_sizes_are_checked_naming_the_key(sizes, key, words):
@@ -66,9 +68,28 @@ def test_parallel_sizes_are_checked_naming_the_key(sizes, key, words):
 def test_valid_parallel_sizes_are_accepted():
     cfg = GPTModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32,
                          tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                         virtual_pipeline_model_parallel_size=2, sequence_parallel=True)
+                         virtual_pipeline_model_parallel_size=2, sequence_parallel=True,
+                         transformer_impl="transformer_engine")
     cfg.finalize()
     assert cfg.model_parallel_size == 4
+
+
+@pytest.mark.parametrize("sizes, key", [
+    ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, "model.sequence_parallel"),
+    ({"context_parallel_size": 2}, "model.context_parallel_size"),
+])
+def test_what_only_transformer_engine_does_is_refused_on_a_rank_without_it(sizes, key):
+    """transformer_impl = "transformer_engine" passes the login-side check; a rank without Transformer
+    Engine (or without CUDA, as here) would build megatron-core's local layers, whose torch LayerNorm
+    asserts on a split sequence (a traceback on an H200): it names the key instead."""
+    from bridge_hpc.training.gpt import _layer_spec
+
+    cfg = GPTModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                         transformer_impl="transformer_engine", **sizes)
+    cfg.finalize()
+    with pytest.raises(ConfigError) as err:
+        _layer_spec(cfg)
+    assert err.value.key == key and "needs Transformer Engine on the ranks' GPUs" in err.value.message
 
 
 def test_model_parallelism_is_refused_on_a_rank_without_a_gpu(tmp_path):

@@ -828,6 +828,9 @@ class GPTModelConfig:
                f"must divide model.ffn_hidden_size ({self.ffn_hidden_size}), got {tp}")
         _check(not self.sequence_parallel or tp > 1, "model.sequence_parallel",
                "needs model.tensor_model_parallel_size > 1 (it splits activations across the tensor-parallel ranks)")
+        _check(not self.sequence_parallel or self.transformer_impl == "transformer_engine", "model.sequence_parallel",
+               "needs model.transformer_impl = \"transformer_engine\": megatron-core's local layers normalize with "
+               "torch's LayerNorm, which cannot work on a split sequence")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             _check(isinstance(vpp, int) and vpp >= 1, "model.virtual_pipeline_model_parallel_size",

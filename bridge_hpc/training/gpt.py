@@ -22,6 +22,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import GPTModelConfig
 from bridge_hpc.training.gpt_step import forward_step, get_batch
 from bridge_hpc.training.losses import masked_next_token_loss, masked_token_loss
@@ -98,6 +99,14 @@ def _layer_spec(cfg: GPTModelConfig):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
+    # The local layers stand in for Transformer Engine's where it is missing, except for what only
+    # its layers do (megatron-core's own assertion would end the rank with a traceback).
+    for key, needed in (("model.sequence_parallel", cfg.sequence_parallel),
+                        ("model.context_parallel_size", cfg.context_parallel_size > 1)):
+        if needed:
+            raise ConfigError(f"needs Transformer Engine on the ranks' GPUs (pip install '.[gpu]'); this rank has "
+                              f"{'no CUDA' if not torch.cuda.is_available() else 'no transformer_engine package'}",
+                              key=key)
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=cfg.normalization))
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
