@@ -44,7 +44,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,8 @@ from typing import Dict, List, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bridge_test_helpers import direct_rank_env, free_port  # noqa: E402
 
 #: ~1.3 B parameters (24 layers of hidden 2048: 1.21 B, embeddings and output layer 0.13 B).
 GPT_1_3B = {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "vocab_size": 32768,
@@ -125,21 +126,13 @@ seq_length = {shape["seq_length"]}
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(job: Path, gpus: int, overrides: List[str], log: Path) -> List[subprocess.Popen]:
     """``gpus`` ranks of the entry point, one per GPU, started directly with torch.distributed's variables."""
-    port = _free_port()
+    port = free_port()
     procs = []
     out = open(log, "w")
     for rank in range(gpus):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(gpus), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(gpus), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.pop("SLURM_JOB_ID", None)
+        env = direct_rank_env(rank, gpus, port)
         cmd = [sys.executable, "-m", "bridge_hpc.training.run", str(job)]
         for item in overrides:
             cmd += ["--set", item]

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bridge_test_helpers import (  # noqa: E402
+    direct_rank_env,
     drive,
     evict_from_page_cache,
     signal_tree,
@@ -138,18 +139,12 @@ def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False, n
     """``cycles`` preemptions of a one-GPU run, ``steps`` steps after each start (see the module doc).
     ``new_node``: before each restart the checkpoints are dropped from the page cache, as a requeued
     job finds them on another node."""
-    import os
     import signal
-    import socket
 
     job, run_dir = _gpu_job(folder, tiny), folder / "run"
     exits = []
     for cycle in range(cycles + 1):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = direct_rank_env()
         log = open(folder / f"run{cycle}.log", "w")
         start_step = steps_done(run_dir)
         checkpoints = run_dir / "checkpoints"

@@ -391,10 +391,12 @@ def evict_from_page_cache(paths: Sequence[str]) -> None:
             os.close(fd)
 
 
-def direct_rank_env() -> Dict[str, str]:
-    """The environment of a job's only rank started directly, as srun starts a task (no launcher
-    between the signal and the rank): torch.distributed's variables for a world of one, no Slurm job."""
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env.pop("SLURM_JOB_ID", None)
+def direct_rank_env(rank: int = 0, world_size: int = 1, port: Optional[int] = None) -> Dict[str, str]:
+    """The environment of one rank of a job on this machine started directly, as srun starts a task
+    (no launcher between a signal and the rank): torch.distributed's variables (``port``: the
+    rendezvous port all ranks share; a free one for a world of one), and no Slurm job variables."""
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()))
+    for key in [k for k in env if k.startswith("SLURM_")]:
+        env.pop(key)
     return env

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 if __name__ != "__main__":
     import pytest
-    from bridge_test_helpers import free_port, losses
+    from bridge_test_helpers import direct_rank_env, losses
 
     torch = pytest.importorskip("torch")
     pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -37,10 +37,7 @@ OVERRIDES = ["train.train_iters=20", "train.eval_interval=0", "logger.log_interv
 
 
 def _run_worker(mode: str, out: Path, timeout: float = 300) -> dict:
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    for key in [k for k in env if k.startswith("SLURM_")]:
-        env.pop(key)
+    env = direct_rank_env()
     proc = subprocess.run([sys.executable, __file__, mode, str(out)], env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bridge_test_helpers import free_port, losses
+from bridge_test_helpers import direct_rank_env, free_port, losses
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -22,11 +22,7 @@ WORKER = Path(__file__).resolve().parent / "data" / "gpu_resiliency_worker.py"
 
 
 def run_worker(mode: str, out: Path, timeout: float = 300) -> dict:
-    port = free_port()
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    for key in [k for k in env if k.startswith("SLURM_")]:
-        env.pop(key)
+    env = direct_rank_env()
     proc = subprocess.run([sys.executable, str(WORKER), mode, str(out)], env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]

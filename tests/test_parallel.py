@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from bridge_test_helpers import free_port
+from bridge_test_helpers import direct_rank_env, free_port
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import GPTModelConfig
@@ -98,12 +98,10 @@ def test_model_parallelism_is_refused_on_a_rank_without_a_gpu(tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):  # the ranks started directly, as srun starts them
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.pop("SLURM_JOB_ID", None)
         procs.append(subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", "job.toml",
                                        "--set", "model.pipeline_model_parallel_size=2"],
-                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      cwd=tmp_path, env=direct_rank_env(rank, 2, port), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 2, err[-3000:]
