@@ -28,7 +28,12 @@ from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import ProgressLog, longest_recent_save_s
 from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training import async_checkpoint, checkpointing, parallel, rerun
-from bridge_hpc.training.config import ConfigContainer, DistributedInitConfig, runtime_config_update
+from bridge_hpc.training.config import (
+    ConfigContainer,
+    DistributedDataParallelConfig,
+    DistributedInitConfig,
+    runtime_config_update,
+)
 from bridge_hpc.training.data import build_data_iterator, build_datasets
 from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.gpt import gpt_model_provider
@@ -43,6 +48,7 @@ from bridge_hpc.training.train import evaluate_and_print_results, train
 from bridge_hpc.training.utils.train_utils import start_memory_history_recording
 
 logger = logging.getLogger(__name__)
+
 
 def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
     """Train the GPT described by ``config`` with ``forward_step_func`` (any Bridge signature).
@@ -98,7 +104,7 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
             try:  # best effort: the failure may be a full disk, and it is the error worth reporting
                 state.progress.ending_job(reason, state.train_state.step, state.train_state.step - last_saved)
             except OSError as err:
-                logging.getLogger(__name__).warning("could not record the failure in the progress log: %s", err)
+                logger.warning("could not record the failure in the progress log: %s", err)
         raise
     finally:
         _shut_down(state, checkpointing_context)
@@ -256,15 +262,15 @@ def setup_logging(level: int) -> None:
     (DEBUG) opens every rank. Once per process. A script that configured logging itself (the root
     logger has handlers) keeps its own handlers and format."""
     rank = JobEnvironment.from_env().rank
-    logger = logging.getLogger("bridge_hpc")
-    logger.setLevel(level if rank == 0 or level <= logging.DEBUG else max(level, logging.WARNING))
-    if logging.getLogger().handlers or any(getattr(h, "_bridge_hpc", False) for h in logger.handlers):
+    package = logging.getLogger("bridge_hpc")
+    package.setLevel(level if rank == 0 or level <= logging.DEBUG else max(level, logging.WARNING))
+    if logging.getLogger().handlers or any(getattr(h, "_bridge_hpc", False) for h in package.handlers):
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[%(asctime)s] [%(levelname)s] [rank {rank}] %(name)s: %(message)s"))
     handler._bridge_hpc = True  # type: ignore[attr-defined]
-    logger.addHandler(handler)
-    logger.propagate = False
+    package.addHandler(handler)
+    package.propagate = False
 
 
 def _process_age_s() -> Optional[float]:
@@ -373,12 +379,12 @@ def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module, first_chunk: bool = 
                                    ddp_config=ddp_config, module=model, disable_bucketing=not first_chunk)
 
 
-def megatron_ddp_config(d):
+def megatron_ddp_config(d: DistributedDataParallelConfig):
     """megatron-core's DistributedDataParallelConfig from the ``[ddp]`` section (the toolkit's loop and
     benchmarks/loop_overhead.py's bare loop build the same one)."""
-    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallelConfig as MegatronDDPConfig
 
-    return DistributedDataParallelConfig(
+    return MegatronDDPConfig(
         grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
         overlap_param_gather=d.overlap_param_gather, use_distributed_optimizer=d.use_distributed_optimizer,
         average_in_collective=d.average_in_collective, bucket_size=d.bucket_size,
