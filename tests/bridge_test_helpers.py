@@ -400,3 +400,37 @@ def direct_rank_env(rank: int = 0, world_size: int = 1, port: Optional[int] = No
     for key in [k for k in env if k.startswith("SLURM_")]:
         env.pop(key)
     return env
+
+
+#: How long a test's spawned gloo ranks may take before they are killed and the test fails.
+GLOO_RANKS_TIMEOUT_S = 300.0
+
+
+def _rank_then_exit(rank: int, fn: Callable, *args) -> None:
+    """A spawned rank: ``fn(rank, *args)``, then out through ``os._exit`` as the toolkit's ranks
+    leave (``run._leave``). A rank that had returned normally once hung in the interpreter's teardown
+    after ``destroy_process_group`` (a futex, CI of 2026-11-26), and the test waited forever."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_gloo_ranks(fn: Callable, *args, nprocs: int = 2, timeout: float = GLOO_RANKS_TIMEOUT_S) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` spawned processes (the test's own gloo world); a rank that
+    fails fails the test with its traceback, and ranks still running after ``timeout`` are killed
+    (by their PIDs) and fail it."""
+    import torch.multiprocessing as torch_mp
+
+    context = torch_mp.start_processes(_rank_then_exit, args=(fn, *args), nprocs=nprocs, start_method="spawn",
+                                       join=False)
+    deadline = time.time() + timeout
+    try:
+        while not context.join(timeout=1):
+            if time.time() > deadline:
+                raise AssertionError(f"the {nprocs} gloo ranks did not end in {timeout:.0f} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()

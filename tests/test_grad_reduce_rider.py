@@ -9,7 +9,7 @@ import json
 import os
 
 import torch
-from bridge_test_helpers import free_port
+from bridge_test_helpers import free_port, run_gloo_ranks
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -92,9 +92,7 @@ def _ranks(rank: int, port: int, out: str) -> None:
 
 
 def test_values_ride_on_the_gradient_all_reduce_bitwise(tmp_path):
-    import torch.multiprocessing as tmp_mp
-
-    tmp_mp.start_processes(_ranks, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    run_gloo_ranks(_ranks, free_port(), str(tmp_path))
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     for r in results:
         assert r["installed"] and r["not installed"]

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from bridge_test_helpers import direct_rank_env, free_port
+from bridge_test_helpers import direct_rank_env, free_port, run_gloo_ranks
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import GPTModelConfig
@@ -142,9 +142,7 @@ def _two_ranks(rank: int, port: int, out: str) -> None:
 
 
 def test_last_stage_values_reach_every_rank_with_the_stop_flags_and_tp_ranks_get_one_batch(tmp_path):
-    import torch.multiprocessing as tmp_mp
-
-    tmp_mp.start_processes(_two_ranks, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    run_gloo_ranks(_two_ranks, free_port(), str(tmp_path))
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     for r in results:
         for step in ("step0", "step1"):

@@ -416,10 +416,9 @@ def _two_rank_reduce(rank: int, port: int, out_dir: str) -> None:
 def test_losses_and_stop_observations_are_agreed_in_one_all_reduce(tmp_path):
     import json
 
-    import torch.multiprocessing as tmp_mp
-    from bridge_test_helpers import free_port
+    from bridge_test_helpers import free_port, run_gloo_ranks
 
-    tmp_mp.start_processes(_two_rank_reduce, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    run_gloo_ranks(_two_rank_reduce, free_port(), str(tmp_path))
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     for r in results:
         # per-token: (3 + 5 + 7 + 0) / (2 + 2 + 4 + 0) = 15 / 8; mean: ((1+3)/2 + (5+7)/2) / 2 = 4
