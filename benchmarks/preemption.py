@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -84,6 +85,23 @@ def tracker_iteration(run_dir: Path) -> int:
         return -1
 
 
+def time_exit(run_dir: Path, before: int, t0: float, is_gone: Callable[[], bool],
+              limit_s: float) -> Tuple[Optional[float], Optional[float]]:
+    """Seconds from ``t0`` (the signal) until the tracker names an iteration other than ``before``
+    (the exit checkpoint is durable) and until ``is_gone()``; None for one not seen in ``limit_s``."""
+    durable = gone = None
+    while gone is None and time.time() - t0 < limit_s:
+        if durable is None and tracker_iteration(run_dir) != before:
+            durable = time.time() - t0
+        if is_gone():
+            gone = time.time() - t0
+            if durable is None and tracker_iteration(run_dir) != before:
+                durable = gone
+        else:
+            time.sleep(0.01)
+    return durable, gone
+
+
 def preempt_every(run_dir: Path, iters: int, every: int) -> dict:
     """Train ``iters`` steps, sending USR1 each time ``every`` more steps are done; time each exit."""
     job_id = submit(run_dir, iters)
@@ -94,13 +112,7 @@ def preempt_every(run_dir: Path, iters: int, every: int) -> dict:
         before = tracker_iteration(run_dir)
         t0 = time.time()
         subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
-        durable = gone = None
-        while gone is None and time.time() - t0 < 120:
-            if durable is None and tracker_iteration(run_dir) != before:
-                durable = time.time() - t0
-            if step_gone(job_id):
-                gone = time.time() - t0
-            time.sleep(0.02)
+        durable, gone = time_exit(run_dir, before, t0, lambda: step_gone(job_id), limit_s=120)
         exits.append({"at_step": steps_done(run_dir), "durable_s": durable, "gone_s": gone})
         print(f"  preempted at step {exits[-1]['at_step']}: checkpoint durable after {durable:.2f} s, "
               f"ranks gone after {gone:.2f} s", flush=True)
@@ -164,16 +176,11 @@ def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False, n
             before = tracker_iteration(run_dir)
             t0 = time.time()
             signal_tree(proc.pid, signal.SIGUSR1)
-            durable = None
-            while proc.poll() is None and time.time() - t0 < 300:
-                if durable is None and tracker_iteration(run_dir) != before:
-                    durable = time.time() - t0
-                time.sleep(0.01)
-            gone = time.time() - t0
-            if durable is None and tracker_iteration(run_dir) != before:
-                durable = gone
+            durable, gone = time_exit(run_dir, before, t0, lambda rank=proc: rank.poll() is not None, limit_s=300)
+            returncode = proc.wait(timeout=60)  # one still running after the limit fails the benchmark here
+            gone = gone if gone is not None else time.time() - t0
             exits.append({"at_step": steps_done(run_dir), "signal_at": t0, "durable_s": durable, "gone_s": gone,
-                          "returncode": proc.wait(timeout=60)})
+                          "returncode": returncode})
             print(f"  preempted at step {exits[-1]['at_step']}: exit checkpoint durable after "
                   f"{durable if durable is not None else float('nan'):.2f} s, rank gone after {gone:.2f} s", flush=True)
         finally:
