@@ -50,8 +50,19 @@ from bridge_test_helpers import (  # noqa: E402
     wait_running_past,
 )
 
-from bridge_hpc.contracts.run_folder import TRACKER_FILE  # noqa: E402
-from bridge_hpc.report.progress import FIRST_STEP, SAVED_CHECKPOINT, STARTUP_PHASES, parse_progress  # noqa: E402
+from bridge_hpc.contracts.run_folder import CHECKPOINTS_DIR, tracked_iteration  # noqa: E402
+from bridge_hpc.report.progress import (  # noqa: E402
+    ENDING_JOB,
+    FIRST_STEP,
+    LOAD_SECONDS,
+    LOADED_CHECKPOINT,
+    SAVE_SECONDS,
+    SAVED_CHECKPOINT,
+    STARTUP_PHASES,
+    STARTUP_SECONDS,
+    STEPS_LOST,
+    parse_progress,
+)
 from bridge_hpc.training.startup import parse_phases  # noqa: E402
 
 
@@ -78,11 +89,9 @@ def step_gone(job_id: str) -> bool:
     return not any(line.strip().endswith(".0") for line in out.splitlines())
 
 
-def tracker_iteration(run_dir: Path) -> int:
-    try:
-        return int((run_dir / "checkpoints" / TRACKER_FILE).read_text().strip())
-    except (OSError, ValueError):
-        return -1
+def tracker_iteration(run_dir: Path) -> Optional[int]:
+    """The iteration the run's checkpoint tracker names (None: no usable tracker yet)."""
+    return tracked_iteration(str(run_dir / CHECKPOINTS_DIR))
 
 
 def time_exit(run_dir: Path, before: int, t0: float, is_gone: Callable[[], bool],
@@ -123,9 +132,9 @@ def preempt_every(run_dir: Path, iters: int, every: int) -> dict:
                                        capture_output=True, text=True, check=True).stdout)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_s = statistics.median(m["step_time_s"] for m in metrics)
-    saves = [float(e.fields["Save seconds"]) for r in runs for e in r.of("Saved checkpoint") if "Save seconds" in e.fields]
-    startups = [float(r.last("First step").fields["Start-up seconds"]) for r in runs if r.last("First step")]
-    lost = [int(r.last("Ending job").fields["Steps lost"]) for r in runs[:-1] if r.last("Ending job")]
+    saves = [float(e.fields[SAVE_SECONDS]) for r in runs for e in r.of(SAVED_CHECKPOINT) if SAVE_SECONDS in e.fields]
+    startups = [float(r.last(FIRST_STEP).fields[STARTUP_SECONDS]) for r in runs if r.last(FIRST_STEP)]
+    lost = [int(r.last(ENDING_JOB).fields[STEPS_LOST]) for r in runs[:-1] if r.last(ENDING_JOB)]
     return {"job_id": job_id, "state": state, "every": every, "iters": iters, "exits": exits,
             "step_s": step_s, "save_s": statistics.median(saves) if saves else None, "startup_s": startups,
             "startup_phases_s": startup_phases(runs),
@@ -191,12 +200,12 @@ def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False, n
     runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_s = statistics.median(m["step_time_s"] for m in metrics)
-    startups = [float(r.last("First step").fields["Start-up seconds"]) for r in runs if r.last("First step")]
-    loads = [float(r.last("Loaded checkpoint").fields["Load seconds"]) for r in runs if r.last("Loaded checkpoint")]
-    lost = [int(r.last("Ending job").fields["Steps lost"]) for r in runs[:-1] if r.last("Ending job")]
+    startups = [float(r.last(FIRST_STEP).fields[STARTUP_SECONDS]) for r in runs if r.last(FIRST_STEP)]
+    loads = [float(r.last(LOADED_CHECKPOINT).fields[LOAD_SECONDS]) for r in runs if r.last(LOADED_CHECKPOINT)]
+    lost = [int(r.last(ENDING_JOB).fields[STEPS_LOST]) for r in runs[:-1] if r.last(ENDING_JOB)]
     # the exit save of each preempted run: the last synchronous save it logged
-    exit_saves = [float(r.last(SAVED_CHECKPOINT).fields["Save seconds"]) for r in runs[:-1]
-                  if r.last(SAVED_CHECKPOINT) is not None and "Save seconds" in r.last(SAVED_CHECKPOINT).fields]
+    exit_saves = [float(r.last(SAVED_CHECKPOINT).fields[SAVE_SECONDS]) for r in runs[:-1]
+                  if r.last(SAVED_CHECKPOINT) is not None and SAVE_SECONDS in r.last(SAVED_CHECKPOINT).fields]
     per_preemption = [e["gone_s"] + (startup - step_s) + n * step_s
                       for e, startup, n in zip(exits, startups[1:], lost)]
     model = "tiny GPT on CPU (a check of the script)" if tiny else "370M GPT, seq 2048 x mb 8, bf16, adam"

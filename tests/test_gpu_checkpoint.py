@@ -45,7 +45,7 @@ from bridge_test_helpers import (
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import CHECKPOINT_SAVE_FAILED, parse_events, parse_progress
 from bridge_hpc.training import checkpointing
-from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint, verify_checkpoint
+from bridge_hpc.training.checkpointing import find_latest_checkpoint, verify_checkpoint
 from bridge_hpc.training.metrics import read_metrics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -110,13 +110,6 @@ def _trained(job: str) -> dict:
     return {step: (r["loss"], r["grad_norm"]) for step, r in records.items()}
 
 
-def _tracked(ckpts: str):
-    try:
-        with open(os.path.join(ckpts, TRACKER)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
@@ -138,7 +131,7 @@ def test_first_async_save_blocks_well_under_a_second(straight, tmp_path):
     assert [it for it, _ in started] == [10, 20, 30]  # 40 is the exit save: synchronous
     first_s = started[0][1]
     assert first_s < FIRST_SAVE_LIMIT_S, f"the first save of the process blocked {first_s:.2f}s"
-    assert _tracked(_ckpts(job)) == ITERS
+    assert run_folder.tracked_iteration(_ckpts(job)) == ITERS
     assert _trained(job) == straight  # saving in the background changes nothing trained (exact)
     assert_no_process_left(os.path.dirname(job))
 
@@ -152,21 +145,21 @@ def test_sigkill_during_an_async_save_leaves_the_last_finalized_checkpoint(strai
         deadline = time.time() + RUN_TIMEOUT_S
         # Wait until one save finalized and the next is being written (its .tmp folder exists).
         while time.time() < deadline and proc.poll() is None:
-            if (_tracked(ckpts) or 0) >= 5 and glob.glob(os.path.join(ckpts, "iter_*.tmp")):
+            if (run_folder.tracked_iteration(ckpts) or 0) >= 5 and glob.glob(os.path.join(ckpts, "iter_*.tmp")):
                 break
             time.sleep(0.002)
         assert proc.poll() is None, "the run ended before a save was in flight"
     finally:
         kill_tree(proc)
     latest = find_latest_checkpoint(ckpts, world_size=1)
-    assert latest is not None and _tracked(ckpts) == int(latest[-7:])
+    assert latest is not None and run_folder.tracked_iteration(ckpts) == int(latest[-7:])
     assert verify_checkpoint(latest, world_size=1) is None
     resumed_from = int(latest[-7:])
 
     _run(job, *ASYNC, "checkpoint.save_interval=5")
     assert resumed_from < ITERS
     assert _trained(job) == straight  # exact, the steps redone after the kill included
-    assert _tracked(ckpts) == ITERS
+    assert run_folder.tracked_iteration(ckpts) == ITERS
 
 
 def _start_rank(job: str, *overrides: str) -> subprocess.Popen:
@@ -235,12 +228,12 @@ def test_usr1_during_an_async_save_finishes_it_then_saves_and_exits(straight_lar
     end = run.last("Ending job")
     assert (end.fields["Reason"], end.fields["Iteration"], end.fields["Steps lost"]) == ("signal", str(stopped), "0")
     assert [int(e.fields["Iteration"]) for e in run.of("Saved checkpoint")][-2:] == [writing, stopped]
-    assert _tracked(ckpts) == stopped
+    assert run_folder.tracked_iteration(ckpts) == stopped
     assert_no_process_left(os.path.dirname(job))
 
     _finish(_start_rank(job, *LARGER, *ASYNC, every_step))  # the requeued run
     assert _trained(job) == straight_larger  # bitwise, the exit and the resume included
-    assert _tracked(ckpts) == ITERS
+    assert run_folder.tracked_iteration(ckpts) == ITERS
     assert_no_process_left(os.path.dirname(job))
 
 
@@ -249,7 +242,7 @@ def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straigh
     ckpts = _ckpts(job)
     rank = _start_rank(job, *ASYNC, "checkpoint.save_interval=8", "checkpoint.most_recent_k=-1")
     deadline = time.time() + RUN_TIMEOUT_S
-    while _tracked(ckpts) != 8 and time.time() < deadline and rank.poll() is None:
+    while run_folder.tracked_iteration(ckpts) != 8 and time.time() < deadline and rank.poll() is None:
         time.sleep(0.005)
     worker = worker_of_rank(rank.pid, 0)
     assert worker is not None, "the rank has no checkpoint worker"

@@ -239,12 +239,6 @@ def one_rank(monkeypatch, tmp_path):
         dist.destroy_process_group()
 
 
-def _tracker(checkpoint_dir: str) -> int:
-    """The iteration the checkpoint folder's tracker names (the one a resumed run loads)."""
-    with open(run_folder.checkpoint_file(checkpoint_dir, run_folder.TRACKER_FILE)) as f:
-        return int(f.read())
-
-
 def _train(tmp_path, name, iters, *overrides):
     """pretrain the tiny GPT on one rank with the faulty forward step; returns the config."""
     from bridge_hpc.training.pretrain import pretrain
@@ -267,7 +261,7 @@ def test_a_transient_nan_stops_with_the_step_before_saved_and_the_requeued_run_r
     out = capsys.readouterr().out
     assert out.count("TEST BAD LOSS transient_nan rank 0 step 4") == 1  # the first attempt's first micro-batch only
     assert "exiting at iteration 3: transient fault (recorded as transient_fault)" in out
-    assert _tracker(cfg.checkpoint.save) == 3
+    assert run_folder.tracked_iteration(cfg.checkpoint.save) == 3
     (run,) = parse_progress(os.path.join(cfg.checkpoint.save, "progress.txt"))
     assert run.last(RESULT_VALIDATION).fields == {"Iteration": "4", "Check": "nan_loss", "Diagnosis": "transient",
                                                   "Ranks": "1", "Action": "stop"}

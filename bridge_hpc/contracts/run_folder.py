@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 JOB_SCRIPT = "job.sbatch"
 RESOLVED_CONFIG = "resolved.toml"
@@ -137,3 +137,26 @@ def iteration_dir(checkpoint_dir: str, iteration: int) -> str:
 def checkpoint_file(checkpoint_dir: str, name: str) -> str:
     """A file of the checkpoint folder (``TRACKER_FILE``, ``PROGRESS_FILE``, ``FT_STATE_FILE``, ...)."""
     return os.path.join(checkpoint_dir, name)
+
+
+def read_tracker(checkpoint_dir: str) -> Tuple[Optional[int], Optional[str]]:
+    """The iteration the checkpoint folder's tracker (:data:`TRACKER_FILE`) names, as ``(iteration,
+    None)``, or ``(None, why it cannot be used)``: missing, unreadable, or not an iteration. The one
+    reader of the file: the ranks' load order, the read-ahead, the benchmarks and the tests use it."""
+    path = checkpoint_file(checkpoint_dir, TRACKER_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None, f"{TRACKER_FILE} is missing"
+    except (OSError, UnicodeDecodeError) as err:
+        return None, f"{TRACKER_FILE} is unreadable ({err})"
+    try:
+        return int(text), None
+    except ValueError:
+        return None, f"{TRACKER_FILE} holds {text[:40]!r}, not an iteration"
+
+
+def tracked_iteration(checkpoint_dir: str) -> Optional[int]:
+    """:func:`read_tracker`'s iteration; None when the tracker cannot be used."""
+    return read_tracker(checkpoint_dir)[0]

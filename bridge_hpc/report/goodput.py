@@ -34,11 +34,22 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from bridge_hpc.report.curves import TrainingCurves
 from bridge_hpc.report.progress import (
+    CAUSE,
+    CUMULATIVE_THROUGHPUT,
     ENDING_JOB,
     FIRST_STEP,
+    ITERATION,
+    JOB_THROUGHPUT,
+    LOAD_SECONDS,
     LOADED_CHECKPOINT,
+    LOST_SECONDS,
+    REASON,
     RESTART,
     SAVE_EVENTS,
+    SAVE_SECONDS,
+    SECONDS_SINCE_PROCESS_START,
+    STARTUP_SECONDS,
+    STEPS_LOST,
     Run,
 )
 
@@ -162,14 +173,14 @@ def _step_samples(run: Run) -> Tuple[float, int]:
     seconds, steps = 0.0, 0
     for before, after in zip(marks, marks[1:]):
         di = (_iteration(after) or 0) - (_iteration(before) or 0)
-        dt = after.time - before.time - (after.number("Save seconds") or 0.0)
+        dt = after.time - before.time - (after.number(SAVE_SECONDS) or 0.0)
         if di > 0 and dt > 0:
             seconds, steps = seconds + dt, steps + di
     return seconds, steps
 
 
 def _iteration(event) -> Optional[int]:
-    value = event.number("Iteration")
+    value = event.number(ITERATION)
     return None if value is None else int(value)
 
 
@@ -192,11 +203,11 @@ def build_rows(runs: Sequence[Run], curves: Optional[TrainingCurves] = None,
         saves, loads = run.of(*SAVE_EVENTS), run.of(LOADED_CHECKPOINT)
         first_step, ending, restart = run.last(FIRST_STEP), run.last(ENDING_JOB), run.last(RESTART)
 
-        start = run.start.time - (run.start.number("Seconds since process start") or 0.0)
+        start = run.start.time - (run.start.number(SECONDS_SINCE_PROCESS_START) or 0.0)
         if ending is not None:
-            end, reason = ending.time, ending.fields.get("Reason")
+            end, reason = ending.time, ending.fields.get(REASON)
         elif restart is not None:
-            end, reason = restart.time - (restart.number("Lost seconds") or 0.0), restart.fields.get("Cause")
+            end, reason = restart.time - (restart.number(LOST_SECONDS) or 0.0), restart.fields.get(CAUSE)
         else:
             end, reason = max([run.start.time] + [e.time for e in run.events]), None
 
@@ -207,15 +218,15 @@ def build_rows(runs: Sequence[Run], curves: Optional[TrainingCurves] = None,
         last_it = max([it for _, it in marks] + [first_it]) if ended_it is None else ended_it
 
         # no load in a run whose log records loads (ours): 0 s, not unknown
-        load_s = _sum(loads, "Load seconds") if loads or run.restart_count is None else 0.0
+        load_s = _sum(loads, LOAD_SECONDS) if loads or run.restart_count is None else 0.0
         startup_s = None
-        if first_step is not None and first_step.number("Start-up seconds") is not None:
-            startup_s = max(first_step.number("Start-up seconds") - (load_s or 0.0), 0.0)
+        if first_step is not None and first_step.number(STARTUP_SECONDS) is not None:
+            startup_s = max(first_step.number(STARTUP_SECONDS) - (load_s or 0.0), 0.0)
 
         lost_steps: Optional[int] = None
         lost_s: Optional[float] = None
-        if ending is not None and ending.number("Steps lost") is not None:
-            lost_steps = int(ending.number("Steps lost"))
+        if ending is not None and ending.number(STEPS_LOST) is not None:
+            lost_steps = int(ending.number(STEPS_LOST))
             lost_s = lost_steps * step_s if step_s is not None else None
         elif restart is not None:  # died without counting: everything since the last checkpoint
             since = saves or ([first_step] if first_step else [])
@@ -223,7 +234,7 @@ def build_rows(runs: Sequence[Run], curves: Optional[TrainingCurves] = None,
                 lost_s = max(end - since[-1].time, 0.0)
                 lost_steps = round(lost_s / step_s) if step_s else None
 
-        load_s, startup_s, save_s, lost_s = _clip(end - start, load_s, startup_s, _sum(saves, "Save seconds"), lost_s)
+        load_s, startup_s, save_s, lost_s = _clip(end - start, load_s, startup_s, _sum(saves, SAVE_SECONDS), lost_s)
         device = device_kind(run.device) or device_fallback or (GPU if run.restart_count is None else UNKNOWN)
         trained = range(first_it + 1, last_it + 1)
         # the first step of a run compiles and warms up (start-up): left out unless it is the only one
@@ -244,8 +255,8 @@ def build_rows(runs: Sequence[Run], curves: Optional[TrainingCurves] = None,
             reason=reason,
             first_iteration=first_it,
             last_iteration=last_it,
-            job_throughput=saves[-1].number("Job throughput") if saves else None,
-            cumulative_throughput=saves[-1].number("Cumulative throughput") if saves else None,
+            job_throughput=saves[-1].number(JOB_THROUGHPUT) if saves else None,
+            cumulative_throughput=saves[-1].number(CUMULATIVE_THROUGHPUT) if saves else None,
             startup_s=startup_s,
             saves=len(saves),
             save_s=save_s,

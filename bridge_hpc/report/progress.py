@@ -42,6 +42,23 @@ RESULT_VALIDATION = "Result validation"
 
 SAVE_EVENTS = (SAVED_CHECKPOINT, SAVING_ASYNC)
 
+#: Field names that readers look up (the report, the benchmarks); the writer below spells them
+#: through these too. The ``First step`` line's :data:`STARTUP_PHASES` and ``Starting job``'s :data:`DEVICE`
+#: are defined next to their events.
+ITERATION = "Iteration"
+SAVE_SECONDS = "Save seconds"
+LOAD_SECONDS = "Load seconds"
+STEPS_LOST = "Steps lost"
+REASON = "Reason"
+STARTUP_SECONDS = "Start-up seconds"
+SECONDS_SINCE_PROCESS_START = "Seconds since process start"
+LOST_SECONDS = "Lost seconds"
+CAUSE = "Cause"
+JOB_THROUGHPUT = "Job throughput"
+CUMULATIVE_THROUGHPUT = "Cumulative throughput"
+FLOATING_POINT_OPERATIONS = "Floating-point operations"
+RESTART_COUNT = "Restart count"
+
 #: A ``Starting job`` field: what the ranks compute on, ``torch.cuda.get_device_name()`` (e.g. "NVIDIA
 #: H100 80GB HBM3") or "cpu". Megatron's "# GPUs" counts ranks whatever they run on; this says on what.
 DEVICE = "Device"
@@ -104,7 +121,7 @@ class Run:
 
     @property
     def restart_count(self) -> Optional[int]:
-        value = self.start.number("Restart count")
+        value = self.start.number(RESTART_COUNT)
         return None if value is None else int(value)
 
     @property
@@ -184,7 +201,7 @@ def cumulative_baseline(events: List[Event], world_size: int) -> Tuple[Optional[
     latest_flops = 0.0
     for event in events:
         if event.name == SAVED_CHECKPOINT:
-            flops = event.number("Floating-point operations")
+            flops = event.number(FLOATING_POINT_OPERATIONS)
             if flops is not None:
                 latest_flops = flops
         if event.world_size != world_size:
@@ -200,7 +217,7 @@ def longest_recent_save_s(path: str, saves: int = 5) -> Optional[float]:
     log): what the next save of the same job can be expected to take."""
     if not os.path.exists(path):
         return None
-    recorded = [e.number("Save seconds") for e in parse_events(path) if e.name in SAVE_EVENTS]
+    recorded = [e.number(SAVE_SECONDS) for e in parse_events(path) if e.name in SAVE_EVENTS]
     recorded = [s for s in recorded if s is not None][-saves:]
     return max(recorded) if recorded else None
 
@@ -252,9 +269,9 @@ class ProgressLog:
         start, flops = self._cumulative
         if start is None:  # this line is the first of this world size: it is the baseline
             self._cumulative = (parse_time(format_time(now)), flops)
-        fields = [("Restart count", str(self.restart_count))]
+        fields = [(RESTART_COUNT, str(self.restart_count))]
         if startup_s is not None:
-            fields.append(("Seconds since process start", f"{startup_s:.1f}"))
+            fields.append((SECONDS_SINCE_PROCESS_START, f"{startup_s:.1f}"))
         if device:
             fields.append((DEVICE, " ".join(device.split())))  # one line, one field: no tabs or newlines
         self._write(STARTING_JOB, fields, now)
@@ -263,7 +280,7 @@ class ProgressLog:
         """A checkpoint was loaded. ``flops_so_far`` (stored in the checkpoint) is where this job's
         FLOPs count starts, so job throughput counts only work done by this job."""
         self._job_start_flops = float(flops_so_far)
-        self._write(LOADED_CHECKPOINT, [("Iteration", str(iteration)), ("Load seconds", f"{load_s:.1f}")])
+        self._write(LOADED_CHECKPOINT, [(ITERATION, str(iteration)), (LOAD_SECONDS, f"{load_s:.1f}")])
 
     def first_step(self, iteration: int, phases: Optional[str] = None) -> float:
         """The first training step of this run is done; logs and returns the start-up seconds
@@ -272,7 +289,7 @@ class ProgressLog:
         ``Start-up phases``."""
         now = self.clock()
         startup = now - self._started()
-        fields = [("Iteration", str(iteration)), ("Start-up seconds", f"{startup:.1f}")]
+        fields = [(ITERATION, str(iteration)), (STARTUP_SECONDS, f"{startup:.1f}")]
         if phases:
             fields.append((STARTUP_PHASES, phases))
         self._write(FIRST_STEP, fields, now)
@@ -300,14 +317,14 @@ class ProgressLog:
         cum_start, cum_flops = self._cumulative or (now, 0.0)
         cum_tp = (flops_so_far - cum_flops) / (max(now - cum_start, 1e-9) * scale)
         fields = [
-            ("Iteration", str(iteration)),
-            ("Job throughput", f"{job_tp:.1f} TFLOP/s/GPU"),
-            ("Cumulative throughput", f"{cum_tp:.1f} TFLOP/s/GPU"),
-            ("Floating-point operations", f"{flops_so_far:.2e}"),
+            (ITERATION, str(iteration)),
+            (JOB_THROUGHPUT, f"{job_tp:.1f} TFLOP/s/GPU"),
+            (CUMULATIVE_THROUGHPUT, f"{cum_tp:.1f} TFLOP/s/GPU"),
+            (FLOATING_POINT_OPERATIONS, f"{flops_so_far:.2e}"),
             ("Tokens (in billions)", f"{tokens / 1e9:.2f}"),
         ]
         if save_s is not None:
-            fields.append(("Save seconds", f"{save_s:.1f}"))
+            fields.append((SAVE_SECONDS, f"{save_s:.1f}"))
         self._write(SAVING_ASYNC if async_ else SAVED_CHECKPOINT, fields, now)
         return job_tp, cum_tp
 
@@ -319,10 +336,10 @@ class ProgressLog:
         self._write(
             ENDING_JOB,
             [
-                ("Reason", reason),
-                ("Iteration", str(iteration)),
-                ("Steps lost", str(steps_lost)),
-                ("Restart count", str(self.restart_count)),
+                (REASON, reason),
+                (ITERATION, str(iteration)),
+                (STEPS_LOST, str(steps_lost)),
+                (RESTART_COUNT, str(self.restart_count)),
             ],
         )
 
@@ -330,28 +347,28 @@ class ProgressLog:
         """Fault tolerance restarts training inside this allocation; call before the next
         :meth:`starting_job`. ``lost_s`` = seconds from the fault to now (detection and teardown),
         which the report charges to the run that failed."""
-        self._write(RESTART, [("Cause", cause), ("Lost seconds", f"{lost_s:.1f}")])
+        self._write(RESTART, [(CAUSE, cause), (LOST_SECONDS, f"{lost_s:.1f}")])
 
     def checkpoint_fallback(self, damaged: str, moved_to: str, reason: str, using: str) -> None:
         """The newest checkpoint failed verification or loading: it was moved aside to ``moved_to`` and
         the run loads ``using`` instead (a folder name, or "none"). Recorded so that a person reading the
         log sees why the run resumed further back than the tracker said."""
-        self._write(CHECKPOINT_FALLBACK, [("Damaged", damaged), ("Moved to", moved_to), ("Reason", reason),
+        self._write(CHECKPOINT_FALLBACK, [("Damaged", damaged), ("Moved to", moved_to), (REASON, reason),
                                           ("Using", using)])
 
     def result_validation(self, iteration: int, check: str, diagnosis: str, ranks: int, action: str) -> None:
         """Step ``iteration`` failed ``check`` (e.g. ``nan_loss``, ``spiky_loss``) on ``ranks`` ranks and was
         re-run on the same batch: ``diagnosis`` "deterministic" (the re-run reproduced it) or "transient";
         ``action`` "continue" (training went on with the re-run's result) or "stop"."""
-        self._write(RESULT_VALIDATION, [("Iteration", str(iteration)), ("Check", check), ("Diagnosis", diagnosis),
+        self._write(RESULT_VALIDATION, [(ITERATION, str(iteration)), ("Check", check), ("Diagnosis", diagnosis),
                                         ("Ranks", str(ranks)), ("Action", action)])
 
     def checkpoint_save_failed(self, iteration: int, failures: int, stop: bool, reason: str) -> None:
         """A background save of ``iteration`` failed (``failures`` in a row); the run stops (``stop``)
         or goes on and retries at its next save. Recorded so that a gap between saved checkpoints has
         its cause next to it."""
-        self._write(CHECKPOINT_SAVE_FAILED, [("Iteration", str(iteration)), ("Failures in a row", str(failures)),
-                                             ("Action", "stop" if stop else "retry"), ("Reason", reason)])
+        self._write(CHECKPOINT_SAVE_FAILED, [(ITERATION, str(iteration)), ("Failures in a row", str(failures)),
+                                             ("Action", "stop" if stop else "retry"), (REASON, reason)])
 
     # -- plumbing ----------------------------------------------------------------------------------
 

@@ -33,10 +33,8 @@ def tracked_checkpoint(load_dir: Optional[str]) -> Optional[str]:
         return None
     if run_folder.ITERATION_DIR_RE.match(os.path.basename(os.path.normpath(load_dir))):
         return load_dir
-    try:
-        with open(run_folder.checkpoint_file(load_dir, run_folder.TRACKER_FILE)) as f:
-            iteration = int(f.read().strip())
-    except (OSError, ValueError):
+    iteration = run_folder.tracked_iteration(load_dir)
+    if iteration is None:
         return None
     folder = run_folder.iteration_dir(load_dir, iteration)
     return folder if os.path.isdir(folder) else None

@@ -173,22 +173,6 @@ def complete_iterations(root: str) -> List[int]:
     return sorted(found)
 
 
-def _read_tracker(root: str) -> Tuple[Optional[int], Optional[str]]:
-    """(iteration, None) or (None, why the tracker cannot be used)."""
-    path = os.path.join(root, TRACKER)
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except FileNotFoundError:
-        return None, f"{TRACKER} is missing"
-    except (OSError, UnicodeDecodeError) as err:
-        return None, f"{TRACKER} is unreadable ({err})"
-    try:
-        return int(text), None
-    except ValueError:
-        return None, f"{TRACKER} holds {text[:40]!r}, not an iteration"
-
-
 def _load_order(root: str) -> Tuple[List[str], Optional[int], Optional[str]]:
     """The complete checkpoint folders to try, best first, the tracker's iteration (None: unusable),
     and a warning about the tracker (or None).
@@ -199,7 +183,7 @@ def _load_order(root: str) -> Tuple[List[str], Optional[int], Optional[str]]:
     Otherwise every complete checkpoint is a candidate, newest first.
     """
     iterations = complete_iterations(root)
-    tracked, problem = _read_tracker(root)
+    tracked, problem = run_folder.read_tracker(root)
     if tracked is not None and tracked in iterations:
         newer = [i for i in iterations if i > tracked]
         if newer:
