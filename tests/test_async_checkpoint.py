@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List, Optional
+from typing import List
 
 import pytest
 import torch
@@ -37,7 +37,7 @@ from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.report.progress import CHECKPOINT_SAVE_FAILED, parse_events
 from bridge_hpc.training import checkpointing
-from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint, iteration_dir, verify_checkpoint
+from bridge_hpc.training.checkpointing import find_latest_checkpoint, iteration_dir, verify_checkpoint
 from bridge_hpc.training.config import CheckpointConfig
 from bridge_hpc.training.metrics import read_metrics
 
@@ -91,13 +91,6 @@ def _run(job: str, *overrides: str) -> str:
     return output
 
 
-def _tracked(ckpts: str) -> Optional[int]:
-    try:
-        with open(os.path.join(ckpts, TRACKER)) as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None
-
 
 def _failed_saves(ckpts: str) -> list:
     return [e for e in parse_events(os.path.join(ckpts, run_folder.PROGRESS_FILE)) if e.name == CHECKPOINT_SAVE_FAILED]
@@ -145,7 +138,7 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
     while kills < 10:
         proc = _start(job, *ASYNC, "checkpoint.save_interval=1", stdout=subprocess.DEVNULL)
         deadline = time.time() + RUN_TIMEOUT_S
-        while time.time() < deadline and proc.poll() is None and (_tracked(ckpts) or 0) <= last:
+        while time.time() < deadline and proc.poll() is None and (run_folder.tracked_iteration(ckpts) or 0) <= last:
             time.sleep(0.005)
         if proc.poll() is not None:  # it ran to the end: the kills are done
             assert proc.returncode == 0
@@ -158,7 +151,7 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
         latest = find_latest_checkpoint(ckpts, world_size=2)
         assert latest is not None
         iteration = int(latest[-7:])
-        assert iteration >= last and _tracked(ckpts) == iteration  # the tracker names the newest finalized one
+        assert iteration >= last and run_folder.tracked_iteration(ckpts) == iteration  # the tracker: the newest finalized
         assert verify_checkpoint(latest, world_size=2) is None
         common = torch.load(os.path.join(latest, checkpointing.COMMON_FILE), weights_only=False)
         assert common["iteration"] == iteration == common["train_state"]["step"]
@@ -174,7 +167,7 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
     _run(job, *ASYNC, "checkpoint.save_interval=1")
     _assert_same_training(job, straight, tmp_path)
     assert not [n for n in os.listdir(ckpts) if n.endswith((".tmp", ".del"))]
-    assert _tracked(ckpts) == ITERS
+    assert run_folder.tracked_iteration(ckpts) == ITERS
 
 
 def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straight, tmp_path):
@@ -182,7 +175,7 @@ def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straigh
     ckpts = _ckpts(job)
     proc = _start(job, *ASYNC, "checkpoint.save_interval=8", "checkpoint.most_recent_k=-1")
     deadline = time.time() + RUN_TIMEOUT_S
-    while _tracked(ckpts) != 8 and time.time() < deadline and proc.poll() is None:
+    while run_folder.tracked_iteration(ckpts) != 8 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.005)
     worker = worker_of_rank(proc.pid, 1)
     assert worker is not None, "rank 1 has no checkpoint worker"
@@ -250,6 +243,6 @@ def test_a_full_disk_fails_async_saves_until_the_run_stops(small_disk, tmp_path)
     assert max(metrics) == int(ending[0].fields["Iteration"]) in (7, 8)
 
     # The checkpoint before the failures is intact and tracked; the failed ones left nothing.
-    assert _tracked(ckpts) == 2 and verify_checkpoint(iteration_dir(ckpts, 2), world_size=2) is None
+    assert run_folder.tracked_iteration(ckpts) == 2 and verify_checkpoint(iteration_dir(ckpts, 2), world_size=2) is None
     assert sorted(n for n in os.listdir(ckpts) if n.startswith("iter_")) == ["iter_0000002"]
     assert_no_process_left(os.path.dirname(job))  # the failed rank left with os._exit

@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_rerun import FAULTY, _config, _tracker, one_rank  # noqa: F401 - one_rank is a fixture
+from test_rerun import FAULTY, _config, one_rank  # noqa: F401 - one_rank is a fixture
 
+from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import RESULT_VALIDATION, parse_progress
 from bridge_hpc.training import rerun
 from bridge_hpc.training.config import RerunStateMachineConfig
@@ -52,7 +53,7 @@ def test_a_nan_stops_one_gpu_run_with_the_step_before_saved(one_rank, tmp_path, 
                   "train.eval_interval=0", "checkpoint.save_interval=100", "logger.log_progress=true",
                   'rerun_state_machine.rerun_mode="validate_results"')
     pretrain(cfg, load_forward_step(f"{FAULTY}:forward_step"))
-    assert _tracker(cfg.checkpoint.save) == 3
+    assert run_folder.tracked_iteration(cfg.checkpoint.save) == 3
     (run,) = parse_progress(os.path.join(cfg.checkpoint.save, "progress.txt"))
     assert run.last(RESULT_VALIDATION).fields["Diagnosis"] == "deterministic"
     assert run.last("Ending job").fields["Reason"] == "nan_loss"
