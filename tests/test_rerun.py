@@ -181,13 +181,17 @@ def test_spiky_losses_are_judged_and_training_goes_on(machine_for):
     assert [b for b, _ in attempts] == [105] and verdict == (False, False, 0)  # a step reads its own batch
 
 
-def test_disabled_mode_stops_the_rank_at_a_nan_without_a_rerun(machine_for):
+@pytest.mark.parametrize("bad, message", [(float("nan"), "found NaN in"), (float("inf"), "found Inf in"),
+                                          (float("-inf"), "found Inf in")])
+def test_disabled_mode_stops_the_rank_at_a_nan_without_a_rerun(machine_for, bad, message):
     """megatron-core's behaviour without re-runs (Bridge's default mode): a RuntimeError naming the
-    check. On CPU too (megatron-core names the GPU in that message)."""
+    check. On CPU too (megatron-core names the GPU in that message). validate_loss asks the machine
+    only about a loss that is not finite: the right check must still answer."""
     _, machine, step = machine_for()
     step(1, lambda a: 3.0)
-    with pytest.raises(RuntimeError, match="found NaN in local forward loss calculation"):
-        step(2, lambda a: float("nan"))
+    step(2, lambda a: 2.5)
+    with pytest.raises(RuntimeError, match=message + " local forward loss calculation"):
+        step(3, lambda a: bad)
 
 
 def test_report_determinism_stats_runs_every_step_twice_on_the_same_batch(machine_for):

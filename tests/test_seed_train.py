@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from bridge_test_helpers import free_port
+from test_rerun import one_rank  # noqa: F401 - a fixture: a world of one for pretrain
 
 torch = pytest.importorskip("torch")
 
@@ -342,3 +343,35 @@ def test_post_training_step_callbacks_close_the_profiler_window_and_the_nvtx_con
     train.post_training_step_callbacks([], 0.0, None, 4, prof, cfg, False, nsys_nvtx_context=nvtx)
     assert nvtx.exits == [(None, None, None)]  # exited once, at profile_step_end
     assert len(traces) == 1 and traces[0] > 0  # prof.stop() at profile_step_end wrote the window's trace
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("manual_gc", [True, False])
+def test_manual_gc_turns_automatic_collection_off_for_the_steps_only(tmp_path, manual_gc):
+    """Megatron's and Bridge's ``train.manual_gc``: garbage is collected only by the loop (every
+    ``manual_gc_interval`` steps), never by Python's own trigger on one rank in the middle of a step;
+    the process gets its automatic collection back when training returns."""
+    import gc
+
+    from bridge_hpc.training.gpt_step import forward_step
+    from bridge_hpc.training.pretrain import pretrain
+
+    seen = []
+
+    def recording_forward_step(state, data_iterator, model):
+        seen.append(gc.isenabled())
+        return forward_step(state, data_iterator, model)
+
+    cfg = _config(tmp_path, f"job.run_dir={tmp_path / 'run'}", "train.train_iters=6", "train.global_batch_size=4",
+                  "train.eval_interval=0", f"train.manual_gc={str(manual_gc).lower()}", "train.manual_gc_interval=2")
+    assert gc.isenabled()
+    pretrain(cfg, recording_forward_step)
+    assert len(seen) == 6 * 4 // 2 and set(seen) == {not manual_gc}, seen  # every micro-batch of every step
+    assert gc.isenabled()
+
+
+def test_a_negative_manual_gc_interval_is_refused_naming_the_key(tmp_path):
+    from bridge_hpc.contracts.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.manual_gc_interval"):
+        _config(tmp_path, "train.manual_gc=true", "train.manual_gc_interval=-1")

@@ -310,6 +310,9 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = True
     exit_signal: Optional[Union[str, List[str]]] = None
+    #: Megatron's ``--manual-gc``: Python's automatic garbage collection is off while training, and a
+    #: full collection runs every ``manual_gc_interval`` steps (0: only when training starts), at the
+    #: same step on every rank, instead of whenever one rank's allocations trigger it.
     manual_gc: bool = False
     manual_gc_interval: int = 0
     skip_train: Optional[bool] = None
@@ -331,6 +334,7 @@ class TrainingConfig:
             _check(value is None or value >= 0, f"train.{key}", "must be >= 0")
         _check(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                "train.exit_duration_in_mins", "must be > 0")
+        _check(self.manual_gc_interval >= 0, "train.manual_gc_interval", "must be >= 0 (0: never collect during training)")
         if self.exit_signal is None:
             self.exit_signal = list(signals.default_rank_signals())
         if isinstance(self.exit_signal, str):

@@ -18,7 +18,7 @@ import os
 import time
 from collections import deque
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -383,57 +383,76 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
     # End-of-step times for logger.log_throughput_to_tensorboard (train_utils.report_throughput's window).
     history_wct = deque(maxlen=cfg.logger.throughput_window_size) if cfg.logger.log_throughput_to_tensorboard else None
     report_memory_flag = True
-    while True:
-        # 1. one optimizer step
-        ft.step_start(ts.step)
-        ft.maybe_simulate_fault(ts.step)
-        straggler.step_start()
-        timers("interval-time", log_level=0).start()
-        start_position = rerun.position_of(train_data_iterator)
-        loss_dict, skipped_iter, _, should_exit, _, grad_norm, num_zeros_in_grad = train_step(
-            forward_step_func, step_iterator, model, optimizer, scheduler, global_state)
-        timers("interval-time", log_level=0).stop()
-        straggler.step_end()
-        ft.step_end(ts.step)
-        step_time_s = timers("interval-time", log_level=0).elapsed(reset=True)
-        rerun.report_rerun(global_state, ts.step + 1, should_exit)  # collective only after a re-run
-        if should_exit:
-            # The step failed result validation and does not count: save the one before (at the data
-            # position this step started from) and stop, for the reason rerun.report_rerun agreed on.
-            checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
-                                       checkpointing_context, start_position)
-            break
+    with _manual_gc(cfg.train.manual_gc):
+        while True:
+            # 1. one optimizer step
+            ft.step_start(ts.step)
+            ft.maybe_simulate_fault(ts.step)
+            straggler.step_start()
+            timers("interval-time", log_level=0).start()
+            start_position = rerun.position_of(train_data_iterator)
+            loss_dict, skipped_iter, _, should_exit, _, grad_norm, num_zeros_in_grad = train_step(
+                forward_step_func, step_iterator, model, optimizer, scheduler, global_state)
+            timers("interval-time", log_level=0).stop()
+            straggler.step_end()
+            ft.step_end(ts.step)
+            step_time_s = timers("interval-time", log_level=0).elapsed(reset=True)
+            rerun.report_rerun(global_state, ts.step + 1, should_exit)  # collective only after a re-run
+            if should_exit:
+                # The step failed result validation and does not count: save the one before (at the data
+                # position this step started from) and stop, for the reason rerun.report_rerun agreed on.
+                checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                           checkpointing_context, start_position)
+                break
 
-        # 2. counters; the straggler verdict (collective on report steps, the same on every rank)
-        step_flops = _count_step(global_state, step_time_s, skipped_iter)
-        if history_wct is not None:
-            history_wct.append(time.time() - global_state.start_time)
-        if straggler.check(ts.step):
-            global_state.straggler_stop = True
+            # 2. counters; the straggler verdict (collective on report steps, the same on every rank)
+            step_flops = _count_step(global_state, step_time_s, skipped_iter)
+            if history_wct is not None:
+                history_wct.append(time.time() - global_state.start_time)
+            if straggler.check(ts.step):
+                global_state.straggler_stop = True
 
-        # 3. log, evaluate, housekeeping
-        # (an evaluation first, so that its loss joins this step's record in metrics.jsonl)
-        if cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 and valid_data_iterator is not None:
-            # As Megatron: with overlapped param all-gather the shards from the last optimizer step
-            # arrive only in the next training forward, so evaluation gathers them first.
-            with forward_pre_hooks_off(global_state, model):
-                evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func,
-                                           valid_data_iterator, model, process_non_loss_data_func, non_loss_data_func)
-        learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
-        if not cfg.logger.skip_train_metrics_log:
-            report_memory_flag = training_log(loss_dict, learning_rate, skipped_iter, grad_norm, num_zeros_in_grad,
-                                              step_time_s, global_state, global_state.metrics, model=model,
-                                              history_wct=history_wct, report_memory_flag=report_memory_flag)
-        post_training_step_callbacks(model, step_flops, None, ts.step, prof, cfg)
-        if prof is not None and ts.step >= cfg.profiling.profile_step_end:
-            prof = None
+            # 3. log, evaluate, housekeeping
+            # (an evaluation first, so that its loss joins this step's record in metrics.jsonl)
+            if cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 and valid_data_iterator is not None:
+                # As Megatron: with overlapped param all-gather the shards from the last optimizer step
+                # arrive only in the next training forward, so evaluation gathers them first.
+                with forward_pre_hooks_off(global_state, model):
+                    evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func,
+                                               valid_data_iterator, model, process_non_loss_data_func, non_loss_data_func)
+            learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
+            if not cfg.logger.skip_train_metrics_log:
+                report_memory_flag = training_log(loss_dict, learning_rate, skipped_iter, grad_norm, num_zeros_in_grad,
+                                                  step_time_s, global_state, global_state.metrics, model=model,
+                                                  history_wct=history_wct, report_memory_flag=report_memory_flag)
+            post_training_step_callbacks(model, step_flops, None, ts.step, prof, cfg)
+            if prof is not None and ts.step >= cfg.profiling.profile_step_end:
+                prof = None
 
-        # 4. save and/or stop
-        if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
-                                      checkpointing_context, train_data_iterator):
-            break
+            # 4. save and/or stop
+            if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                          checkpointing_context, train_data_iterator):
+                break
     if prof is not None:
         prof.stop()
+
+
+@contextlib.contextmanager
+def _manual_gc(on: bool) -> Iterator[None]:
+    """``train.manual_gc`` (Megatron's and Bridge's): Python's automatic garbage collection is off for the
+    steps, after one full collection (``post_training_step_callbacks`` collects every
+    ``train.manual_gc_interval`` steps); the caller's setting is back when training returns."""
+    if not on:
+        yield
+        return
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.collect()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _count_step(state: GlobalState, step_time_s: float, skipped_iter: int) -> float:
