@@ -249,11 +249,12 @@ def destroy_rerun_state() -> None:
 def validate_loss(loss: torch.Tensor, config: RerunStateMachineConfig) -> None:
     """Bridge's loss checks on one micro-batch's training loss (as its loss function returned it),
     through the machine: NaN and Inf (fatal) with ``check_for_nan_in_loss``, spiky (not fatal) with
-    ``check_for_spiky_loss``. Each reads the loss's value: one device sync per check on GPU.
+    ``check_for_spiky_loss``. Each check reads the loss's value: a device sync on GPU.
 
     With ``rerun_mode = "disabled"`` the machine only rejects (raises on a NaN or Inf loss): a finite
-    loss, found by one check, skips the machine's two calls, which would both pass. In the other modes
-    every call counts (the machine numbers them to match a re-run's calls with the first run's)."""
+    loss, found by one check (one sync), skips the machine's two calls, which would both pass. In the
+    other modes every call counts (the machine numbers them to match a re-run's calls with the first
+    run's)."""
     machine = get_rerun_state_machine()
     value = loss.detach()
     check_nan_and_inf = config.check_for_nan_in_loss and (
