@@ -50,7 +50,7 @@ from bridge_test_helpers import (  # noqa: E402
     wait_running_past,
 )
 
-from bridge_hpc.contracts.run_folder import CHECKPOINTS_DIR, tracked_iteration  # noqa: E402
+from bridge_hpc.contracts.run_folder import CHECKPOINTS_DIR, METRICS_FILE, PROGRESS_FILE, tracked_iteration  # noqa: E402
 from bridge_hpc.report.progress import (  # noqa: E402
     ENDING_JOB,
     FIRST_STEP,
@@ -94,7 +94,7 @@ def tracker_iteration(run_dir: Path) -> Optional[int]:
     return tracked_iteration(str(run_dir / CHECKPOINTS_DIR))
 
 
-def time_exit(run_dir: Path, before: int, t0: float, is_gone: Callable[[], bool],
+def time_exit(run_dir: Path, before: Optional[int], t0: float, is_gone: Callable[[], bool],
               limit_s: float) -> Tuple[Optional[float], Optional[float]]:
     """Seconds from ``t0`` (the signal) until the tracker names an iteration other than ``before``
     (the exit checkpoint is durable) and until ``is_gone()``; None for one not seen in ``limit_s``."""
@@ -127,10 +127,10 @@ def preempt_every(run_dir: Path, iters: int, every: int) -> dict:
               f"ranks gone after {gone:.2f} s", flush=True)
         target = steps_done(run_dir) + every
     state = drive(job_id)
-    runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
+    runs = parse_progress(str(run_dir / CHECKPOINTS_DIR / PROGRESS_FILE))
     report = json.loads(subprocess.run([sys.executable, "-m", "bridge_hpc.cli.report", str(run_dir), "--json"],
                                        capture_output=True, text=True, check=True).stdout)
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     step_s = statistics.median(m["step_time_s"] for m in metrics)
     saves = [float(e.fields[SAVE_SECONDS]) for r in runs for e in r.of(SAVED_CHECKPOINT) if SAVE_SECONDS in e.fields]
     startups = [float(r.last(FIRST_STEP).fields[STARTUP_SECONDS]) for r in runs if r.last(FIRST_STEP)]
@@ -168,7 +168,7 @@ def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False, n
         env = direct_rank_env()
         log = open(folder / f"run{cycle}.log", "w")
         start_step = steps_done(run_dir)
-        checkpoints = run_dir / "checkpoints"
+        checkpoints = run_dir / CHECKPOINTS_DIR
         if new_node and checkpoints.is_dir():
             evict_from_page_cache([str(p) for p in checkpoints.rglob("*") if p.is_file()])
         proc = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", str(job)], cwd=folder, env=env,
@@ -197,8 +197,8 @@ def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False, n
                 proc.kill()
                 proc.wait()
             log.close()
-    runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    runs = parse_progress(str(run_dir / CHECKPOINTS_DIR / PROGRESS_FILE))
+    metrics = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
     step_s = statistics.median(m["step_time_s"] for m in metrics)
     startups = [float(r.last(FIRST_STEP).fields[STARTUP_SECONDS]) for r in runs if r.last(FIRST_STEP)]
     loads = [float(r.last(LOADED_CHECKPOINT).fields[LOAD_SECONDS]) for r in runs if r.last(LOADED_CHECKPOINT)]
