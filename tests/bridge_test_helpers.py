@@ -409,7 +409,12 @@ GLOO_RANKS_TIMEOUT_S = 300.0
 def _rank_then_exit(rank: int, fn: Callable, *args) -> None:
     """A spawned rank: ``fn(rank, *args)``, then out through ``os._exit`` as the toolkit's ranks
     leave (``run._leave``). A rank that had returned normally once hung in the interpreter's teardown
-    after ``destroy_process_group`` (a futex, CI of 2026-11-26), and the test waited forever."""
+    after ``destroy_process_group`` (a futex, CI of 2026-11-26), and the test waited forever. A rank
+    still running shortly before :func:`run_gloo_ranks` kills it writes its threads' stacks to stderr
+    (the test's captured output), so that a hang shows where it is."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(GLOO_RANKS_TIMEOUT_S - 15, 1), exit=False)
     fn(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()
