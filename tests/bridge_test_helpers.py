@@ -18,6 +18,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,12 +27,14 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from bridge_hpc.contracts.run_folder import METRICS_FILE, RunFolder
+from bridge_hpc.contracts.run_folder import CHECKPOINTS_DIR, METRICS_FILE, RunFolder
 from bridge_hpc.slurm.query import TERMINAL_STATES
 from bridge_hpc.training.checkpoint_worker import WORKER_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "local-tiny.toml"
+#: The tests' tiny GPT job (tests/data/tiny.toml): 2 CPU ranks, run folder ``runs/tiny`` beside the job file.
+TINY = ROOT / "tests" / "data" / "tiny.toml"
 #: A forward step with faults and delays chosen by environment variables (see its docstring)
 FAULTY_FORWARD_STEP = ROOT / "tests" / "data" / "faulty_forward_step.py"
 
@@ -61,6 +64,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+def tiny_job(directory) -> str:
+    """A copy of :data:`TINY` in ``directory`` (created): its run folder is then ``directory/runs/tiny``."""
+    os.makedirs(directory, exist_ok=True)
+    job = os.path.join(directory, "job.toml")
+    shutil.copy(TINY, job)
+    return job
+
+
+def tiny_run_dir(job: str) -> str:
+    """The run folder of a :func:`tiny_job` copy."""
+    return os.path.join(os.path.dirname(job), "runs", "tiny")
+
+
+def tiny_checkpoints(job: str) -> str:
+    """The checkpoint folder of a :func:`tiny_job` copy."""
+    return os.path.join(tiny_run_dir(job), CHECKPOINTS_DIR)
 
 
 def submit_cli(*args: str, cwd: Path, env=None, timeout: float = 180) -> subprocess.CompletedProcess:

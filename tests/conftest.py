@@ -8,6 +8,8 @@ Fixtures
 ``slurm_cluster_2nodes`` (module)
     The cluster reconfigured to nodes ``n1`` and ``n2`` (both this machine, 127.0.0.1) for the tests of
     one module; afterwards the node count it had before is restored.
+``one_rank`` (function)
+    torch.distributed's environment for a world of one, for tests that run ``pretrain`` in-process.
 ``slurm_cluster_nodes`` (function)
     A factory: ``cluster = slurm_cluster_nodes(3)``; the previous node count is restored after the test.
 
@@ -30,7 +32,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
+from bridge_test_helpers import free_port
 
+from bridge_hpc.contracts.requeue import REQUEUE_FILE_ENV
 from bridge_hpc.local_slurm.cluster import LocalCluster
 
 
@@ -124,3 +128,24 @@ def slurm_cluster_nodes(_slurm_session) -> Callable[[int], LocalCluster]:
 
     yield make
     _restore(_slurm_session, before)
+
+
+@pytest.fixture
+def one_rank(monkeypatch, tmp_path):
+    """torch.distributed's environment for a world of one (pretrain brings the group up), a requeue
+    request file, and the process group torn down after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(REQUEUE_FILE_ENV, str(tmp_path / "requeue.json"))
+    yield tmp_path / "requeue.json"
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import glob
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +30,17 @@ from typing import List
 
 import pytest
 import torch
-from bridge_test_helpers import assert_bitwise_equal, assert_no_process_left, free_port, kill_tree, model_params, worker_of_rank
+from bridge_test_helpers import (
+    assert_bitwise_equal,
+    assert_no_process_left,
+    free_port,
+    kill_tree,
+    model_params,
+    tiny_checkpoints,
+    tiny_job,
+    tiny_run_dir,
+    worker_of_rank,
+)
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
@@ -41,26 +50,10 @@ from bridge_hpc.training.checkpointing import find_latest_checkpoint, iteration_
 from bridge_hpc.training.config import CheckpointConfig
 from bridge_hpc.training.metrics import read_metrics
 
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 ITERS = 40
 ASYNC = ("checkpoint.async_save=true", "logger.log_progress=true")
 #: A run takes 10-20 s here; one still going after this is hanging.
 RUN_TIMEOUT_S = 150
-
-
-def _job(directory) -> str:
-    os.makedirs(directory, exist_ok=True)
-    job = os.path.join(directory, "job.toml")
-    shutil.copy(TINY, job)
-    return job
-
-
-def _run_dir(job: str) -> str:
-    return os.path.join(os.path.dirname(job), "runs", "tiny")
-
-
-def _ckpts(job: str) -> str:
-    return os.path.join(_run_dir(job), run_folder.CHECKPOINTS_DIR)
 
 
 def _start(job: str, *overrides: str, stdout=subprocess.PIPE) -> subprocess.Popen:
@@ -102,14 +95,14 @@ def _saved(ckpts: str) -> List[int]:
 
 
 def _assert_same_training(job: str, straight: str, scratch) -> None:
-    a = read_metrics(os.path.join(_run_dir(straight), run_folder.METRICS_FILE))
-    b = read_metrics(os.path.join(_run_dir(job), run_folder.METRICS_FILE))
+    a = read_metrics(os.path.join(tiny_run_dir(straight), run_folder.METRICS_FILE))
+    b = read_metrics(os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE))
     assert sorted(b) == list(range(1, ITERS + 1))
     for step in range(1, ITERS + 1):  # exact, not approximate
         assert (b[step]["loss"], b[step]["grad_norm"]) == (a[step]["loss"], a[step]["grad_norm"]), step
     final = f"iter_{ITERS:07d}"
-    assert_bitwise_equal(model_params(os.path.join(_ckpts(straight), final), str(scratch)),
-                         model_params(os.path.join(_ckpts(job), final), str(scratch)))
+    assert_bitwise_equal(model_params(os.path.join(tiny_checkpoints(straight), final), str(scratch)),
+                         model_params(os.path.join(tiny_checkpoints(job), final), str(scratch)))
 
 
 def test_async_save_max_failures_must_allow_one_save():
@@ -122,7 +115,7 @@ def test_async_save_max_failures_must_allow_one_save():
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> str:
     """40 steps in one go, synchronous saves."""
-    job = _job(tmp_path_factory.mktemp("straight"))
+    job = tiny_job(tmp_path_factory.mktemp("straight"))
     _run(job)
     return job
 
@@ -131,8 +124,8 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
     """Saving every step in the background, SIGKILL everything at a random instant after the attempt's
     first own save finalized (its worker is warm: the next saves overlap steps); check what a resume
     would load after each kill, then finish the run."""
-    job = _job(tmp_path / "killed")
-    ckpts = _ckpts(job)
+    job = tiny_job(tmp_path / "killed")
+    ckpts = tiny_checkpoints(job)
     rng = random.Random(20261124)
     last, kills, in_flight = 0, 0, 0
     while kills < 10:
@@ -171,8 +164,8 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
 
 
 def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straight, tmp_path):
-    job = _job(tmp_path / "worker")
-    ckpts = _ckpts(job)
+    job = tiny_job(tmp_path / "worker")
+    ckpts = tiny_checkpoints(job)
     proc = _start(job, *ASYNC, "checkpoint.save_interval=8", "checkpoint.most_recent_k=-1")
     deadline = time.time() + RUN_TIMEOUT_S
     while run_folder.tracked_iteration(ckpts) != 8 and time.time() < deadline and proc.poll() is None:
@@ -219,7 +212,7 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_fails_async_saves_until_the_run_stops(small_disk, tmp_path):
-    job = _job(tmp_path / "job")
+    job = tiny_job(tmp_path / "job")
     ckpts = os.path.join(small_disk, "checkpoints")
     start = time.monotonic()
     status, output = _finish(_start(job, *ASYNC, f'checkpoint.save="{ckpts}"', "checkpoint.save_interval=2",
@@ -239,7 +232,7 @@ def test_a_full_disk_fails_async_saves_until_the_run_stops(small_disk, tmp_path)
     assert [e.fields["Reason"] for e in ending] == ["error"]
     # It trained on past the first failure and stopped when the second was known (the step after that
     # save started, or the one after: a save's outcome is checked after each step).
-    metrics = read_metrics(os.path.join(_run_dir(job), run_folder.METRICS_FILE))
+    metrics = read_metrics(os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE))
     assert max(metrics) == int(ending[0].fields["Iteration"]) in (7, 8)
 
     # The checkpoint before the failures is intact and tracked; the failed ones left nothing.

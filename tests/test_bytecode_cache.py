@@ -18,6 +18,7 @@ import sys
 import textwrap
 
 import pytest
+from bridge_test_helpers import TINY
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.launch.jobconfig import load_job_config
@@ -89,7 +90,6 @@ def test_nothing_changes_where_bytecode_exists_or_is_not_wanted(package, tmp_pat
     assert not cache.exists()
 
 
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 
 
 def _load(tmp_path, value: str):

@@ -22,7 +22,7 @@ import time
 from typing import Callable, Optional
 
 import pytest
-from bridge_test_helpers import descendants, free_port
+from bridge_test_helpers import descendants, free_port, tiny_checkpoints, tiny_job, tiny_run_dir
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import parse_events
@@ -30,27 +30,11 @@ from bridge_hpc.training import checkpointing
 from bridge_hpc.training.checkpointing import MANIFEST_FILE, TRACKER, iteration_dir, verify_checkpoint
 from bridge_hpc.training.metrics import read_metrics
 
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 #: Checkpoints at 2, 4 and 6, all kept.
 SETTINGS = ("train.train_iters=6", "checkpoint.save_interval=2", "checkpoint.most_recent_k=-1",
             "logger.log_progress=true")
 #: A run takes about 8 s here; a run still going after this is hanging.
 RUN_TIMEOUT_S = 120
-
-
-def _job(directory) -> str:
-    os.makedirs(directory, exist_ok=True)
-    job = os.path.join(directory, "job.toml")
-    shutil.copy(TINY, job)
-    return job
-
-
-def _run_dir(job: str) -> str:
-    return os.path.join(os.path.dirname(job), "runs", "tiny")
-
-
-def _ckpts(job: str) -> str:
-    return os.path.join(_run_dir(job), run_folder.CHECKPOINTS_DIR)
 
 
 class Result:
@@ -95,17 +79,17 @@ def _ok(result: Result) -> Result:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """Losses of 6 steps in one go."""
-    job = _job(tmp_path_factory.mktemp("straight"))
+    job = tiny_job(tmp_path_factory.mktemp("straight"))
     _ok(_run(job, *SETTINGS))
-    return read_metrics(os.path.join(_run_dir(job), run_folder.METRICS_FILE))
+    return read_metrics(os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE))
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """The checkpoint folder of a run that stopped at iteration 4: iter_2 and iter_4, tracker 4."""
-    job = _job(tmp_path_factory.mktemp("base"))
+    job = tiny_job(tmp_path_factory.mktemp("base"))
     _ok(_run(job, *SETTINGS, "train.exit_interval=4"))
-    ckpts = _ckpts(job)
+    ckpts = tiny_checkpoints(job)
     assert checkpointing.complete_iterations(ckpts) == [2, 4]
     return ckpts
 
@@ -161,8 +145,8 @@ CASES = [
 
 @pytest.mark.parametrize("damage,resumed_at,reported", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
 def test_resume_from_a_damaged_checkpoint_folder(straight, base, tmp_path, damage, resumed_at, reported):
-    job = _job(tmp_path / "job")
-    ckpts = _ckpts(job)
+    job = tiny_job(tmp_path / "job")
+    ckpts = tiny_checkpoints(job)
     shutil.copytree(base, ckpts)
     damage(ckpts)
     damaged_before = {name: sorted(os.listdir(os.path.join(ckpts, name))) for name in os.listdir(ckpts)
@@ -172,7 +156,7 @@ def test_resume_from_a_damaged_checkpoint_folder(straight, base, tmp_path, damag
 
     assert f"loaded checkpoint {iteration_dir(ckpts, resumed_at)} (iteration {resumed_at})" in result.stdout, \
         result.stdout[-3000:] + result.stderr[-3000:]
-    metrics = read_metrics(os.path.join(_run_dir(job), run_folder.METRICS_FILE))
+    metrics = read_metrics(os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE))
     assert sorted(metrics) == list(range(resumed_at + 1, 7))
     for step in metrics:  # exact, not approximate
         assert (metrics[step]["loss"], metrics[step]["grad_norm"]) == (straight[step]["loss"], straight[step]["grad_norm"])
@@ -199,8 +183,8 @@ def test_only_damaged_checkpoints_fail_clearly_and_keep_them(base, tmp_path):
     """Nothing loadable left: every rank exits 1 within seconds with one message naming the damaged
     folders (not a torch traceback from inside the load), and none is deleted; the next run says the
     same instead of starting from scratch over them."""
-    job = _job(tmp_path / "job")
-    ckpts = _ckpts(job)
+    job = tiny_job(tmp_path / "job")
+    ckpts = tiny_checkpoints(job)
     shutil.copytree(base, ckpts)
     truncate("__1_0.distcp", 12)(ckpts)
     os.remove(os.path.join(iteration_dir(ckpts, 2), ".metadata"))
@@ -230,7 +214,7 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_during_a_save_ends_all_ranks_with_the_cause(straight, small_disk, tmp_path):
-    job = _job(tmp_path / "job")
+    job = tiny_job(tmp_path / "job")
     ckpts = os.path.join(small_disk, "checkpoints")
     result = _run(job, *SETTINGS, f'checkpoint.save="{ckpts}"', timeout=90)
     assert result.returncode != 0, result.output[-3000:]
@@ -249,7 +233,7 @@ def test_a_full_disk_during_a_save_ends_all_ranks_with_the_cause(straight, small
     subprocess.run(["mount", "-o", "remount,size=20m", small_disk], check=True)
     result = _ok(_run(job, *SETTINGS, f'checkpoint.save="{ckpts}"'))
     assert f"loaded checkpoint {iteration_dir(ckpts, 2)} (iteration 2)" in result.stdout
-    metrics = read_metrics(os.path.join(_run_dir(job), run_folder.METRICS_FILE))
+    metrics = read_metrics(os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE))
     assert [metrics[s]["loss"] for s in range(1, 7)] == [straight[s]["loss"] for s in range(1, 7)]
 
 
@@ -265,8 +249,8 @@ def test_a_full_disk_is_reported_as_such_for_the_small_files_too(small_disk):
 
 
 def test_a_second_job_on_the_same_checkpoint_folder_fails_fast(tmp_path):
-    job = _job(tmp_path / "job")
-    ckpts = _ckpts(job)
+    job = tiny_job(tmp_path / "job")
+    ckpts = tiny_checkpoints(job)
     os.makedirs(ckpts)
     lock_path = os.path.join(ckpts, run_folder.CHECKPOINT_LOCK)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)

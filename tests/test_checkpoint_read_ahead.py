@@ -18,13 +18,11 @@ import sys
 import time
 
 import pytest
-from bridge_test_helpers import direct_rank_env, evict_from_page_cache
+from bridge_test_helpers import TINY, direct_rank_env, evict_from_page_cache
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.training import checkpoint_read_ahead
 from bridge_hpc.training.checkpoint_read_ahead import checkpoint_files, start_read_ahead, tracked_checkpoint
-
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 
 
 def _resident_fraction(path: str) -> float:

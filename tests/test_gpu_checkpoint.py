@@ -24,7 +24,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +38,9 @@ from bridge_test_helpers import (
     direct_rank_env,
     free_port,
     kill_tree,
+    tiny_checkpoints,
+    tiny_job,
+    tiny_run_dir,
     worker_of_rank,
 )
 
@@ -50,7 +52,6 @@ from bridge_hpc.training.metrics import read_metrics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 ITERS = 40
 ASYNC = ("checkpoint.async_save=true", "logger.log_progress=true")
 RUN_TIMEOUT_S = 180
@@ -65,21 +66,6 @@ FIRST_SAVE_LIMIT_S = 1.0
 STEP_SLEEP_S = 0.5
 _WORKER_READY = "checkpoint worker ready"
 _STARTED = re.compile(r"started asynchronous checkpoint save of iteration (\d+) \(([\d.]+)s blocking\)")
-
-
-def _job(directory) -> str:
-    os.makedirs(directory, exist_ok=True)
-    job = os.path.join(directory, "job.toml")
-    shutil.copy(TINY, job)
-    return job
-
-
-def _run_dir(job: str) -> str:
-    return os.path.join(os.path.dirname(job), "runs", "tiny")
-
-
-def _ckpts(job: str) -> str:
-    return os.path.join(_run_dir(job), run_folder.CHECKPOINTS_DIR)
 
 
 def _cmd(job: str, *overrides: str) -> List[str]:
@@ -106,7 +92,7 @@ def _run(job: str, *overrides: str, env: Optional[dict] = None) -> str:
 def _trained(job: str) -> dict:
     """Step -> (loss, grad norm) of the run's metrics.jsonl (a resumed run's records replace the
     killed run's for the steps it redid)."""
-    records = read_metrics(os.path.join(_run_dir(job), run_folder.METRICS_FILE))
+    records = read_metrics(os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE))
     return {step: (r["loss"], r["grad_norm"]) for step, r in records.items()}
 
 
@@ -114,13 +100,13 @@ def _trained(job: str) -> dict:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The reference: 40 steps with synchronous saves, uninterrupted."""
-    job = _job(tmp_path_factory.mktemp("straight"))
+    job = tiny_job(tmp_path_factory.mktemp("straight"))
     _run(job)
     return _trained(job)
 
 
 def test_first_async_save_blocks_well_under_a_second(straight, tmp_path):
-    job = _job(tmp_path / "async")
+    job = tiny_job(tmp_path / "async")
     out = _run(job, *ASYNC, f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
                env={"TEST_STEP_SLEEP": str(STEP_SLEEP_S)})
     first = _STARTED.search(out)
@@ -131,14 +117,14 @@ def test_first_async_save_blocks_well_under_a_second(straight, tmp_path):
     assert [it for it, _ in started] == [10, 20, 30]  # 40 is the exit save: synchronous
     first_s = started[0][1]
     assert first_s < FIRST_SAVE_LIMIT_S, f"the first save of the process blocked {first_s:.2f}s"
-    assert run_folder.tracked_iteration(_ckpts(job)) == ITERS
+    assert run_folder.tracked_iteration(tiny_checkpoints(job)) == ITERS
     assert _trained(job) == straight  # saving in the background changes nothing trained (exact)
     assert_no_process_left(os.path.dirname(job))
 
 
 def test_sigkill_during_an_async_save_leaves_the_last_finalized_checkpoint(straight, tmp_path):
-    job = _job(tmp_path / "killed")
-    ckpts = _ckpts(job)
+    job = tiny_job(tmp_path / "killed")
+    ckpts = tiny_checkpoints(job)
     proc = subprocess.Popen(_cmd(job, *ASYNC, "checkpoint.save_interval=5"), cwd=os.path.dirname(job),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -185,7 +171,7 @@ def _finish(proc: subprocess.Popen) -> str:
 
 
 def _steps_done(job: str) -> int:
-    path = os.path.join(_run_dir(job), run_folder.METRICS_FILE)
+    path = os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE)
     return max(read_metrics(path), default=0) if os.path.exists(path) else 0
 
 
@@ -198,14 +184,14 @@ LARGER = ("model.vocab_size=32768", "model.hidden_size=512", "model.num_layers=4
 @pytest.fixture(scope="module")
 def straight_larger(tmp_path_factory):
     """The reference for :data:`LARGER`: 40 steps with synchronous saves, uninterrupted."""
-    job = _job(tmp_path_factory.mktemp("straight-larger"))
+    job = tiny_job(tmp_path_factory.mktemp("straight-larger"))
     _run(job, *LARGER)
     return _trained(job)
 
 
 def test_usr1_during_an_async_save_finishes_it_then_saves_and_exits(straight_larger, tmp_path):
-    job = _job(tmp_path / "usr1")
-    ckpts = _ckpts(job)
+    job = tiny_job(tmp_path / "usr1")
+    ckpts = tiny_checkpoints(job)
     every_step = "checkpoint.save_interval=1"  # a save is always being written when the signal lands
     rank = _start_rank(job, *LARGER, *ASYNC, every_step)
     deadline = time.time() + RUN_TIMEOUT_S
@@ -238,8 +224,8 @@ def test_usr1_during_an_async_save_finishes_it_then_saves_and_exits(straight_lar
 
 
 def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straight, tmp_path):
-    job = _job(tmp_path / "worker")
-    ckpts = _ckpts(job)
+    job = tiny_job(tmp_path / "worker")
+    ckpts = tiny_checkpoints(job)
     rank = _start_rank(job, *ASYNC, "checkpoint.save_interval=8", "checkpoint.most_recent_k=-1")
     deadline = time.time() + RUN_TIMEOUT_S
     while run_folder.tracked_iteration(ckpts) != 8 and time.time() < deadline and rank.poll() is None:

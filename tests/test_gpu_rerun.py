@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_rerun import FAULTY, _config, one_rank  # noqa: F401 - one_rank is a fixture
+from test_rerun import FAULTY, _config
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import RESULT_VALIDATION, parse_progress
@@ -45,7 +45,7 @@ def test_the_machine_replays_the_step_and_judges_it_on_a_gpu():
         rerun.destroy_rerun_state()
 
 
-def test_a_nan_stops_one_gpu_run_with_the_step_before_saved(one_rank, tmp_path, monkeypatch):  # noqa: F811
+def test_a_nan_stops_one_gpu_run_with_the_step_before_saved(one_rank, tmp_path, monkeypatch):
     from bridge_hpc.training.pretrain import pretrain
 
     monkeypatch.setenv("TEST_BAD_LOSS", "nan:4:0")

@@ -9,7 +9,6 @@ About 10 s in all.
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import sys
 import pytest
 import toml
 import torch
-from bridge_test_helpers import single_rank_world
+from bridge_test_helpers import TINY, single_rank_world
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import (
@@ -26,8 +25,6 @@ from bridge_hpc.training.config import (
     OptimizerConfigOverrideProviderContext,
 )
 from bridge_hpc.training.optimizer import TorchOptimizer, param_name, setup_optimizer
-
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 
 
 @pytest.fixture(scope="module")

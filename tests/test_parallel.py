@@ -14,14 +14,12 @@ import sys
 
 import pytest
 import torch
-from bridge_test_helpers import direct_rank_env, free_port, run_gloo_ranks
+from bridge_test_helpers import TINY, direct_rank_env, free_port, run_gloo_ranks
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import GPTModelConfig
 from bridge_hpc.training.data import PositionIterator
 from bridge_hpc.training.parallel import ChunkViews
-
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 
 
 def test_chunk_views_read_each_micro_batch_once_in_order_for_every_chunk():

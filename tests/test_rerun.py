@@ -20,7 +20,7 @@ import shutil
 
 import pytest
 import torch
-from bridge_test_helpers import free_port
+from bridge_test_helpers import TINY
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
@@ -31,7 +31,6 @@ from bridge_hpc.training.config import RerunStateMachineConfig
 from bridge_hpc.training.run import build_config, load_forward_step
 from bridge_hpc.training.state import GlobalState
 
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 FAULTY = os.path.join(os.path.dirname(__file__), "data", "faulty_forward_step.py")
 
 # ---------------------------------------------------------------------------------------------
@@ -220,27 +219,6 @@ def test_the_progress_log_records_validations_and_the_new_end_reasons(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # pretrain on one rank: a transient NaN, then the requeued run
 # ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def one_rank(monkeypatch, tmp_path):
-    """torch.distributed's environment for a world of one (pretrain brings the group up), a requeue
-    request file, and the process group torn down after."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        monkeypatch.setenv(name, value)
-    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue.json"))
-    yield tmp_path / "requeue.json"
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _train(tmp_path, name, iters, *overrides):

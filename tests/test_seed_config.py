@@ -21,7 +21,7 @@ from typing import List
 
 import numpy as np
 import pytest
-from bridge_test_helpers import single_rank_world
+from bridge_test_helpers import TINY, single_rank_world
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.comm_overlap import CommOverlapConfig
@@ -44,7 +44,6 @@ from bridge_hpc.training.config import (
 )
 from bridge_hpc.training.mixed_precision import MixedPrecisionConfig
 
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 32
 FIM_SPECIALS = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bridge_test_helpers import free_port
-from test_rerun import one_rank  # noqa: F401 - a fixture: a world of one for pretrain
+from bridge_test_helpers import TINY, free_port
 
 torch = pytest.importorskip("torch")
 
@@ -27,7 +26,6 @@ from bridge_hpc.training import train  # noqa: E402
 from bridge_hpc.training.state import GlobalState  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "tests" / "data" / "tiny.toml"
 
 
 def _stamp(epoch: float) -> str:

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from bridge_test_helpers import free_port, single_rank_world
+from bridge_test_helpers import TINY, free_port, single_rank_world
 
 from bridge_hpc.training.config import GPTModelConfig, ProfilingConfig, TrainingConfig
 from bridge_hpc.training.state import GlobalState, TrainState
@@ -43,7 +43,6 @@ from bridge_hpc.training.utils.train_utils import (
     training_log,
 )
 
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -1,16 +1,14 @@
 """Config: TOML sections -> ConfigContainer, and bad values fail with ConfigError naming the key."""
 
-import os
 import shutil
 
 import pytest
 import toml
+from bridge_test_helpers import TINY
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import ConfigContainer, MockGPTDatasetConfig
 from bridge_hpc.training.run import build_config
-
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 
 
 def sections(**changes):

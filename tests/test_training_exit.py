@@ -10,14 +10,13 @@ import signal
 import time
 
 import pytest
+from bridge_test_helpers import TINY
 
-from bridge_hpc.contracts.requeue import read_request
+from bridge_hpc.contracts.requeue import REQUEUE_FILE_ENV, read_request
 from bridge_hpc.training import checkpointing, exit_policy
 from bridge_hpc.training import train as train_module
 from bridge_hpc.training.run import build_config
 from bridge_hpc.training.state import DistributedSignalHandler, GlobalState
-
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 
 
 @pytest.fixture
@@ -107,7 +106,7 @@ def slurm_end(state, monkeypatch):
 
 
 def test_time_limit_exit_when_a_step_and_a_save_no_longer_fit(state, slurm_end, tmp_path, monkeypatch):
-    monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
+    monkeypatch.setenv(REQUEUE_FILE_ENV, str(tmp_path / "requeue"))
     state.slowest_step_s, state.last_save_s = 2.0, 3.0
     state.train_state.step = 5
     slurm_end["t"] = time.time() + exit_policy.TIME_LIMIT_MARGIN_S + 2.0 + 3.0 + 30  # fits
@@ -121,7 +120,7 @@ def test_time_limit_exit_when_a_step_and_a_save_no_longer_fit(state, slurm_end, 
 
 
 def test_signal_is_told_preemption_or_time_limit_by_the_end_time(state, slurm_end, tmp_path, monkeypatch):
-    monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
+    monkeypatch.setenv(REQUEUE_FILE_ENV, str(tmp_path / "requeue"))
     state.signal_handler = DistributedSignalHandler(["SIGTERM"]).__enter__()
     request = tmp_path / "requeue"
     try:
@@ -150,13 +149,13 @@ def test_signal_is_told_preemption_or_time_limit_by_the_end_time(state, slurm_en
 
 
 def test_no_requeue_request_when_the_work_is_done(state, tmp_path, monkeypatch):
-    monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
+    monkeypatch.setenv(REQUEUE_FILE_ENV, str(tmp_path / "requeue"))
     state.train_state.step = 40
     assert decide(state)[0] and not (tmp_path / "requeue").exists()
 
 
 def test_done_outranks_other_reasons_at_the_last_step(state, tmp_path, monkeypatch):
-    monkeypatch.setenv("BRIDGE_REQUEUE_FILE", str(tmp_path / "requeue"))
+    monkeypatch.setenv(REQUEUE_FILE_ENV, str(tmp_path / "requeue"))
     state.cfg.train.exit_interval = 10
     state.train_state.step = 40
     assert decide(state)[0] and set(state.exit_reasons) == {"train_iters reached", "exit_interval"}

@@ -16,7 +16,7 @@ from functools import partial
 
 import pytest
 import torch
-from bridge_test_helpers import free_port, single_rank_world
+from bridge_test_helpers import TINY, free_port, single_rank_world
 
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.utils.train_utils import (
@@ -25,7 +25,6 @@ from bridge_hpc.training.utils.train_utils import (
     reduce_loss_dicts,
 )
 
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -16,21 +16,12 @@ import time
 
 import pytest
 import torch
-from bridge_test_helpers import assert_bitwise_equal, free_port, model_params
+from bridge_test_helpers import assert_bitwise_equal, free_port, model_params, tiny_job, tiny_run_dir
 
 from bridge_hpc.report.progress import FIRST_STEP, STARTUP_PHASES, parse_events
 from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint
 from bridge_hpc.training.metrics import read_metrics
 from bridge_hpc.training.startup import parse_phases
-
-TINY = os.path.join(os.path.dirname(__file__), "data", "tiny.toml")
-
-
-def _job(directory) -> str:
-    os.makedirs(directory, exist_ok=True)
-    job = os.path.join(directory, "job.toml")
-    shutil.copy(TINY, job)
-    return job
 
 
 def _torchrun(job: str, *overrides: str) -> list:
@@ -47,20 +38,16 @@ def _run(job: str, *overrides: str) -> str:
     return proc.stdout
 
 
-def _run_dir(job: str) -> str:
-    return os.path.join(os.path.dirname(job), "runs", "tiny")
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """40 steps in one go, with TensorBoard on."""
-    job = _job(tmp_path_factory.mktemp("straight"))
+    job = tiny_job(tmp_path_factory.mktemp("straight"))
     _run(job, 'logger.tensorboard_dir="tb"', "logger.log_progress=true")
     return job
 
 
 def test_straight_run_outputs(straight):
-    run_dir = _run_dir(straight)
+    run_dir = tiny_run_dir(straight)
     metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     assert sorted(metrics) == list(range(1, 41))
     first = metrics[1]
@@ -81,10 +68,10 @@ def test_straight_run_outputs(straight):
 
 
 def test_exact_resume(straight, tmp_path):
-    job = _job(tmp_path / "resumed")
+    job = tiny_job(tmp_path / "resumed")
     out = _run(job, "train.exit_interval=20", "logger.log_progress=true")
     assert "exiting at iteration 20: exit_interval" in out
-    run_dir = _run_dir(job)
+    run_dir = tiny_run_dir(job)
     assert sorted(read_metrics(os.path.join(run_dir, "metrics.jsonl"))) == list(range(1, 21))
     out = _run(job, "logger.log_progress=true")
     assert "loaded checkpoint" in out and "iter_0000020" in out
@@ -101,7 +88,7 @@ def test_exact_resume(straight, tmp_path):
     assert phases["launch and imports"] > 0.5 and all(v >= 0 for v in phases.values())  # torch alone takes that
     assert abs(sum(phases.values()) - first.number("Start-up seconds")) <= 0.1 + 0.005 * len(phases)
 
-    a = read_metrics(os.path.join(_run_dir(straight), "metrics.jsonl"))
+    a = read_metrics(os.path.join(tiny_run_dir(straight), "metrics.jsonl"))
     b = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     assert sorted(b) == list(range(1, 41))
     for step in range(21, 41):
@@ -109,17 +96,17 @@ def test_exact_resume(straight, tmp_path):
         assert b[step]["grad_norm"] == a[step]["grad_norm"], step
         assert b[step]["lr"] == a[step]["lr"], step
     assert_bitwise_equal(
-        model_params(os.path.join(_run_dir(straight), "checkpoints", "iter_0000040"), str(tmp_path)),
+        model_params(os.path.join(tiny_run_dir(straight), "checkpoints", "iter_0000040"), str(tmp_path)),
         model_params(os.path.join(run_dir, "checkpoints", "iter_0000040"), str(tmp_path)))
 
 
 def test_deterministic_mode_trains_the_same_on_cpu(straight, tmp_path):
     """``model.deterministic_mode`` (megatron's switch for deterministic GPU kernels) changes nothing
     that CPU training computes: the same losses bit for bit; the ranks report it in their config log."""
-    job = _job(tmp_path / "deterministic")
+    job = tiny_job(tmp_path / "deterministic")
     out = _run(job, "model.deterministic_mode=true")
-    a = read_metrics(os.path.join(_run_dir(straight), "metrics.jsonl"))
-    b = read_metrics(os.path.join(_run_dir(job), "metrics.jsonl"))
+    a = read_metrics(os.path.join(tiny_run_dir(straight), "metrics.jsonl"))
+    b = read_metrics(os.path.join(tiny_run_dir(job), "metrics.jsonl"))
     assert sorted(b) == list(range(1, 41))
     assert [b[s]["loss"] for s in range(1, 41)] == [a[s]["loss"] for s in range(1, 41)]
     assert "exiting at iteration 40" in out
@@ -155,7 +142,7 @@ def test_a_run_that_resumes_at_train_iters_ends_done_and_ignores_a_late_stop_sig
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert proc.stdout.count('ignored after main: {"SIGUSR1": true, "SIGTERM": true}') == 2, proc.stdout[-3000:]
     assert "exiting at iteration 40: train_iters reached (recorded as done)" in proc.stdout
-    run_dir = _run_dir(job)
+    run_dir = tiny_run_dir(job)
     events = [(e.name, e.fields.get("Iteration"), e.fields.get("Reason"))
               for e in parse_events(os.path.join(run_dir, "checkpoints", "progress.txt"))]
     assert events[-3:] == [("Starting job", None, None), ("Loaded checkpoint", "40", None), ("Ending job", "40", "done")]
@@ -166,8 +153,8 @@ def test_a_run_that_resumes_at_train_iters_ends_done_and_ignores_a_late_stop_sig
 def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
     """Saving every step, SIGKILL the whole job at random moments; the newest complete checkpoint
     must always load, and finishing from it must reproduce the straight run exactly."""
-    job = _job(tmp_path / "killed")
-    ckpts = os.path.join(_run_dir(job), "checkpoints")
+    job = tiny_job(tmp_path / "killed")
+    ckpts = os.path.join(tiny_run_dir(job), "checkpoints")
     rng = random.Random(7)
     last = 0
     for _attempt in range(4):
@@ -202,12 +189,12 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
             break
 
     _run(job, "checkpoint.save_interval=1")
-    a = read_metrics(os.path.join(_run_dir(straight), "metrics.jsonl"))
-    b = read_metrics(os.path.join(_run_dir(job), "metrics.jsonl"))
+    a = read_metrics(os.path.join(tiny_run_dir(straight), "metrics.jsonl"))
+    b = read_metrics(os.path.join(tiny_run_dir(job), "metrics.jsonl"))
     assert sorted(b) == list(range(1, 41))
     assert [b[s]["loss"] for s in range(1, 41)] == [a[s]["loss"] for s in range(1, 41)]
     assert_bitwise_equal(
-        model_params(os.path.join(_run_dir(straight), "checkpoints", "iter_0000040"), str(tmp_path)),
+        model_params(os.path.join(tiny_run_dir(straight), "checkpoints", "iter_0000040"), str(tmp_path)),
         model_params(os.path.join(ckpts, "iter_0000040"), str(tmp_path)))
     assert not [n for n in os.listdir(ckpts) if n.endswith((".tmp", ".del"))]
 
@@ -215,7 +202,7 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
 def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
     """Launched the way srun does (SLURM_* variables, no torchrun): SIGTERM reaches rank 1 only;
     both ranks stop after the same step, a checkpoint of that step is saved, exit status 0."""
-    job = _job(tmp_path / "signal")
+    job = tiny_job(tmp_path / "signal")
     port = str(free_port())
     procs = []
     for rank in (0, 1):
@@ -228,7 +215,7 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
             [sys.executable, "-m", "bridge_hpc.training.run", job, "--set", "train.train_iters=100000",
              "--set", "checkpoint.save_interval=100000", "--set", "logger.log_progress=true"],
             cwd=os.path.dirname(str(job)), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    metrics_file = os.path.join(_run_dir(job), "metrics.jsonl")
+    metrics_file = os.path.join(tiny_run_dir(job), "metrics.jsonl")
     deadline = time.time() + 120
     while time.time() < deadline:
         if os.path.exists(metrics_file) and len(open(metrics_file).readlines()) >= 5:
@@ -237,11 +224,11 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
     procs[1].send_signal(signal.SIGTERM)
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
-    stopped = int(open(os.path.join(_run_dir(job), "checkpoints", TRACKER)).read())
+    stopped = int(open(os.path.join(tiny_run_dir(job), "checkpoints", TRACKER)).read())
     assert f"exiting at iteration {stopped}: signal received" in outputs[0][0]
     assert max(read_metrics(metrics_file)) == stopped
-    assert os.path.isfile(os.path.join(_run_dir(job), "checkpoints", f"iter_{stopped:07d}", "rank_00001.pt"))
-    end = parse_events(os.path.join(_run_dir(job), "checkpoints", "progress.txt"))[-1]
+    assert os.path.isfile(os.path.join(tiny_run_dir(job), "checkpoints", f"iter_{stopped:07d}", "rank_00001.pt"))
+    end = parse_events(os.path.join(tiny_run_dir(job), "checkpoints", "progress.txt"))[-1]
     assert (end.name, end.fields["Reason"], end.fields["Steps lost"], end.job_id) == ("Ending job", "signal", "0", "4242")
 
 
