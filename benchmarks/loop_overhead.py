@@ -49,6 +49,14 @@ also writes a CPU-time cProfile of rank 0 of each run (``*.prof`` and the top fu
 next to it; ``--sections`` times the bridge loop's own pieces (``train.py``'s calls: the loss
 reduction, the exit checks, the step log, ...) on every rank and prints what each costs a step;
 ``--loops bare-opt,bridge`` runs only some of the loops.
+
+``--instructions`` (CPU, needs valgrind) measures work instead of time: each loop runs twice per rank
+under valgrind's cachegrind (instruction counting only), ``--steps`` and ``--steps`` + 30 steps long,
+and the difference over the 30 steps is the instructions a step costs each rank's process (its
+threads included; the DataLoader's worker processes not). Unlike the clock on a shared 2-core machine
+it repeats to within a fraction of a percent, so it tells whether the loop does more work than the bare
+loop; it does not see what costs time without instructions (cache misses, waits, the kernel). A long
+copy counts one instruction per byte (valgrind counts ``rep movsb`` so), which overstates copies.
 """
 
 from __future__ import annotations
@@ -59,6 +67,8 @@ import importlib.util
 import json
 import os
 import pstats
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -69,6 +79,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests"))  # bridge_test_helpers: how a rank is started directly
 
 from indexed_vs_mock import GPT_370M, job_toml, mock_section  # noqa: E402 - the issue's GPU shape, defined once
 
@@ -76,6 +87,8 @@ TINY_JOB = ROOT / "configs" / "local-tiny.toml"
 #: NVIDIA H100 SXM dense bf16 peak, FLOP/s (the MFU denominator).
 H100_BF16_PEAK = 989e12
 TARGET_CPU_OVERHEAD = 0.03
+#: ``--instructions``: steps the two runs of each loop differ by.
+INSTRUCTION_STEPS = 30
 #: ``--fused``: megatron-core's torch.compile'd fusions, for the toolkit's loops only.
 FUSED = ("model.bias_activation_fusion=true", "model.bias_dropout_fusion=true", "model.cross_entropy_loss_fusion=true")
 #: Steps in ``--kernels``' profiler window (right after the warm-up).
@@ -548,6 +561,63 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
     return result
 
 
+def count_instructions(kind: str, ranks: int, steps: int, tmp: Path) -> List[int]:
+    """Instructions each rank's process executed in a ``steps``-step run of ``kind`` on CPU, under
+    valgrind's cachegrind without cache simulation; the ranks are started directly (no launcher)."""
+    from bridge_test_helpers import direct_rank_env, free_port
+
+    port = free_port()
+    procs = []
+    for rank in range(ranks):
+        env = dict(direct_rank_env(rank, ranks, port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+               f"--log-file={tmp}/{kind}{steps}.rank{rank}.%p.valgrind", sys.executable, str(Path(__file__).resolve()),
+               "--worker", kind, "--device", "cpu", "--job", str(TINY_JOB), "--warmup", "1",
+               "--out", str(tmp / f"{kind}{steps}.json"), f"--set=train.train_iters={steps}", "--set=train.eval_interval=0",
+               f'--set=job.run_dir="{tmp / f"{kind}{steps}"}"']
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    counts = []
+    for rank, proc in enumerate(procs):
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"{kind} rank {rank} under valgrind failed ({proc.returncode}):\n{err[-3000:]}")
+        log = (tmp / f"{kind}{steps}.rank{rank}.{proc.pid}.valgrind").read_text()
+        match = re.search(r"I\s+refs:\s+([\d,]+)", log)
+        if match is None:
+            raise SystemExit(f"no instruction count in valgrind's log of {kind} rank {rank}:\n{log[-2000:]}")
+        counts.append(int(match.group(1).replace(",", "")))
+    return counts
+
+
+def instructions(kinds: tuple, ranks: int, steps: int, tmp: Path) -> Dict[str, Any]:
+    """Per loop and rank, instructions a step (:func:`count_instructions` of ``steps`` and
+    ``steps`` + :data:`INSTRUCTION_STEPS` steps); overhead against bare-opt per rank and of the rank
+    that does most (every step waits for the slowest rank in the gradient all-reduce)."""
+    per_step: Dict[str, List[float]] = {}
+    for kind in kinds:
+        print(f"[loop-overhead] {kind}: counting instructions of {steps} and {steps + INSTRUCTION_STEPS} steps "
+              f"under valgrind (minutes)", file=sys.stderr, flush=True)
+        short = count_instructions(kind, ranks, steps, tmp)
+        long = count_instructions(kind, ranks, steps + INSTRUCTION_STEPS, tmp)
+        per_step[kind] = [(b - a) / INSTRUCTION_STEPS for a, b in zip(short, long)]
+    out: Dict[str, Any] = {"steps": [steps, steps + INSTRUCTION_STEPS], "per_step_by_rank": per_step}
+    if "bridge" in per_step and "bare-opt" in per_step:
+        ref, loop = per_step["bare-opt"], per_step["bridge"]
+        out["overhead_by_rank"] = [b / a - 1 for a, b in zip(ref, loop)]
+        out["overhead_slowest_rank"] = max(loop) / max(ref) - 1
+    return out
+
+
+def print_instructions(r: Dict[str, Any]) -> None:
+    print(f"\ninstructions a step, each rank's process (valgrind, runs of {r['steps'][0]} and {r['steps'][1]} steps):\n")
+    ranks = len(next(iter(r["per_step_by_rank"].values())))
+    print("| loop | " + " | ".join(f"rank {i}" for i in range(ranks)) + " |\n|" + " --- |" * (ranks + 1))
+    for kind, values in r["per_step_by_rank"].items():
+        print(f"| {kind} | " + " | ".join(f"{v / 1e6:.2f} M" for v in values) + " |")
+    if "overhead_by_rank" in r:
+        by_rank = ", ".join(f"rank {i} {x:+.1%}" for i, x in enumerate(r["overhead_by_rank"]))
+        print(f"\nbridge against bare-opt, in instructions: {by_rank}; the rank doing most {r['overhead_slowest_rank']:+.1%}")
+
 #: Sections a bare loop has no counterpart of (zero_grads and finalize_grads it does too). On CPU
 #: ranks the losses and flags are packed for the gradient all-reduce (GradReduceRider.load) instead
 #: of reduced on their own (start_reduce_loss_dicts_and_flags).
@@ -662,6 +732,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help=f"torch.profiler over {KERNEL_STEPS} steady steps of rank 0 of every run: the top operators "
                         "and kernels by self time, device time on GPU (*.kernels.txt next to the JSON); the profiler "
                         "slows those steps, so the run's speed figures are not comparable")
+    p.add_argument("--instructions", action="store_true",
+                   help="CPU: count each loop's instructions a step per rank under valgrind instead of timing it "
+                        "(deterministic; minutes); writes loop_overhead_instructions.json by default")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "loop_overhead.json")
     # Worker mode (internal: one rank, started by torchrun from run_one).
     p.add_argument("--worker", choices=LOOPS, help=argparse.SUPPRESS)
@@ -684,6 +757,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.steps and args.warmup is None:
         warmup = min(warmup, max(1, steps // 5))
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    if args.instructions:
+        if args.device != "cpu" or shutil.which("valgrind") is None:
+            p.error("--instructions: CPU only, and needs valgrind (apt install valgrind)")
+        if args.json == p.get_default("json"):
+            args.json = args.json.with_name("loop_overhead_instructions.json")
+        with tempfile.TemporaryDirectory(prefix="loop-overhead-", dir=os.environ.get("BENCH_TMP")) as tmp:
+            result = instructions(kinds, args.ranks or d["ranks"], args.steps or 20, Path(tmp))
+        print_instructions(result)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
+        return 0
     profile_dir = args.json.parent if args.profile or args.kernels else None
     with tempfile.TemporaryDirectory(prefix="loop-overhead-", dir=os.environ.get("BENCH_TMP")) as tmp:
         result = benchmark(args.device, args.ranks or d["ranks"], steps, warmup, args.repeat or d["repeat"],
