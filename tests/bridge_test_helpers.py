@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+import toml
+
 from bridge_hpc.contracts.run_folder import CHECKPOINTS_DIR, METRICS_FILE, RunFolder
 from bridge_hpc.slurm.query import TERMINAL_STATES
 from bridge_hpc.training.checkpoint_worker import WORKER_NAME
@@ -65,6 +67,7 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
 def tiny_job(directory) -> str:
     """A copy of :data:`TINY` in ``directory`` (created): its run folder is then ``directory/runs/tiny``."""
     os.makedirs(directory, exist_ok=True)
@@ -74,8 +77,10 @@ def tiny_job(directory) -> str:
 
 
 def tiny_run_dir(job: str) -> str:
-    """The run folder of a :func:`tiny_job` copy."""
-    return os.path.join(os.path.dirname(job), "runs", "tiny")
+    """The run folder of a :func:`tiny_job` copy: :data:`TINY`'s ``job.run_dir``, relative to the copy."""
+    with open(TINY, encoding="utf-8") as f:
+        run_dir = toml.load(f)["job"]["run_dir"]
+    return os.path.join(os.path.dirname(job), run_dir)
 
 
 def tiny_checkpoints(job: str) -> str:
