@@ -48,7 +48,10 @@ table and writes ``benchmarks/results/loop_overhead.json`` with every run's figu
 also writes a CPU-time cProfile of rank 0 of each run (``*.prof`` and the top functions as text)
 next to it; ``--sections`` times the bridge loop's own pieces (``train.py``'s calls: the loss
 reduction, the exit checks, the step log, ...) on every rank and prints what each costs a step;
-``--loops bare-opt,bridge`` runs only some of the loops.
+``--loops bare-opt,bridge`` runs only some of the loops; ``--fused`` builds the toolkit's loops with
+megatron-core's fusions and ``--cuda-graph`` runs the bridge loop's steps as one CUDA graph
+(``model.cuda_graph_impl = "full_iteration"``; its clock is then read as each step starts, since a
+replayed step does not call the forward step).
 
 ``--instructions`` (CPU, needs valgrind) measures work instead of time: each loop runs twice per rank
 under valgrind's cachegrind (instruction counting only), ``--steps`` and ``--steps`` + 30 steps long,
@@ -91,6 +94,8 @@ TARGET_CPU_OVERHEAD = 0.03
 INSTRUCTION_STEPS = 30
 #: ``--fused``: megatron-core's torch.compile'd fusions, for the toolkit's loops only.
 FUSED = ("model.bias_activation_fusion=true", "model.bias_dropout_fusion=true", "model.cross_entropy_loss_fusion=true")
+#: ``--cuda-graph``: pretrain's steps replay one CUDA graph of their forward and backward (the bridge loop only).
+CUDA_GRAPH = ('model.cuda_graph_impl="full_iteration"',)
 #: Steps in ``--kernels``' profiler window (right after the warm-up).
 KERNEL_STEPS = 3
 #: The issue's GPU target: tokens/s of the toolkit against a bare megatron-core loop.
@@ -233,8 +238,24 @@ def bridge_worker(cfg, clock: StepClock, sections: Optional[Dict[str, List[float
         from bridge_hpc.training.grad_reduce_rider import GradReduceRider
 
         time_sections(GradReduceRider, RIDER_SECTIONS, sections)
-    clock.inner = forward_step
-    pretrain(cfg, clock)
+    if cfg.model.cuda_graph_impl != "none":
+        # A replayed step does not call the forward step (the graph repeats its kernels), so the clock
+        # is read as each step starts instead, before its gradients are zeroed: the same point a step
+        # later, so the steady window's length is unchanged.
+        from bridge_hpc.training import train as train_module
+
+        step = train_module.train_step
+        clock.microbatches = 1
+
+        def clocked_train_step(*args, **kwargs):
+            clock.tick()
+            return step(*args, **kwargs)
+
+        train_module.train_step = clocked_train_step
+        pretrain(cfg, forward_step)
+    else:
+        clock.inner = forward_step
+        pretrain(cfg, clock)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     if _world()[0] != 0:
@@ -502,7 +523,8 @@ def run_one(kind: str, device: str, ranks: int, job: Path, overrides: List[str],
 
 def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp: Path,
               profile_dir: Optional[Path], kinds: tuple = LOOPS, sections: bool = False,
-              profile: bool = False, kernels: bool = False, fused: bool = False) -> Dict[str, Any]:
+              profile: bool = False, kernels: bool = False, fused: bool = False,
+              cuda_graph: bool = False) -> Dict[str, Any]:
     if steps < warmup + max(3, KERNEL_STEPS + 1 if kernels else 0):
         raise SystemExit(f"--steps ({steps}) must exceed --warmup ({warmup}) by at least "
                          f"{max(3, KERNEL_STEPS + 1 if kernels else 0)}")
@@ -518,7 +540,8 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
     for i in range(repeat):
         for kind in (kinds if i % 2 == 0 else kinds[::-1]):
             name = f"{kind}{i}"
-            overrides = common + [f'job.run_dir="{tmp / name}"'] + (list(FUSED) if fused and kind != "bare" else [])
+            overrides = (common + [f'job.run_dir="{tmp / name}"'] + (list(FUSED) if fused and kind != "bare" else [])
+                         + (list(CUDA_GRAPH) if cuda_graph and kind == "bridge" else []))
             out = (profile_dir / f"loop_overhead_{name}.json") if profile_dir else tmp / f"{name}.json"
             run = run_one(kind, device, ranks, job, overrides, warmup, out, profile, sections, kernels)
             run["run"] = len(runs)
@@ -541,7 +564,7 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
     result: Dict[str, Any] = {
         "device": _device_name(device), "shape": shape, "ranks": ranks, "steps": steps, "warmup": warmup,
         "repeat": repeat, "order": [r["kind"] for r in runs], "loops": loops,
-        "fused": list(FUSED) if fused else [],
+        "fused": list(FUSED) if fused else [], "cuda_graph": list(CUDA_GRAPH) if cuda_graph else [],
     }
     if "bridge" in by and "bare-opt" in by:
         # Only the loop differs: the figure the CPU target (<= 3 %) is about; losses should be bitwise equal.
@@ -670,7 +693,8 @@ def print_table(r: Dict[str, Any]) -> None:
     gpu = "peak_flops" in r
     print(f"\nloop overhead on {r['device']}, {r['ranks']} rank(s), {r['shape']}: {r['steps']} steps per run, "
           f"first {r['warmup']} left out, {r['repeat']} runs of each ({', '.join(r['order'])})"
-          + (f"; the toolkit's loops fused ({', '.join(r['fused'])})" if r.get("fused") else "") + "\n")
+          + (f"; the toolkit's loops fused ({', '.join(r['fused'])})" if r.get("fused") else "")
+          + ("; bridge's steps replay a CUDA graph" if r.get("cuda_graph") else "") + "\n")
     head = ("| loop | tokens/s | median-step tokens/s | fastest-tenth tokens/s | CPU ms/step/rank |"
             + (" TFLOP/s | MFU | peak GiB |" if gpu else ""))
     print(head)
@@ -728,6 +752,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="the toolkit's loops (bare-opt, bridge) build the GPT with megatron-core's fused kernels "
                         f"({', '.join(k.split('=')[0] for k in FUSED)}); the plain bare loop keeps megatron-core's "
                         "defaults (unfused)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="GPU: the bridge loop runs with model.cuda_graph_impl = \"full_iteration\" (each step's forward "
+                        "and backward replay one CUDA graph, captured after 3 eager steps)")
     p.add_argument("--kernels", action="store_true",
                    help=f"torch.profiler over {KERNEL_STEPS} steady steps of rank 0 of every run: the top operators "
                         "and kernels by self time, device time on GPU (*.kernels.txt next to the JSON); the profiler "
@@ -771,7 +798,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     profile_dir = args.json.parent if args.profile or args.kernels else None
     with tempfile.TemporaryDirectory(prefix="loop-overhead-", dir=os.environ.get("BENCH_TMP")) as tmp:
         result = benchmark(args.device, args.ranks or d["ranks"], steps, warmup, args.repeat or d["repeat"],
-                           Path(tmp), profile_dir, kinds, args.sections, args.profile, args.kernels, args.fused)
+                           Path(tmp), profile_dir, kinds, args.sections, args.profile, args.kernels, args.fused,
+                           args.cuda_graph)
     print_table(result)
     print_sections(result)
     args.json.write_text(json.dumps(result, indent=1) + "\n")

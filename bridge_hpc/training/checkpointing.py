@@ -780,7 +780,10 @@ def _rng_state() -> Dict[str, Any]:
         from megatron.core import tensor_parallel
 
         state["cuda"] = torch.cuda.get_rng_state()
-        state["rng_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        # With CUDA graphs the tracker's states are graph-safe generators (pretrain.set_random_seed):
+        # saved as their state tensors, so that a run with and a run without graphs load each other's.
+        state["rng_tracker"] = {name: s.get_state() if isinstance(s, torch.Generator) else s
+                                for name, s in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
     return state
 
 
@@ -792,7 +795,14 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         from megatron.core import tensor_parallel
 
         torch.cuda.set_rng_state(state["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker"])
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        current = tracker.get_states()
+        for name, saved in state["rng_tracker"].items():
+            if isinstance(current.get(name), torch.Generator):
+                current[name].set_state(saved)  # the generator a captured graph reads stays the same object
+            else:
+                current[name] = saved
+        tracker.set_states(current)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -797,6 +797,13 @@ class GPTModelConfig:
     bias_activation_fusion: bool = False
     bias_dropout_fusion: bool = False
     cross_entropy_loss_fusion: bool = False
+    #: megatron-core's ``cuda_graph_impl``: ``"full_iteration"`` replays each training step's forward
+    #: and backward as one CUDA graph (:mod:`bridge_hpc.training.cuda_graphs`), captured after
+    #: ``cuda_graph_warmup_steps`` eager steps, so the step no longer waits for one Python thread to
+    #: launch its kernels. GPUs only; data parallelism only (no tensor, pipeline or context
+    #: parallelism) and no ``ddp.overlap_param_gather``. ``"none"``: eager steps.
+    cuda_graph_impl: Literal["none", "full_iteration"] = "none"
+    cuda_graph_warmup_steps: int = 3
 
     def finalize(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
@@ -824,6 +831,13 @@ class GPTModelConfig:
             _check(self.activation_func != "gelu" or self.add_bias_linear, "model.bias_activation_fusion",
                    "with model.activation_func = \"gelu\" needs model.add_bias_linear = true (it fuses the bias)")
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        if self.cuda_graph_impl == "full_iteration":
+            _check(isinstance(self.cuda_graph_warmup_steps, int) and self.cuda_graph_warmup_steps >= 1,
+                   "model.cuda_graph_warmup_steps", "must be an integer >= 1: the eager steps before the capture "
+                   f"compile the fused kernels, which a capture cannot do; got {self.cuda_graph_warmup_steps!r}")
+            _check(tp == pp == cp == 1, "model.cuda_graph_impl",
+                   "\"full_iteration\" runs with data parallelism only: model.tensor_model_parallel_size, "
+                   f"pipeline_model_parallel_size and context_parallel_size must be 1, got {tp}, {pp} and {cp}")
         _check(self.num_attention_heads % tp == 0, "model.tensor_model_parallel_size",
                f"must divide model.num_attention_heads ({self.num_attention_heads}), got {tp}")
         _check(self.num_query_groups % tp == 0, "model.tensor_model_parallel_size",
@@ -1698,6 +1712,9 @@ class ConfigContainer:
                    f"must be <= model.vocab_size ({m.vocab_size})")
         _validate_mixed_precision_consistency(self)
         _validate_and_sync_distributed_optimizer_settings(self)
+        _check(m.cuda_graph_impl != "full_iteration" or not self.ddp.overlap_param_gather, "model.cuda_graph_impl",
+               "\"full_iteration\" cannot run with ddp.overlap_param_gather = true (its forward pre-hooks wait for "
+               "all-gathers started outside the graph)")
         s = self.scheduler
         if s.lr_decay_iters is None:
             s.lr_decay_iters = t.train_iters

@@ -27,7 +27,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import ProgressLog, longest_recent_save_s
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training import async_checkpoint, checkpointing, parallel, rerun
+from bridge_hpc.training import async_checkpoint, checkpointing, cuda_graphs, parallel, rerun
 from bridge_hpc.training.config import (
     ConfigContainer,
     DistributedDataParallelConfig,
@@ -156,6 +156,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     parallel.check_supported(cfg)
     state.tokenizer = build_tokenizer_for(cfg)
     runtime_config_update(cfg)
+    cuda_graphs.check_config(cfg, torch.cuda.is_available())  # before minutes of model building
     cfg.log_non_default_values()  # rank 0's log: how this run differs from the defaults
     if cfg.checkpoint.save:
         # Before anything writes into the folder (FT state, progress log, checkpoints): a second job
@@ -190,17 +191,23 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
             state.progress.restart("fault", time.time() - last_step_time if last_step_time else 0.0)
         restart_count = run_restart_count(path, env.job_id, env.restart_count, ft.restart_count + in_process)
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        state.progress.starting_job(restart_count=restart_count, startup_s=process_age_s, device=device)
+        # The process's age now, not when it was read above: the first step's start-up seconds count
+        # from the process start, and the set-up in between (rendezvous, locks, workers) must count too.
+        age_s = None if process_age_s is None else time.time() - started_at
+        state.progress.starting_job(restart_count=restart_count, startup_s=age_s, device=device)
     if not parallel_state.model_parallel_is_initialized():
         parallel.initialize(cfg)
     # Megatron's seeds: each pipeline stage its own stream (its layers differ), the same on the
     # data-parallel replicas unless asked otherwise; tensor-parallel ranks get theirs from
     # megatron-core's RNG tracker (model_parallel_cuda_manual_seed).
     set_random_seed(cfg.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-                    + (10 * parallel_state.get_data_parallel_rank() if cfg.rng.data_parallel_random_init else 0))
+                    + (10 * parallel_state.get_data_parallel_rank() if cfg.rng.data_parallel_random_init else 0),
+                    use_cudagraphable_rng=cfg.model.cuda_graph_impl != "none")
     rerun.init_rerun_state(cfg.rerun_state_machine)  # megatron-core's rerun state machine (train_step uses it)
     startup.mark("set-up")
 
+    if cfg.model.cuda_graph_impl == cuda_graphs.FULL_ITERATION:
+        cuda_graphs.run_on_the_capture_stream()  # before the model: its gradient accumulators keep the stream
     start_memory_history_recording(cfg.profiling)  # before the model: its allocations are in the history
     model = setup_model(cfg)
     startup.mark("model")
@@ -338,16 +345,18 @@ def enable_deterministic_mode() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def set_random_seed(seed: int) -> None:
+def set_random_seed(seed: int, use_cudagraphable_rng: bool = False) -> None:
     """Seed python, numpy and torch; on GPU also megatron's model-parallel CUDA RNG tracker
-    (``model_parallel_cuda_manual_seed`` needs CUDA, so it is skipped on CPU)."""
+    (``model_parallel_cuda_manual_seed`` needs CUDA, so it is skipped on CPU). With
+    ``use_cudagraphable_rng`` (CUDA graphs) the tracker's states are generators a graph can register,
+    as megatron-core's full-iteration graph needs."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
 
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=use_cudagraphable_rng)
 
 
 def setup_model(cfg: ConfigContainer) -> List[torch.nn.Module]:

@@ -171,6 +171,9 @@ class GlobalState:
         self.inprocess_restart = None
         #: The in-process restart wrapper's coordination store for this attempt (None without it).
         self.restart_store = None
+        #: ``cuda_graphs.FullIterationCudaGraph`` while ``train()`` runs with ``model.cuda_graph_impl =
+        #: "full_iteration"``: ``train_step`` runs its forward and backward through it. None otherwise.
+        self.full_iteration_graph = None
         #: Extra state read from the loaded checkpoint (e.g. ``{"fault_tolerance": {...}}``).
         self.checkpoint_extra: Dict[str, Any] = {}
 

@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
 from bridge_hpc.training import bytecode_cache, parallel, rerun
+from bridge_hpc.training.cuda_graphs import FULL_ITERATION, FullIterationCudaGraph
 
 # Bridge's names in bridge.training.train. They live with the save path they serve (exit_policy
 # imports nothing from this module, which imports it).
@@ -215,11 +216,17 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     rider = GradReduceRider.on(model[0])
     load_rider = (lambda reports: rider.load(reports, local_observations(global_state))) if rider else None
 
+    graph = global_state.full_iteration_graph  # model.cuda_graph_impl = "full_iteration"
+
     timers("forward-backward", log_level=1).start()
     while rerun_state_machine.should_run_forward_backward(data_iterator):
         zero_grads(model, optimizer)
-        reports = run_microbatches(forward_step_func, data_iterator, model, global_state, optimizer=optimizer,
-                                   validate_loss=validate, before_grad_sync=load_rider)
+        if graph is not None:
+            reports = graph.forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(global_state),
+                                             optimizer, validate)
+        else:
+            reports = run_microbatches(forward_step_func, data_iterator, model, global_state, optimizer=optimizer,
+                                       validate_loss=validate, before_grad_sync=load_rider)
     timers("forward-backward", log_level=1).stop()
     should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
     if should_exit:
@@ -369,6 +376,8 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
     for chunk in model:
         chunk.train()
     global_state.run_start_step = ts.step
+    global_state.full_iteration_graph = (FullIterationCudaGraph(forward_backward, cfg)
+                                         if cfg.model.cuda_graph_impl == FULL_ITERATION else None)
     # A stop signal during start-up (model build, checkpoint load) is honoured before any step.
     if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                                   checkpointing_context, train_data_iterator):
