@@ -39,7 +39,9 @@ Notes (where the first save's time goes on the toolkit's path)
 - GPU: the first GPU->host copy cost 2.9 s, later ones 0.1 s: megatron-core copies with
   ``tensor.to("cpu", non_blocking=True)``, which allocates pinned host memory through torch's caching
   host allocator; the blocks are cached and reused by later saves of the same process (the sync
-  save in the rank, the async save in the persistent worker). The worker creates its CUDA context
+  save in the rank, the async save in the persistent worker). Training runs pin the rank's blocks
+  after their first step (``checkpointing.warm_up_host_buffers``), so that an exit save does not pay
+  it; this benchmark's sync mode times the save itself, cold. The worker creates its CUDA context
   at start-up, and after the first training step it stages the whole state once in the background
   (``checkpoint_worker.stage_once``: CUDA memory opened in the worker, pinned blocks allocated), so
   the first save's ``handoff`` costs what a later one does. Measured with 13.0 s of the first async
@@ -266,7 +268,8 @@ def rank_main(job: str, mode: str, result_path: str) -> None:
     # interval save (the steps and seconds that took are in the JSON: a save asked for sooner waits).
     steps_before_first_save, ready_wait_s = 1, 0.0
     if writer is not None:
-        writer.warm_up_staging(model, optimizer, cfg.checkpoint.save_optim)
+        if on_gpu:
+            writer.warm_up_staging(checkpointing.megatron_save_tensors(model, optimizer, cfg.checkpoint.save_optim))
         began = time.perf_counter()
         data = batches()
         while True:

@@ -46,7 +46,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.managers import SyncManager
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -231,21 +231,15 @@ class AsyncCheckpointWriter:
         with stop_signals_blocked(self.stop_signals):
             self.queue.schedule_async_request(warm_up)  # spawns the worker; does not wait for it
 
-    def warm_up_staging(self, model, optimizer, save_optim: bool, fully_reshardable: bool = False) -> None:
+    def warm_up_staging(self, tensors: List[torch.Tensor]) -> None:
         """GPU runs, once, after the first step (when the optimizer's state exists): have the worker
-        stage every tensor a save writes, in the background
-        (:func:`~bridge_hpc.training.checkpoint_worker.stage_once`), so that the first save's
-        blocking part costs what a later one does. Returns at once; a save asked for before it is
-        over waits for it (the worker takes requests in order). Later calls do nothing."""
-        if self._staging_warmed or not (self.on_gpu and checkpointing._uses_megatron_dist(model)):
+        stage ``tensors``, every tensor a save writes (:func:`checkpointing.megatron_save_tensors`), in
+        the background (:func:`~bridge_hpc.training.checkpoint_worker.stage_once`), so that the first
+        save's blocking part costs what a later one does. Returns at once; a save asked for before it
+        is over waits for it (the worker takes requests in order). Later calls do nothing."""
+        if self._staging_warmed or not self.on_gpu:
             return  # CPU: saves clone in the rank, there is nothing to warm
         self._staging_warmed = True
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        sharded = checkpointing.megatron_sharded_state(model, optimizer, save_optim, fully_reshardable)
-        tensors = [v.data.detach() for v in nested_values(sharded)
-                   if isinstance(v, ShardedTensor) and isinstance(v.data, torch.Tensor) and v.data.is_cuda]
         request = self.request_class(stage_once, (tensors, time.time(), checkpointing._rank() == 0), [])
         with stop_signals_blocked(self.stop_signals):
             self.queue.schedule_async_request(request)

@@ -202,6 +202,9 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     are off during the save and the parameters all-gathered before it (:func:`forward_pre_hooks_off`)."""
     timer = state.timers("save-checkpoint", log_level=0)
     timer.start(barrier=True)
+    pinning = checkpointing_context.get(HOST_BUFFERS)
+    if pinning is not None:
+        pinning.join()  # its pinned blocks are what the save's copies reuse
     ft = state.fault_tolerance
     with ft.checkpointing() if ft is not None else contextlib.nullcontext():  # a long save is not a hang
         with forward_pre_hooks_off(state, model):
@@ -215,6 +218,9 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
 
 
+#: ``checkpointing_context`` key: the thread that pins host memory for synchronous saves
+#: (:func:`checkpointing.warm_up_host_buffers`), started once per run after its first step.
+HOST_BUFFERS = "host_buffers_warm_up"
 #: ``checkpointing_context`` key: background saves that failed since the last one that finalized.
 FAILED_SAVES = "failed_saves_in_a_row"
 #: The progress log's event for a background save that failed (bridge_hpc's; Megatron has none).
@@ -422,10 +428,16 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
     cfg, step = state.cfg, state.train_state.step
     reasons = exit_reasons(state)
     writer = checkpointing_context.get(async_checkpoint.ASYNC_WRITER_KEY)
-    if writer is not None and not reasons and step > state.run_start_step:
-        # After this run's first step, when the optimizer's state exists: the first save's staging
-        # costs, paid in the background (once; GPU only).
-        writer.warm_up_staging(model, optimizer, cfg.checkpoint.save_optim, cfg.checkpoint.dist_ckpt_optim_fully_reshardable)
+    if (cfg.checkpoint.save and not reasons and step > state.run_start_step
+            and HOST_BUFFERS not in checkpointing_context and checkpointing._uses_megatron_dist(model)):
+        # After this run's first step, when the optimizer's state exists: the first save's host-memory
+        # costs, paid in the background once (GPU only), by the worker for background saves and by the
+        # rank for its synchronous ones (the exit save).
+        tensors = checkpointing.megatron_save_tensors(model, optimizer, cfg.checkpoint.save_optim,
+                                                      cfg.checkpoint.dist_ckpt_optim_fully_reshardable)
+        if writer is not None:
+            writer.warm_up_staging(tensors)
+        checkpointing_context[HOST_BUFFERS] = checkpointing.warm_up_host_buffers(tensors)
     if async_checkpoint.in_flight_iteration(writer) is not None:
         maybe_finalize_async_save(state, checkpointing_context, blocking=False)
         in_flight = async_checkpoint.in_flight_iteration(writer)
