@@ -62,8 +62,26 @@ lr = 1e-3
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a rendezvous or MASTER_PORT)."""
-    with socket.socket() as s:
+    """A TCP port free right now (for a rendezvous or MASTER_PORT), below the kernel's ephemeral range.
+
+    A port the kernel hands out (bind to 0) comes from that range, where any process's next outgoing
+    connection may take it before the rendezvous binds it: ``EADDRINUSE`` in a 2-GPU run's TCPStore
+    (benchmarks/parallel.py on an H100 host). Below the range only a listener can hold a port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    pick = random.SystemRandom()
+    for _ in range(200):
+        port = pick.randrange(10000, max(ephemeral_low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -7,6 +7,8 @@ skipped without CUDA.
 * SIGUSR1 in a run with the graph: it saves, exits, and the resumed run (eager again for its
   warm-up steps, then a new capture) reproduces the uninterrupted graph run bit for bit.
 * Asynchronous saves while the graph replays leave the losses unchanged.
+* On 2 GPUs (skipped with fewer), data-parallel training with the overlapped gradient reduce, with
+  and without the distributed optimizer, replays to bitwise the same losses as eager steps.
 * A replayed step's loss is checked after the replay: the loss the check sees is the replay's own
   value, so a NaN in a replayed step is caught before the optimizer step.
 """
@@ -115,6 +117,25 @@ def test_background_saves_during_graph_replays_change_nothing(graph_run, tmp_pat
     assert out.count("started asynchronous checkpoint save of iteration") >= 6, out[-4000:]
     assert _trained(job) == graphed
     assert run_folder.tracked_iteration(os.path.join(tiny_run_dir(job), run_folder.CHECKPOINTS_DIR)) == 40
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("optimizer", ["ddp.use_distributed_optimizer=false", "ddp.use_distributed_optimizer=true"])
+def test_two_data_parallel_gpus_train_bit_for_bit_as_eager_steps(optimizer, tmp_path):
+    """DP2 with megatron-core's overlapped gradient reduce (and the distributed optimizer's
+    reduce-scatter): the collectives are captured in the graph and replayed."""
+    losses = {}
+    for name, extra in (("eager", ()), ("graph", GRAPH)):
+        job = tiny_job(tmp_path / name)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               "-m", "bridge_hpc.training.run", *_args(job, ("ddp.overlap_grad_reduce=true", optimizer) + extra)]
+        proc = subprocess.run(cmd, cwd=os.path.dirname(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=RUN_TIMEOUT_S)
+        assert proc.returncode == 0, proc.stdout[-6000:]
+        assert (CAPTURED in proc.stdout) == (name == "graph")
+        losses[name] = _trained(job)
+    assert sorted(losses["graph"]) == list(range(1, 41))
+    assert losses["graph"] == losses["eager"]
 
 
 def test_a_replayed_steps_loss_is_checked_after_the_replay(one_rank):
