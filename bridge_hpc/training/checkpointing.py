@@ -696,7 +696,12 @@ def warm_up_host_buffers(tensors: List[torch.Tensor]) -> threading.Thread:
     def pin() -> None:
         torch.cuda.set_device(device)  # a new thread's device is 0: no context on another rank's GPU
         started = time.perf_counter()
-        blocks = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in sizes]
+        try:
+            blocks = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in sizes]
+        except RuntimeError as err:  # host memory short: the save pins what it needs itself, as before
+            logger.warning("could not pin %.2f GB of host memory ahead of synchronous saves (%s); the first "
+                           "such save pins it itself", sum(sizes) / 1e9, _one_line(str(err)))
+            return
         del blocks
         logger.info("pinned %.2f GB of host memory for synchronous saves in %.2fs", sum(sizes) / 1e9,
                     time.perf_counter() - started)
