@@ -831,7 +831,7 @@ class GPTModelConfig:
             _check(self.activation_func != "gelu" or self.add_bias_linear, "model.bias_activation_fusion",
                    "with model.activation_func = \"gelu\" needs model.add_bias_linear = true (it fuses the bias)")
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
-        if self.cuda_graph_impl == "full_iteration":
+        if self.full_iteration_cuda_graph:
             _check(isinstance(self.cuda_graph_warmup_steps, int) and self.cuda_graph_warmup_steps >= 1,
                    "model.cuda_graph_warmup_steps", "must be an integer >= 1: the eager steps before the capture "
                    f"compile the fused kernels, which a capture cannot do; got {self.cuda_graph_warmup_steps!r}")
@@ -865,6 +865,11 @@ class GPTModelConfig:
             _check(self.transformer_impl == "transformer_engine", "model.context_parallel_size",
                    "needs model.transformer_impl = \"transformer_engine\": context-parallel attention is "
                    "Transformer Engine's (the local attention sees the whole sequence)")
+
+    @property
+    def full_iteration_cuda_graph(self) -> bool:
+        """Whether training steps replay one CUDA graph (``cuda_graph_impl = "full_iteration"``)."""
+        return self.cuda_graph_impl == "full_iteration"
 
     @property
     def model_parallel_size(self) -> int:
@@ -1712,7 +1717,7 @@ class ConfigContainer:
                    f"must be <= model.vocab_size ({m.vocab_size})")
         _validate_mixed_precision_consistency(self)
         _validate_and_sync_distributed_optimizer_settings(self)
-        _check(m.cuda_graph_impl != "full_iteration" or not self.ddp.overlap_param_gather, "model.cuda_graph_impl",
+        _check(not m.full_iteration_cuda_graph or not self.ddp.overlap_param_gather, "model.cuda_graph_impl",
                "\"full_iteration\" cannot run with ddp.overlap_param_gather = true (its forward pre-hooks wait for "
                "all-gathers started outside the graph)")
         s = self.scheduler

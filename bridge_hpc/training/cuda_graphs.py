@@ -19,10 +19,12 @@ micro-batch's loss on the host, a device synchronization, which capture forbids.
 losses the loss function returns and checks them once the graph has run, before the optimizer step, so
 a NaN still stops the run before it reaches the weights.
 
-Limits, each refused with the key at submission or on the ranks (:func:`check_config`): CUDA ranks only;
-no tensor, pipeline or context parallelism (their batches arrive by broadcast or per stage, not as one
-dict per micro-batch); no ``ddp.overlap_param_gather`` (its forward pre-hooks wait on collectives
-issued outside the graph). Evaluation runs eagerly.
+Limits, each refused with the key: by the config's checks at submission (``GPTModelConfig.finalize``,
+``ConfigContainer.validate``) and on the ranks (:func:`check_config`). CUDA ranks only; no tensor,
+pipeline or context parallelism (their batches arrive by broadcast or per stage, not as one dict per
+micro-batch); no ``ddp.overlap_param_gather`` (its forward pre-hooks wait on collectives issued outside
+the graph). megatron-core's per-layer graphs (``"local"``, ``"transformer_engine"``) are not offered:
+the step's launches are what the full graph removes. Evaluation runs eagerly.
 """
 
 from __future__ import annotations
@@ -37,16 +39,10 @@ from bridge_hpc.contracts.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-#: ``model.cuda_graph_impl``'s values here: megatron-core's names. Its per-layer graphs ("local",
-#: "transformer_engine") are not offered: the step's launches are what the full graph removes.
-CUDA_GRAPH_IMPLS = ("none", "full_iteration")
-FULL_ITERATION = "full_iteration"
-
-
 def check_config(cfg, on_cuda: bool) -> None:
-    """Refuse what the full-iteration graph cannot run (the docstring's limits), naming the key."""
-    m = cfg.model
-    if m.cuda_graph_impl != FULL_ITERATION:
+    """On the ranks, refuse what the full-iteration graph cannot run where only a rank can tell (no
+    CUDA) or after the runtime update (which may turn ``ddp.overlap_param_gather`` on), naming the key."""
+    if not cfg.model.full_iteration_cuda_graph:
         return
     if not on_cuda:
         raise ConfigError("CUDA graphs need GPUs, and this rank has none (set model.cuda_graph_impl = \"none\" "

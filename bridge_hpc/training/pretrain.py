@@ -202,11 +202,11 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     # megatron-core's RNG tracker (model_parallel_cuda_manual_seed).
     set_random_seed(cfg.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
                     + (10 * parallel_state.get_data_parallel_rank() if cfg.rng.data_parallel_random_init else 0),
-                    use_cudagraphable_rng=cfg.model.cuda_graph_impl != "none")
+                    use_cudagraphable_rng=cfg.model.full_iteration_cuda_graph)
     rerun.init_rerun_state(cfg.rerun_state_machine)  # megatron-core's rerun state machine (train_step uses it)
     startup.mark("set-up")
 
-    if cfg.model.cuda_graph_impl == cuda_graphs.FULL_ITERATION:
+    if cfg.model.full_iteration_cuda_graph:
         cuda_graphs.run_on_the_capture_stream()  # before the model: its gradient accumulators keep the stream
     start_memory_history_recording(cfg.profiling)  # before the model: its allocations are in the history
     model = setup_model(cfg)

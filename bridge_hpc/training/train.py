@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
 from bridge_hpc.training import bytecode_cache, parallel, rerun
-from bridge_hpc.training.cuda_graphs import FULL_ITERATION, FullIterationCudaGraph
+from bridge_hpc.training.cuda_graphs import FullIterationCudaGraph
 
 # Bridge's names in bridge.training.train. They live with the save path they serve (exit_policy
 # imports nothing from this module, which imports it).
@@ -377,7 +377,7 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
         chunk.train()
     global_state.run_start_step = ts.step
     global_state.full_iteration_graph = (FullIterationCudaGraph(forward_backward, cfg)
-                                         if cfg.model.cuda_graph_impl == FULL_ITERATION else None)
+                                         if cfg.model.full_iteration_cuda_graph else None)
     # A stop signal during start-up (model build, checkpoint load) is honoured before any step.
     if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                                   checkpointing_context, train_data_iterator):
