@@ -76,7 +76,9 @@ def run_with_a_straggler(run_dir: Path, reference: Path):
     # just before the flag suspected rank 1
     assert len([it for it in reports if SLOW_FROM < it < first_flag]) <= 2, (reports, first_flag)
     suspected = [int(m.group(1)) for m in rank0(r"straggler report @(\d+): ranks \[1\] below a threshold")]
-    assert suspected and suspected[-1] == max(it for it in reports if it < first_flag), (suspected, reports)
+    # (the requeued run, on the other node, may suspect a rank for a report of noise: not this question)
+    suspected_before = [it for it in suspected if it < first_flag]
+    assert suspected_before and suspected_before[-1] == max(it for it in reports if it < first_flag), (suspected, reports)
     assert f"exiting at iteration {first_flag}: straggler (recorded as straggler)" in log
 
     runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
