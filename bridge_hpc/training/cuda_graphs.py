@@ -19,8 +19,9 @@ micro-batch's loss on the host, a device synchronization, which capture forbids.
 losses the loss function returns and checks them once the graph has run, before the optimizer step, so
 a NaN still stops the run before it reaches the weights.
 
-Limits, each refused with the key: by the config's checks at submission (``GPTModelConfig.finalize``,
-``ConfigContainer.validate``) and on the ranks (:func:`check_config`). CUDA ranks only; no tensor,
+Limits, each refused with the key: by ``GPTModelConfig.finalize`` at submission, and on the ranks by
+``ConfigContainer.validate`` (after ``comm_overlap`` may have turned ``ddp.overlap_param_gather`` on) and
+:func:`check_config` (no CUDA). CUDA ranks only; no tensor,
 pipeline or context parallelism (their batches arrive by broadcast or per stage, not as one dict per
 micro-batch); no ``ddp.overlap_param_gather`` (its forward pre-hooks wait on collectives issued outside
 the graph). megatron-core's per-layer graphs (``"local"``, ``"transformer_engine"``) are not offered:
@@ -40,17 +41,10 @@ from bridge_hpc.contracts.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 def check_config(cfg, on_cuda: bool) -> None:
-    """On the ranks, refuse what the full-iteration graph cannot run where only a rank can tell (no
-    CUDA) or after the runtime update (which may turn ``ddp.overlap_param_gather`` on), naming the key."""
-    if not cfg.model.full_iteration_cuda_graph:
-        return
-    if not on_cuda:
+    """On the ranks, refuse the graph where only a rank can tell: without CUDA, naming the key."""
+    if cfg.model.full_iteration_cuda_graph and not on_cuda:
         raise ConfigError("CUDA graphs need GPUs, and this rank has none (set model.cuda_graph_impl = \"none\" "
                           "on CPU)", key="model.cuda_graph_impl")
-    if cfg.ddp.overlap_param_gather:
-        raise ConfigError("the full-iteration CUDA graph cannot run with ddp.overlap_param_gather = true (its "
-                          "forward pre-hooks wait for all-gathers started outside the graph)",
-                          key="model.cuda_graph_impl")
 
 
 def run_on_the_capture_stream() -> torch.cuda.Stream:

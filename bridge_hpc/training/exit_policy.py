@@ -219,7 +219,8 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
 
 
 #: ``checkpointing_context`` key: the thread that pins host memory for synchronous saves
-#: (:func:`checkpointing.warm_up_host_buffers`), started once per run after its first step.
+#: (:func:`checkpointing.warm_up_host_buffers`), started once per run after its first step (None
+#: where there is nothing to pin: CPU ranks).
 HOST_BUFFERS = "host_buffers_warm_up"
 #: ``checkpointing_context`` key: background saves that failed since the last one that finalized.
 FAILED_SAVES = "failed_saves_in_a_row"
@@ -428,16 +429,17 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
     cfg, step = state.cfg, state.train_state.step
     reasons = exit_reasons(state)
     writer = checkpointing_context.get(async_checkpoint.ASYNC_WRITER_KEY)
-    if (cfg.checkpoint.save and not reasons and step > state.run_start_step
-            and HOST_BUFFERS not in checkpointing_context and checkpointing._uses_megatron_dist(model)):
+    if HOST_BUFFERS not in checkpointing_context and cfg.checkpoint.save and not reasons and step > state.run_start_step:
         # After this run's first step, when the optimizer's state exists: the first save's host-memory
-        # costs, paid in the background once (GPU only), by the worker for background saves and by the
-        # rank for its synchronous ones (the exit save).
-        tensors = checkpointing.megatron_save_tensors(model, optimizer, cfg.checkpoint.save_optim,
-                                                      cfg.checkpoint.dist_ckpt_optim_fully_reshardable)
-        if writer is not None:
-            writer.warm_up_staging(tensors)
-        checkpointing_context[HOST_BUFFERS] = checkpointing.warm_up_host_buffers(tensors)
+        # costs, paid in the background once (GPU only; decided once, None on CPU), by the worker for
+        # background saves and by the rank for its synchronous ones (the exit save).
+        checkpointing_context[HOST_BUFFERS] = None
+        if checkpointing._uses_megatron_dist(model):
+            tensors = checkpointing.megatron_save_tensors(model, optimizer, cfg.checkpoint.save_optim,
+                                                          cfg.checkpoint.dist_ckpt_optim_fully_reshardable)
+            if writer is not None:
+                writer.warm_up_staging(tensors)
+            checkpointing_context[HOST_BUFFERS] = checkpointing.warm_up_host_buffers(tensors)
     if async_checkpoint.in_flight_iteration(writer) is not None:
         maybe_finalize_async_save(state, checkpointing_context, blocking=False)
         in_flight = async_checkpoint.in_flight_iteration(writer)
