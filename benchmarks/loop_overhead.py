@@ -49,7 +49,8 @@ also writes a CPU-time cProfile of rank 0 of each run (``*.prof`` and the top fu
 next to it; ``--sections`` times the bridge loop's own pieces (``train.py``'s calls: the loss
 reduction, the exit checks, the step log, ...) on every rank and prints what each costs a step;
 ``--loops bare-opt,bridge`` runs only some of the loops; ``--fused`` builds the toolkit's loops with
-megatron-core's fusions and ``--cuda-graph`` runs the bridge loop's steps as one CUDA graph
+megatron-core's fusions, ``--fused-kernels`` with the toolkit's own (``model.fused_kernels``: Triton
+cross entropy and norms, biases inside the matrix multiplies), and ``--cuda-graph`` runs the bridge loop's steps as one CUDA graph
 (``model.cuda_graph_impl = "full_iteration"``; its clock is then read as each step starts, since a
 replayed step does not call the forward step).
 
@@ -96,6 +97,8 @@ INSTRUCTION_STEPS = 30
 FUSED = ("model.bias_activation_fusion=true", "model.bias_dropout_fusion=true", "model.cross_entropy_loss_fusion=true")
 #: ``--cuda-graph``: pretrain's steps replay one CUDA graph of their forward and backward (the bridge loop only).
 CUDA_GRAPH = ('model.cuda_graph_impl="full_iteration"',)
+#: ``--fused-kernels``: the toolkit's own kernels (``model.fused_kernels``), for the toolkit's loops only.
+FUSED_KERNELS = ("model.fused_kernels=true",)
 #: Steps in ``--kernels``' profiler window (right after the warm-up).
 KERNEL_STEPS = 3
 #: The issue's GPU target: tokens/s of the toolkit against a bare megatron-core loop.
@@ -524,7 +527,7 @@ def run_one(kind: str, device: str, ranks: int, job: Path, overrides: List[str],
 def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp: Path,
               profile_dir: Optional[Path], kinds: tuple = LOOPS, sections: bool = False,
               profile: bool = False, kernels: bool = False, fused: bool = False,
-              cuda_graph: bool = False) -> Dict[str, Any]:
+              cuda_graph: bool = False, fused_kernels: bool = False) -> Dict[str, Any]:
     if steps < warmup + max(3, KERNEL_STEPS + 1 if kernels else 0):
         raise SystemExit(f"--steps ({steps}) must exceed --warmup ({warmup}) by at least "
                          f"{max(3, KERNEL_STEPS + 1 if kernels else 0)}")
@@ -541,6 +544,7 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
         for kind in (kinds if i % 2 == 0 else kinds[::-1]):
             name = f"{kind}{i}"
             overrides = (common + [f'job.run_dir="{tmp / name}"'] + (list(FUSED) if fused and kind != "bare" else [])
+                         + (list(FUSED_KERNELS) if fused_kernels and kind != "bare" else [])
                          + (list(CUDA_GRAPH) if cuda_graph and kind == "bridge" else []))
             out = (profile_dir / f"loop_overhead_{name}.json") if profile_dir else tmp / f"{name}.json"
             run = run_one(kind, device, ranks, job, overrides, warmup, out, profile, sections, kernels)
@@ -565,6 +569,7 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
         "device": _device_name(device), "shape": shape, "ranks": ranks, "steps": steps, "warmup": warmup,
         "repeat": repeat, "order": [r["kind"] for r in runs], "loops": loops,
         "fused": list(FUSED) if fused else [], "cuda_graph": list(CUDA_GRAPH) if cuda_graph else [],
+        "fused_kernels": list(FUSED_KERNELS) if fused_kernels else [],
     }
     if "bridge" in by and "bare-opt" in by:
         # Only the loop differs: the figure the CPU target (<= 3 %) is about; losses should be bitwise equal.
@@ -694,7 +699,8 @@ def print_table(r: Dict[str, Any]) -> None:
     print(f"\nloop overhead on {r['device']}, {r['ranks']} rank(s), {r['shape']}: {r['steps']} steps per run, "
           f"first {r['warmup']} left out, {r['repeat']} runs of each ({', '.join(r['order'])})"
           + (f"; the toolkit's loops fused ({', '.join(r['fused'])})" if r.get("fused") else "")
-          + ("; bridge's steps replay a CUDA graph" if r.get("cuda_graph") else "") + "\n")
+          + ("; bridge's steps replay a CUDA graph" if r.get("cuda_graph") else "")
+          + ("; the toolkit's loops with its fused kernels" if r.get("fused_kernels") else "") + "\n")
     head = ("| loop | tokens/s | median-step tokens/s | fastest-tenth tokens/s | CPU ms/step/rank |"
             + (" TFLOP/s | MFU | peak GiB |" if gpu else ""))
     print(head)
@@ -755,6 +761,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--cuda-graph", action="store_true",
                    help="GPU: the bridge loop runs with model.cuda_graph_impl = \"full_iteration\" (each step's forward "
                         "and backward replay one CUDA graph, captured after 3 eager steps)")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="GPU: the toolkit's loops (bare-opt, bridge) run with model.fused_kernels = true (the "
+                        "toolkit's Triton cross entropy and norms, biases inside the matrix multiplies)")
     p.add_argument("--kernels", action="store_true",
                    help=f"torch.profiler over {KERNEL_STEPS} steady steps of rank 0 of every run: the top operators "
                         "and kernels by self time, device time on GPU (*.kernels.txt next to the JSON); the profiler "
@@ -799,7 +808,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="loop-overhead-", dir=os.environ.get("BENCH_TMP")) as tmp:
         result = benchmark(args.device, args.ranks or d["ranks"], steps, warmup, args.repeat or d["repeat"],
                            Path(tmp), profile_dir, kinds, args.sections, args.profile, args.kernels, args.fused,
-                           args.cuda_graph)
+                           args.cuda_graph, args.fused_kernels)
     print_table(result)
     print_sections(result)
     args.json.write_text(json.dumps(result, indent=1) + "\n")

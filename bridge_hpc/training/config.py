@@ -739,6 +739,10 @@ class TensorInspectConfig:
                               "[tensor_inspect] section)", key="tensor_inspect.enabled")
 
 
+#: The widest row (``model.hidden_size``) the Triton norm kernel holds in registers (``model.fused_kernels``).
+FUSED_NORM_MAX_WIDTH = 16384
+
+
 @dataclass
 class GPTModelConfig:
     """A GPT built from megatron-core's ``GPTModel``; names follow megatron-core's TransformerConfig.
@@ -804,6 +808,14 @@ class GPTModelConfig:
     #: parallelism) and no ``ddp.overlap_param_gather``. ``"none"``: eager steps.
     cuda_graph_impl: Literal["none", "full_iteration"] = "none"
     cuda_graph_warmup_steps: int = 3
+    #: The toolkit's kernels (:mod:`bridge_hpc.training.fused_kernels`) for what Transformer Engine
+    #: would fuse in the local layers: the output layer's cross entropy in Triton (one pass over the
+    #: logits, no fp32 copy of them kept; it replaces megatron-core's, fused or not), every
+    #: LayerNorm/RMSNorm in Triton, and the biases of the linear layers that add their own (the QKV
+    #: projection's) inside the matrix multiply. Same parameters and checkpoints as without. GPUs only
+    #: (CUDA builds of torch ship triton); hidden sizes up to ``FUSED_NORM_MAX_WIDTH``; not with
+    #: Transformer Engine's layers, which fuse these themselves.
+    fused_kernels: bool = False
 
     def finalize(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
@@ -830,6 +842,12 @@ class GPTModelConfig:
                    "fuses gelu or swiglu only (model.activation_func = \"silu\" has no fused kernel)")
             _check(self.activation_func != "gelu" or self.add_bias_linear, "model.bias_activation_fusion",
                    "with model.activation_func = \"gelu\" needs model.add_bias_linear = true (it fuses the bias)")
+        if self.fused_kernels:
+            _check(self.transformer_impl == "local", "model.fused_kernels",
+                   "stands in for Transformer Engine's kernels in the local layers: with model.transformer_impl = "
+                   "\"transformer_engine\" its own norms and cross entropy run; set one or the other")
+            _check(self.hidden_size <= FUSED_NORM_MAX_WIDTH, "model.fused_kernels",
+                   f"normalizes rows of up to {FUSED_NORM_MAX_WIDTH} values, and model.hidden_size is {self.hidden_size}")
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
         if self.full_iteration_cuda_graph:
             _check(isinstance(self.cuda_graph_warmup_steps, int) and self.cuda_graph_warmup_steps >= 1,

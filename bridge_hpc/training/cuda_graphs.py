@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -96,10 +96,12 @@ class FullIterationCudaGraph:
         return reports, losses
 
     def forward_backward(self, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
-                         num_microbatches: int, optimizer,
-                         validate_loss: Callable[[torch.Tensor], None]) -> List[Dict[str, torch.Tensor]]:
+                         num_microbatches: int, optimizer, validate_loss: Callable[[torch.Tensor], None],
+                         before_loss_checks: Optional[Callable[[], None]] = None) -> List[Dict[str, torch.Tensor]]:
         """The step's forward and backward (eager while warming up, then captured and replayed); each
-        micro-batch's loss is then checked with ``validate_loss``. Returns the loss functions' reports."""
+        micro-batch's loss is then checked with ``validate_loss``, after ``before_loss_checks`` has
+        queued what may run before them (the optimizer step's gradient norm: the checks wait for the
+        device, which then has that work too). Returns the loss functions' reports."""
         capturing = self._wrapper.curr_iter("training") == self._warmup_steps
         if capturing:
             # The eager steps' activations go back to the device before the graph takes its own pool.
@@ -112,8 +114,11 @@ class FullIterationCudaGraph:
             logger.info("full-iteration CUDA graph captured after %d eager steps of this run (%.2fs, %.2f GiB "
                         "reserved); later steps replay it", self._warmup_steps, time.perf_counter() - started,
                         torch.cuda.memory_reserved() / 2**30)
+        losses = [loss.clone() for loss in losses]  # copies: the next replay overwrites the graph's own
+        if before_loss_checks is not None:
+            before_loss_checks()
         for loss in losses:
-            validate_loss(loss.clone())  # a copy: the next replay overwrites the graph's own
+            validate_loss(loss)
         return reports
 
     @property

@@ -11,6 +11,7 @@ with SDPA. The forward step lives in :mod:`bridge_hpc.training.gpt_step` (re-exp
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 from typing import Optional
 
@@ -112,6 +113,39 @@ def _layer_spec(cfg: GPTModelConfig):
     return spec
 
 
+def _block_spec(cfg: GPTModelConfig, config: TransformerConfig, vp_stage: Optional[int]):
+    """The decoder's spec: the layer spec, or with ``model.fused_kernels`` the block's submodules with
+    every norm (the layers' two and the final one, which a layer spec cannot name) the Triton one and
+    the column-parallel linear layers adding their bias in the matrix multiply."""
+    layer = _layer_spec(cfg)
+    if not cfg.fused_kernels:
+        return layer
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from bridge_hpc.training.fused_kernels import BiasInGemmColumnParallelLinear, TritonNorm
+
+    layer.submodules.input_layernorm = TritonNorm
+    layer.submodules.pre_mlp_layernorm = TritonNorm
+    layer.submodules.self_attention.submodules.linear_qkv = BiasInGemmColumnParallelLinear
+    mlp = layer.submodules.mlp  # megatron-core 0.19 spells the MLP's spec as a partial of MLP.as_mlp_submodule
+    (mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules).linear_fc1 = \
+        BiasInGemmColumnParallelLinear
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=TritonNorm)
+
+
+class TritonLossGPTModel(GPTModel):
+    """megatron-core's GPT whose language-model loss is the Triton cross entropy (``model.fused_kernels``):
+    the one method megatron-core gives for the loss, with its shapes ([b, s] labels, [s, b, vocab slice]
+    logits in, [b, s] losses out)."""
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        from bridge_hpc.training.fused_kernels import vocab_parallel_cross_entropy
+
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()
+
+
 def padded_vocab_size(cfg: GPTModelConfig) -> int:
     """Vocabulary rounded up to ``make_vocab_size_divisible_by`` (megatron's convention)."""
     multiple = cfg.make_vocab_size_divisible_by * cfg.tensor_model_parallel_size
@@ -124,8 +158,9 @@ def gpt_model_provider(cfg: GPTModelConfig, pre_process: bool = True, post_proce
     parallelism the layers of this stage (``pre_process``: it holds the embedding; ``post_process``:
     the output layer and loss; ``vp_stage``: which interleaved chunk of the stage)."""
     extra = {"vp_stage": vp_stage} if vp_stage is not None else {}
-    model = GPTModel(
-        config=transformer_config(cfg), transformer_layer_spec=_layer_spec(cfg),
+    config = transformer_config(cfg)
+    model = (TritonLossGPTModel if cfg.fused_kernels else GPTModel)(
+        config=config, transformer_layer_spec=_block_spec(cfg, config, vp_stage),
         vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
@@ -139,5 +174,5 @@ def gpt_model_provider(cfg: GPTModelConfig, pre_process: bool = True, post_proce
 
 # The forward step and its loss moved to gpt_step and losses (Bridge's modules); these names stay
 # importable from here, where job files and forward steps written before found them.
-__all__ = ["SDPACoreAttention", "transformer_config", "gpt_model_provider", "padded_vocab_size", "forward_step",
-           "get_batch", "masked_next_token_loss", "masked_token_loss"]
+__all__ = ["SDPACoreAttention", "TritonLossGPTModel", "transformer_config", "gpt_model_provider", "padded_vocab_size",
+           "forward_step", "get_batch", "masked_next_token_loss", "masked_token_loss"]

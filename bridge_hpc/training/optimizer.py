@@ -47,7 +47,7 @@ import fnmatch
 import logging
 import math
 import types
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,6 +68,7 @@ __all__ = [
     "TorchOptimizer",
     "default_config_overrides",
     "install_fused_step",
+    "installed_fused_step",
     "megatron_optimizer_config",
     "param_name",
     "setup_optimizer",
@@ -379,14 +380,31 @@ class FusedStep:
         self.group = self.optimizers[0].get_grad_stats_parallel_group() if self.optimizers else None
         self._norm_params: Optional[List[torch.Tensor]] = None
         self._params_with_grad = -1
+        self._queued: Optional[Tuple[bool, Optional[torch.Tensor]]] = None
 
     @torch.no_grad()
-    def step(self):
+    def queue_grad_norm(self) -> None:
+        """Queue the step's work up to its one host read, the gradient norm: megatron's
+        ``prepare_grads`` and the norm's kernels and all-reduce. The next :meth:`step` uses them. Why:
+        the loop checks the step's losses on the host before the optimizer step (a synchronization);
+        queued before those checks, this work runs while the host waits instead of after, on an idle
+        GPU. Nothing here touches the weights, so a step the checks abandon changes nothing."""
+        self._queued = self._prepare_and_norm()
+
+    def _prepare_and_norm(self) -> Tuple[bool, Optional[torch.Tensor]]:
         if hasattr(self.chained, "grad_norms_by_group"):  # megatron-core >= 0.19 resets it each step
             self.chained.grad_norms_by_group = {}
         if self.chained.prepare_grads():  # found inf/nan (fp16 loss scaling)
+            return True, None
+        return False, self.grad_norm_squared()
+
+    @torch.no_grad()
+    def step(self):
+        queued, self._queued = self._queued, None
+        found_inf, norm_squared = queued if queued is not None else self._prepare_and_norm()
+        if found_inf:
             return False, None, None
-        grad_norm = self.grad_norm()
+        grad_norm = norm_squared.item() ** 0.5
         if self.clip_grad > 0.0:
             self.clip(grad_norm)
         config = self.chained.config
@@ -410,6 +428,10 @@ class FusedStep:
         ``get_grad_norm_fp32`` computes it (norm of per-tensor norms, squared, summed over ranks),
         with ``torch._foreach_norm`` instead of a Python loop and one ``.item()`` instead of one per
         tensor."""
+        return self.grad_norm_squared().item() ** 0.5
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """The square of :meth:`grad_norm`, on the device (nothing read on the host)."""
         grads = self.grads_for_norm()
         device = torch.device("cuda", torch.cuda.current_device())
         if grads:
@@ -417,7 +439,7 @@ class FusedStep:
         else:
             total = torch.zeros((), dtype=torch.float32, device=device)
         torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=self.group)
-        return total.item() ** 0.5
+        return total
 
     def clip(self, grad_norm: float) -> None:
         """megatron's ``clip_grad_by_total_norm_fp32``: scale every gradient by
@@ -427,6 +449,13 @@ class FusedStep:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, coeff)
+
+
+def installed_fused_step(optimizer) -> Optional[FusedStep]:
+    """The :class:`FusedStep` :func:`install_fused_step` gave ``optimizer`` (whose ``step`` is then that
+    object's method), or None."""
+    owner = getattr(optimizer.step, "__self__", None)
+    return owner if isinstance(owner, FusedStep) else None
 
 
 def _megatron_grads_for_norm(optimizer) -> List[torch.Tensor]:

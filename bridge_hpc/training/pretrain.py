@@ -27,7 +27,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import ProgressLog, longest_recent_save_s
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training import async_checkpoint, checkpointing, cuda_graphs, parallel, rerun
+from bridge_hpc.training import async_checkpoint, checkpointing, cuda_graphs, fused_kernels, parallel, rerun
 from bridge_hpc.training.config import (
     ConfigContainer,
     DistributedDataParallelConfig,
@@ -157,6 +157,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     state.tokenizer = build_tokenizer_for(cfg)
     runtime_config_update(cfg)
     cuda_graphs.check_config(cfg, torch.cuda.is_available())  # before minutes of model building
+    fused_kernels.check_config(cfg, torch.cuda.is_available())
     cfg.log_non_default_values()  # rank 0's log: how this run differs from the defaults
     if cfg.checkpoint.save:
         # Before anything writes into the folder (FT state, progress log, checkpoints): a second job

@@ -44,6 +44,7 @@ from bridge_hpc.training.exit_policy import (  # noqa: F401
 )
 from bridge_hpc.training.fault_tolerance import FaultTolerance
 from bridge_hpc.training.grad_reduce_rider import GradReduceRider
+from bridge_hpc.training.optimizer import installed_fused_step
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.utils.train_utils import (
@@ -222,8 +223,10 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     while rerun_state_machine.should_run_forward_backward(data_iterator):
         zero_grads(model, optimizer)
         if graph is not None:
+            fused_step = installed_fused_step(optimizer)
             reports = graph.forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(global_state),
-                                             optimizer, validate)
+                                             optimizer, validate,
+                                             before_loss_checks=fused_step.queue_grad_norm if fused_step else None)
         else:
             reports = run_microbatches(forward_step_func, data_iterator, model, global_state, optimizer=optimizer,
                                        validate_loss=validate, before_grad_sync=load_rider)
@@ -371,7 +374,7 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
           process_non_loss_data_func: Optional[Callable] = None, non_loss_data_func: Optional[Callable] = None) -> None:
     """Train from ``global_state.train_state.step`` until an exit reason
     (:func:`bridge_hpc.training.exit_policy.exit_reasons`)."""
-    cfg, ts, timers = global_state.cfg, global_state.train_state, global_state.timers
+    cfg, ts = global_state.cfg, global_state.train_state
     forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
     for chunk in model:
         chunk.train()
@@ -398,14 +401,17 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
             ft.step_start(ts.step)
             ft.maybe_simulate_fault(ts.step)
             straggler.step_start()
-            timers("interval-time", log_level=0).start()
+            # The step's time on the host clock, without synchronizing the device (a synchronization
+            # here would leave the GPU idle while the host logs and prepares the next step): each step
+            # waits for its own forward and backward (the loss checks), so the host runs at most one
+            # optimizer step ahead, and the times add up to the wall time.
+            step_start = time.perf_counter()
             start_position = rerun.position_of(train_data_iterator)
             loss_dict, skipped_iter, _, should_exit, _, grad_norm, num_zeros_in_grad = train_step(
                 forward_step_func, step_iterator, model, optimizer, scheduler, global_state)
-            timers("interval-time", log_level=0).stop()
+            step_time_s = time.perf_counter() - step_start
             straggler.step_end()
             ft.step_end(ts.step)
-            step_time_s = timers("interval-time", log_level=0).elapsed(reset=True)
             rerun.report_rerun(global_state, ts.step + 1, should_exit)  # collective only after a re-run
             if should_exit:
                 # The step failed result validation and does not count: save the one before (at the data

@@ -204,12 +204,36 @@ def start_reduce_loss_dicts_and_flags(loss_dicts: List[Dict[str, torch.Tensor]],
         separate = torch.tensor([1 if flags[k] else 0 for k in packed.flag_names], dtype=torch.int32, device=device)
         works.append(torch.distributed.all_reduce(separate, op=torch.distributed.ReduceOp.MAX, async_op=True))
 
-    def finish() -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
-        for work in works:
-            work.wait()
-        return packed.unpack(packed.tensor, separate)
+    if device.type != "cuda" or packed.tensor is None:
+        def finish() -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
+            for work in works:
+                work.wait()
+            return packed.unpack(packed.tensor, separate)
 
-    return finish
+        return finish
+    # On GPUs the loop reads the losses and the flags on the host every step, and a plain read would
+    # wait for everything queued before it, the optimizer step included, leaving the GPU idle while the
+    # host then prepares the next step. The copy to host is queued now, right behind the collectives
+    # (the stream, not the host, waits for them), and ``finish`` waits for that copy only: the reports
+    # it returns are host tensors.
+    for work in works:
+        work.wait()
+    host_tensor = _copy_to_host_async(packed.tensor)
+    host_separate = _copy_to_host_async(separate) if separate is not None else None
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def finish_from_host() -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
+        copied.synchronize()
+        return packed.unpack(host_tensor, host_separate)
+
+    return finish_from_host
+
+
+def _copy_to_host_async(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 # ---------------------------------------------------------------------------------------------
