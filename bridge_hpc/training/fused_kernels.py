@@ -89,8 +89,8 @@ def _kernels():
         base = logits + row * row_stride
         out = grad + row * row_stride
         m = tl.load(row_max + row)
-        scale = tl.load(grad_loss + row) / tl.load(row_sumexp + row)
         g = tl.load(grad_loss + row)
+        scale = g / tl.load(row_sumexp + row)
         local = tl.load(target + row) - vocab_start
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
