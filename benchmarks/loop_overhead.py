@@ -34,7 +34,9 @@ steps (what a step costs when nothing else ran: robust to a shared machine's loa
 every-step costs of the loop are in it) and CPU seconds per step (all threads of each rank). Runs
 alternate (bare, bare-opt, bridge, bridge, bare-opt, bare, ...) ``--repeat`` times each, so a drift of
 the machine hits all; results are ratios of the medians over runs; overhead = reference tokens/s ÷
-bridge tokens/s − 1.
+bridge tokens/s − 1. The i-th runs of two loops are adjacent in time: ``paired`` in the JSON gives the
+overhead of each such pair and a 95 % bootstrap interval of their median, and against the CPU target
+whether the runs settle it (on a shared 2-core machine runs of the same code swing by 5-30 %).
 
 - CPU (default without CUDA): 2 gloo ranks, ``configs/local-tiny.toml``'s model and batch
   (``OMP_NUM_THREADS=1``).
@@ -52,7 +54,8 @@ reduction, the exit checks, the step log, ...) on every rank and prints what eac
 megatron-core's fusions, ``--fused-kernels`` with the toolkit's own (``model.fused_kernels``: Triton
 cross entropy and norms, biases inside the matrix multiplies), and ``--cuda-graph`` runs the bridge loop's steps as one CUDA graph
 (``model.cuda_graph_impl = "full_iteration"``; its clock is then read as each step starts, since a
-replayed step does not call the forward step).
+replayed step does not call the forward step). ``--pool A.json B.json ...`` runs nothing and compares
+the runs of earlier results together (same device, model, steps and loops), as one result.
 
 ``--instructions`` (CPU, needs valgrind) measures work instead of time: each loop runs twice per rank
 under valgrind's cachegrind (instruction counting only), ``--steps`` and ``--steps`` + 30 steps long,
@@ -556,6 +559,16 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
             print(f"[loop-overhead] {kind} run {i + 1}/{repeat}: {run['tokens_per_s']:,.0f} tokens/s "
                   f"(median step {run['median_step_s'] * 1e3:.1f} ms, CPU {run['cpu_s_per_step'] * 1e3:.1f} ms/step, "
                   f"{run['wall_s']:.0f} s wall)", file=sys.stderr, flush=True)
+    meta = {"device": _device_name(device), "shape": shape, "ranks": ranks, "steps": steps, "warmup": warmup,
+            "repeat": repeat, "fused": list(FUSED) if fused else [], "cuda_graph": list(CUDA_GRAPH) if cuda_graph else [],
+            "fused_kernels": list(FUSED_KERNELS) if fused_kernels else []}
+    return summarize(runs, kinds, meta, sections)
+
+
+def summarize(runs: List[Dict[str, Any]], kinds: tuple, meta: Dict[str, Any], sections: bool = False) -> Dict[str, Any]:
+    """The result of ``runs`` (each loop's medians over its runs, the comparisons, the runs themselves)
+    under ``meta`` (what was run: device, shape, ranks, steps, ...)."""
+    gpu = not meta["device"].startswith("cpu")
     by = {kind: [r for r in runs if r["kind"] == kind] for kind in kinds}
     loops = {}
     for kind, rs in by.items():
@@ -564,34 +577,57 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
                                    "cpu_s_per_step")}
         loops[kind]["losses_repeatable"] = all(r["losses"] == rs[0]["losses"] for r in rs)
         loops[kind]["optimizer_config"] = rs[0]["optimizer_config"]
-        if device == "cuda":
+        if gpu:
             loops[kind]["tflops_per_s"] = statistics.median(r["tflops_per_s"] for r in rs)
             loops[kind]["mfu"] = statistics.median(r["mfu"] for r in rs)
             loops[kind]["peak_allocated_gib"] = max(r["peak_allocated_gib"] for r in rs)
-    result: Dict[str, Any] = {
-        "device": _device_name(device), "shape": shape, "ranks": ranks, "steps": steps, "warmup": warmup,
-        "repeat": repeat, "order": [r["kind"] for r in runs], "loops": loops,
-        "fused": list(FUSED) if fused else [], "cuda_graph": list(CUDA_GRAPH) if cuda_graph else [],
-        "fused_kernels": list(FUSED_KERNELS) if fused_kernels else [],
-    }
+    result: Dict[str, Any] = {**meta, "order": [r["kind"] for r in runs], "loops": loops}
     if "bridge" in by and "bare-opt" in by:
         # Only the loop differs: the figure the CPU target (<= 3 %) is about; losses should be bitwise equal.
         result["loop_overhead"] = compare(by["bare-opt"], by["bridge"], loops["bare-opt"], loops["bridge"])
-        if device == "cpu":
+        if not gpu:
             result["loop_overhead"]["target"] = TARGET_CPU_OVERHEAD
         result["loop_overhead"]["paired"] = paired_overhead(by["bare-opt"], by["bridge"],
-                                                            TARGET_CPU_OVERHEAD if device == "cpu" else None)
+                                                            None if gpu else TARGET_CPU_OVERHEAD)
     if "bridge" in by and "bare" in by:
         # Against the loop a user writes with megatron-core's (GPU) or torch's (CPU) optimizer: the GPU target.
         result["against_bare"] = compare(by["bare"], by["bridge"], loops["bare"], loops["bridge"])
-        if device == "cuda":
+        if gpu:
             result["against_bare"]["target_speedup"] = TARGET_GPU_SPEEDUP
-    if device == "cuda":
+    if gpu:
         result["peak_flops"] = H100_BF16_PEAK
     if sections and "bridge" in by:
-        result["bridge_sections"] = summarize_sections(by["bridge"], steps)
+        result["bridge_sections"] = summarize_sections(by["bridge"], meta["steps"])
     result["runs"] = runs
     return result
+
+
+#: What runs pooled by ``--pool`` must share (their ``repeat`` adds up).
+POOLED_ALIKE = ("device", "shape", "ranks", "steps", "warmup", "fused", "cuda_graph", "fused_kernels")
+
+
+def pool(files: List[Path], parser: argparse.ArgumentParser) -> Dict[str, Any]:
+    """The runs of earlier result ``files`` as one result. Each file's runs keep their order, so the
+    i-th runs of two loops within a file stay paired (:func:`paired_overhead`)."""
+    results = []
+    for path in files:
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as err:
+            parser.error(f"--pool: {path}: not a loop_overhead.py result ({err})")
+        if "runs" not in results[-1] or "loops" not in results[-1]:
+            parser.error(f"--pool: {path}: not a loop_overhead.py result (no runs; --instructions results cannot be pooled)")
+    first = results[0]
+    for path, r in zip(files[1:], results[1:]):
+        differ = [key for key in POOLED_ALIKE if r.get(key) != first.get(key)]
+        if differ or list(r["loops"]) != list(first["loops"]):
+            parser.error(f"--pool: {path} differs from {files[0]} in {', '.join(differ or ['loops'])}: "
+                         "only runs of the same benchmark can be pooled")
+    runs = [run for r in results for run in r["runs"]]
+    meta = {key: first.get(key) for key in POOLED_ALIKE}
+    meta["repeat"] = sum(r["repeat"] for r in results)
+    meta["pooled_from"] = [str(path) for path in files]
+    return summarize(runs, tuple(first["loops"]), meta)
 
 
 def count_instructions(kind: str, ranks: int, steps: int, tmp: Path) -> List[int]:
@@ -724,7 +760,8 @@ def _device_name(device: str) -> str:
 def print_table(r: Dict[str, Any]) -> None:
     gpu = "peak_flops" in r
     print(f"\nloop overhead on {r['device']}, {r['ranks']} rank(s), {r['shape']}: {r['steps']} steps per run, "
-          f"first {r['warmup']} left out, {r['repeat']} runs of each ({', '.join(r['order'])})"
+          f"first {r['warmup']} left out, {r['repeat']} runs of each ("
+          + (f"pooled from {len(r['pooled_from'])} results" if r.get("pooled_from") else ", ".join(r["order"])) + ")"
           + (f"; the toolkit's loops fused ({', '.join(r['fused'])})" if r.get("fused") else "")
           + ("; bridge's steps replay a CUDA graph" if r.get("cuda_graph") else "")
           + ("; the toolkit's loops with its fused kernels" if r.get("fused_kernels") else "") + "\n")
@@ -805,6 +842,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="CPU: count each loop's instructions a step per rank under valgrind instead of timing it "
                         "(deterministic; minutes); writes loop_overhead_instructions.json by default")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "loop_overhead.json")
+    p.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
+                   help="run nothing: compare the runs of earlier result files together (the same device, model, "
+                        "steps and loops), so that runs of several invocations settle what one cannot on a noisy machine")
     # Worker mode (internal: one rank, started by torchrun from run_one).
     p.add_argument("--worker", choices=LOOPS, help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
@@ -817,6 +857,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.worker:
         return worker_main(args)
+    if args.pool:
+        result = pool(args.pool, p)
+        print_table(result)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
+        return 0
     kinds = tuple(k for k in LOOPS if k in args.loops.split(","))
     unknown = set(args.loops.split(",")) - set(LOOPS)
     if unknown or not kinds:
