@@ -858,6 +858,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.worker:
         return worker_main(args)
     if args.pool:
+        if args.json.resolve() in {path.resolve() for path in args.pool}:
+            p.error(f"--json {args.json} is one of the results to pool: name another file to write")
         result = pool(args.pool, p)
         print_table(result)
         args.json.parent.mkdir(parents=True, exist_ok=True)
