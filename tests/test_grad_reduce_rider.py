@@ -70,6 +70,10 @@ def _ranks(rank: int, port: int, out: str) -> None:
         finish = rider.take()
         ridden_values, ridden_flags = finish()
         separate_values, separate_flags = reduce_loss_dicts_and_flags(reports, None, flags)
+        if steps:  # the previous step's values, read again after this step's backward reused the carrier
+            earlier_finish, earlier_values = previous
+            steps[-1]["values kept"] = {k: torch.equal(v, earlier_values[k]) for k, v in earlier_finish()[0].items()}
+        previous = (finish, ridden_values)
         steps.append({
             "grads equal": all(torch.equal(a, b) for a, b in zip(grads["plain"], grads["ridden"])),
             "values equal": {k: torch.equal(ridden_values[k], separate_values[k]) for k in separate_values},
@@ -105,6 +109,8 @@ def test_values_ride_on_the_gradient_all_reduce_bitwise(tmp_path):
             assert s["grads equal"], step
             assert s["values equal"] == {"lm loss": True, "aux": True}, step
             assert not s["taken twice"]
+            if step < len(r["steps"]) - 1:
+                assert s["values kept"] == {"lm loss": True, "aux": True}, step
             # rank 1 raised the flag at step 1 only: every rank agrees on it
             assert s["flags"] == s["separate flags"] == {"signal received": step == 1, "time limit": False}
     # the ranks see the same reduced values

@@ -9,8 +9,7 @@ step of the demo model (``benchmarks/loop_overhead.py``), where the target is 3 
 Where torch's ``DistributedDataParallel`` reduces the gradients (CPU ranks), the values need no
 collective of their own: :class:`GradReduceRider` registers a DDP communication hook that appends
 them (a :class:`~bridge_hpc.training.utils.train_utils.PackedReports`, a few floats) to the last
-gradient bucket of the step's synchronizing backward and splits them off after the all-reduce, which
-for that bucket is synchronous (see :meth:`GradReduceRider._hook` for why). The
+gradient bucket of the step's synchronizing backward and splits them off after the all-reduce. The
 gradients are reduced as by torch's default hook (divided by the group size, then summed); the
 values are summed as the separate all-reduce sums them, so the reduced losses and agreed flags are
 the same bit for bit. On GPUs megatron-core's DDP reduces the gradients in buckets of its own and
@@ -38,10 +37,6 @@ class GradReduceRider:
     def __init__(self) -> None:
         self._pending: Optional[PackedReports] = None
         self._reduced: Optional[Tuple[PackedReports, torch.Tensor]] = None
-        #: The all-reduced tensor: the last bucket's gradients, then the values. Kept from step to step
-        #: (both are copied out of it right after the all-reduce), so that a step allocates no
-        #: bucket-sized tensor.
-        self._carrier: Optional[torch.Tensor] = None
 
     @classmethod
     def install(cls, ddp: torch.nn.parallel.DistributedDataParallel) -> "GradReduceRider":
@@ -82,24 +77,12 @@ class GradReduceRider:
             return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
         self._pending = None
         size = buffer.numel()
-        carrier = self._carrier
-        if carrier is None or carrier.numel() != size + packed.tensor.numel() or carrier.dtype != buffer.dtype:
-            carrier = self._carrier = torch.empty(size + packed.tensor.numel(), dtype=buffer.dtype, device=buffer.device)
-        carrier[:size].copy_(buffer)
-        carrier[size:].copy_(packed.tensor)
-        # Reduced right here, synchronously. An asynchronous all-reduce needs a Python callback on its
-        # future to split the values off, and torch runs that callback on the process group's thread,
-        # which must then take the GIL from the training thread: that handoff cost 3 % of a CPU step of
-        # the demo model (benchmarks/loop_overhead.py, one rank). The last bucket is ready when the
-        # backward is done (DDP fills buckets in reverse parameter order), so waiting here hides nothing
-        # the backward could still overlap; earlier buckets' all-reduces stay asynchronous.
-        dist.all_reduce(carrier, group=group)
-        # The values are cloned (a few floats): a report read after the next backward must not see
-        # the carrier overwritten. The gradients go back into the bucket's own buffer, the tensor DDP
-        # expects to get back (with ``gradient_as_bucket_view`` the parameters' gradients are views of
-        # it; they must not become views of the carrier).
-        self._reduced = (packed, carrier[size:].clone())
-        buffer.copy_(carrier[:size])
-        done: torch.futures.Future = torch.futures.Future()
-        done.set_result(buffer)
-        return done
+        carrier = torch.cat([buffer, packed.tensor])
+
+        def split(fut: torch.futures.Future) -> torch.Tensor:
+            reduced = fut.value()[0]
+            buffer.copy_(reduced[:size])
+            self._reduced = (packed, reduced[size:])
+            return buffer
+
+        return dist.all_reduce(carrier, group=group, async_op=True).get_future().then(split)
