@@ -41,6 +41,7 @@ def _ranks(rank: int, port: int, out: str) -> None:
     torch.manual_seed(100 + rank)
     inputs = [torch.randn(8, 64) for _ in range(2)]
     steps = []
+    previous = None
     for step in range(3):
         reports = []
         grads = {}
@@ -70,8 +71,8 @@ def _ranks(rank: int, port: int, out: str) -> None:
         finish = rider.take()
         ridden_values, ridden_flags = finish()
         separate_values, separate_flags = reduce_loss_dicts_and_flags(reports, None, flags)
-        if steps:  # the previous step's values, read again after this step's backward reused the carrier
-            earlier_finish, earlier_values = previous
+        if previous is not None:  # the last step's values, read again after this step's backward has
+            earlier_finish, earlier_values = previous  # reduced new ones (they must not share a tensor)
             steps[-1]["values kept"] = {k: torch.equal(v, earlier_values[k]) for k, v in earlier_finish()[0].items()}
         previous = (finish, ridden_values)
         steps.append({
