@@ -372,19 +372,20 @@ def test_manual_gc_turns_automatic_collection_off_for_the_steps_only(tmp_path, m
 @pytest.mark.parametrize("manual_gc", [True, False])
 def test_the_start_up_heap_is_frozen_for_the_steps_and_cycles_of_the_steps_are_still_collected(tmp_path, manual_gc):
     """The objects start-up left (imports, model, optimizer) are out of the collector's walks while the
-    steps run (``gc.freeze``), so a full collection no longer stalls a rank for tenths of a second; a
-    reference cycle the steps create is still collected, garbage of start-up is collected before the
-    freeze, and the heap is unfrozen when training returns."""
+    steps run (``gc.freeze``, bridge_hpc.training.heap), so a full collection no longer stalls a rank for
+    tenths of a second; a reference cycle the steps make is still collected; a cycle dropped before
+    ``pretrain`` (frozen with the imports, without a walk) is freed by the first full collection after
+    training returns, when the heap is unfrozen."""
     import gc
     import weakref
 
     from bridge_hpc.training.gpt_step import forward_step
     from bridge_hpc.training.pretrain import pretrain
 
-    frozen, cycles_freed = [], []
-    start_up_garbage = _Cycle()  # garbage before training starts: the collection before the freeze frees it
-    before = weakref.ref(start_up_garbage)
-    del start_up_garbage
+    frozen, cycles_freed, earlier_cycle_alive = [], [], []
+    earlier_garbage = _Cycle()
+    earlier = weakref.ref(earlier_garbage)
+    del earlier_garbage
 
     def recording_forward_step(state, data_iterator, model):
         frozen.append(gc.get_freeze_count())
@@ -393,16 +394,19 @@ def test_the_start_up_heap_is_frozen_for_the_steps_and_cycles_of_the_steps_are_s
         del probe
         gc.collect()
         cycles_freed.append(alive() is None)
+        earlier_cycle_alive.append(earlier() is not None)
         return forward_step(state, data_iterator, model)
 
     cfg = _config(tmp_path, f"job.run_dir={tmp_path / 'run'}", "train.train_iters=6", "train.global_batch_size=4",
                   "train.eval_interval=0", f"train.manual_gc={str(manual_gc).lower()}")
     assert gc.get_freeze_count() == 0
     pretrain(cfg, recording_forward_step)
-    assert before() is None
     assert len(frozen) == 6 * 4 // 2 and min(frozen) > 10_000, frozen  # torch's and megatron's objects at least
     assert all(cycles_freed), cycles_freed
+    assert all(earlier_cycle_alive), earlier_cycle_alive  # frozen: no collection during the steps walks it
     assert gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.collect()
+    assert earlier() is None
 
 
 def test_a_negative_manual_gc_interval_is_refused_naming_the_key(tmp_path):

@@ -27,7 +27,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.report.progress import ProgressLog, longest_recent_save_s
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training import async_checkpoint, checkpointing, cuda_graphs, fused_kernels, parallel, rerun
+from bridge_hpc.training import async_checkpoint, checkpointing, cuda_graphs, fused_kernels, heap, parallel, rerun
 from bridge_hpc.training.config import (
     ConfigContainer,
     DistributedDataParallelConfig,
@@ -91,8 +91,12 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
     if cfg.train.exit_signal_handler:
         state.signal_handler = StopSignalRecorder(cfg.train.exit_signal).__enter__()
     checkpointing_context: dict = {}
+    # Out of the cycle collector's walks (bridge_hpc.training.heap): the imports now, what set-up makes
+    # when the steps start. An in-process restart's attempt collects the aborted one's garbage first.
+    frozen = heap.imports_frozen(collect_first=inprocess_call_wrapper is not None and inprocess_call_wrapper.iteration > 0)
     try:
-        _setup_and_train(state, forward_step_func, checkpointing_context)
+        with frozen:
+            _setup_and_train(state, forward_step_func, checkpointing_context)
     except BaseException:
         _stop_async_writer(checkpointing_context, abandon=True)  # a save in flight is not waited for
         if state.progress is not None:

@@ -18,13 +18,13 @@ import os
 import time
 from collections import deque
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-from bridge_hpc.training import bytecode_cache, parallel, rerun
+from bridge_hpc.training import bytecode_cache, heap, parallel, rerun
 from bridge_hpc.training.cuda_graphs import FullIterationCudaGraph
 
 # Bridge's names in bridge.training.train. They live with the save path they serve (exit_policy
@@ -395,7 +395,7 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
     # End-of-step times for logger.log_throughput_to_tensorboard (train_utils.report_throughput's window).
     history_wct = deque(maxlen=cfg.logger.throughput_window_size) if cfg.logger.log_throughput_to_tensorboard else None
     report_memory_flag = True
-    with _garbage_collection(cfg.train.manual_gc):
+    with heap.set_up_frozen(cfg.train.manual_gc):
         while True:
             # 1. one optimizer step
             ft.step_start(ts.step)
@@ -450,35 +450,6 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
                 break
     if prof is not None:
         prof.stop()
-
-
-@contextlib.contextmanager
-def _garbage_collection(manual: bool) -> Iterator[None]:
-    """Python's garbage collector during the steps: the start-up heap frozen, and ``train.manual_gc``.
-
-    **The heap of start-up is frozen** (``gc.freeze`` after one full collection). Imports of torch
-    and megatron-core, the model, the optimizer and the data leave some 400 thousand objects that
-    the collector tracks, and every automatic full collection walks all of them again: about 0.15-0.3 s
-    on a CPU rank (``benchmarks/loop_overhead.py``), every 100-200 steps of the demo model, each
-    rank at its own step, so the other ranks wait in the next collective. Frozen, they are out of
-    every later collection, which then walks only what the steps created. What start-up left
-    reachable and the steps drop is freed by reference counting as before; only such an object in a
-    reference cycle waits until training returns, when the heap is unfrozen.
-
-    ``manual`` (``train.manual_gc``, Megatron's and Bridge's): automatic collection is off for the
-    steps too (``post_training_step_callbacks`` collects every ``train.manual_gc_interval`` steps).
-    The caller's collector settings are back when training returns."""
-    was_enabled = gc.isenabled()
-    if manual:
-        gc.disable()
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-        if manual and was_enabled:
-            gc.enable()
 
 
 def _count_step(state: GlobalState, step_time_s: float, skipped_iter: int) -> float:

@@ -458,9 +458,10 @@ def start_memory_history_recording(profiling: Optional[ProfilingConfig]) -> None
 
 def _maybe_dump_memory_snapshot(profiling: ProfilingConfig, step: int) -> Optional[str]:
     """At ``profile_step_end``, on profiled ranks with CUDA: write the allocator snapshot; returns its path."""
+    if not profiling.record_memory_history or step != profiling.profile_step_end:
+        return None  # every other step: decided without asking torch.distributed for the rank
     rank = _rank()
-    if (not profiling.record_memory_history or step != profiling.profile_step_end
-            or rank not in profiling.profile_ranks or not torch.cuda.is_available()):
+    if rank not in profiling.profile_ranks or not torch.cuda.is_available():
         return None
     filename = memory_snapshot_file(profiling, rank)
     torch.cuda.memory._dump_snapshot(filename)

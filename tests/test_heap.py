@@ -1,0 +1,55 @@
+"""bridge_hpc.training.heap: what each freeze covers, and that the process gets its collector back."""
+
+import gc
+import weakref
+
+import pytest
+
+from bridge_hpc.training import heap
+
+
+class _Cycle:
+    """An object only the cycle collector frees: it refers to itself."""
+
+    def __init__(self):
+        self.me = self
+
+
+def _dropped_cycle() -> weakref.ref:
+    probe = _Cycle()
+    alive = weakref.ref(probe)
+    del probe
+    return alive
+
+
+@pytest.mark.parametrize("collect_first", [True, False])
+def test_imports_frozen_defers_the_garbage_it_covers_unless_told_to_collect_first(collect_first):
+    before = _dropped_cycle()
+    with heap.imports_frozen(collect_first):
+        assert gc.get_freeze_count() > 0
+        gc.collect()
+        assert (before() is None) is collect_first  # frozen garbage waits; an aborted attempt's does not
+        inside = _dropped_cycle()
+        gc.collect()
+        assert inside() is None  # what the run makes is collected as ever
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert before() is None
+
+
+@pytest.mark.parametrize("manual_gc", [True, False])
+def test_set_up_frozen_collects_first_freezes_and_gives_the_collector_back(manual_gc):
+    set_up_garbage = _dropped_cycle()
+    assert gc.isenabled()
+    with heap.set_up_frozen(manual_gc):
+        assert set_up_garbage() is None  # set-up's garbage: freed before the steps
+        assert gc.get_freeze_count() > 0
+        assert gc.isenabled() is not manual_gc
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+
+def test_an_error_inside_unfreezes_and_restores_the_collector():
+    with pytest.raises(RuntimeError):
+        with heap.imports_frozen(False), heap.set_up_frozen(True):
+            raise RuntimeError("a failed step")
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
