@@ -23,9 +23,9 @@ def _dropped_cycle() -> weakref.ref:
 
 
 @pytest.mark.parametrize("collect_first", [True, False])
-def test_imports_frozen_defers_the_garbage_it_covers_unless_told_to_collect_first(collect_first):
+def test_frozen_defers_the_garbage_it_covers_unless_told_to_collect_first(collect_first):
     before = _dropped_cycle()
-    with heap.imports_frozen(collect_first):
+    with heap.frozen(collect_first):
         assert gc.get_freeze_count() > 0
         gc.collect()
         assert (before() is None) is collect_first  # frozen garbage waits; an aborted attempt's does not
@@ -38,10 +38,10 @@ def test_imports_frozen_defers_the_garbage_it_covers_unless_told_to_collect_firs
 
 
 @pytest.mark.parametrize("manual_gc", [True, False])
-def test_set_up_frozen_collects_first_freezes_and_gives_the_collector_back(manual_gc):
+def test_steps_frozen_collects_first_freezes_and_gives_the_collector_back(manual_gc):
     set_up_garbage = _dropped_cycle()
     assert gc.isenabled()
-    with heap.set_up_frozen(manual_gc):
+    with heap.steps_frozen(manual_gc):
         assert set_up_garbage() is None  # set-up's garbage: freed before the steps
         assert gc.get_freeze_count() > 0
         assert gc.isenabled() is not manual_gc
@@ -50,6 +50,6 @@ def test_set_up_frozen_collects_first_freezes_and_gives_the_collector_back(manua
 
 def test_an_error_inside_unfreezes_and_restores_the_collector():
     with pytest.raises(RuntimeError):
-        with heap.imports_frozen(False), heap.set_up_frozen(True):
+        with heap.frozen(False), heap.steps_frozen(True):
             raise RuntimeError("a failed step")
     assert gc.get_freeze_count() == 0 and gc.isenabled()

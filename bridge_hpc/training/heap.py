@@ -7,10 +7,10 @@ objects that the cycle collector tracks, and every automatic full collection wal
 steps, each rank at its own step, so the other ranks wait for it in the next collective. ``gc.freeze``
 moves objects out of every later collection. Two freezes keep that off the start-up time as well:
 
-1. :func:`imports_frozen`, around a run's set-up and training: what the process holds when
-   ``pretrain`` starts (its imports, for the most part) is frozen at once, without a collection,
-   which would walk all of it (0.3 s on a GPU host, in every requeued run's start-up);
-2. :func:`set_up_frozen`, around the steps: one full collection, which walks only what set-up made
+1. ``pretrain``, around a run's set-up and training (:func:`frozen`): what the process holds when
+   it starts (its imports, for the most part) is frozen at once, without a collection, which would
+   walk all of it (0.3 s on a GPU host, in every requeued run's start-up);
+2. :func:`steps_frozen`, around the steps: one full collection, which walks only what set-up made
    (model, optimizer, checkpoint load) and frees its garbage, then that is frozen too.
 
 What a freeze covers is not lost: an object of it that the steps drop is freed by reference counting
@@ -26,12 +26,14 @@ from typing import Iterator
 
 
 @contextlib.contextmanager
-def imports_frozen(collect_first: bool) -> Iterator[None]:
-    """Freeze what the process holds now, for the run inside; unfreeze when it returns.
+def frozen(collect_first: bool) -> Iterator[None]:
+    """Freeze what the process holds now, for what runs inside; unfreeze when it returns.
 
-    ``collect_first``: collect before freezing, where the heap may hold garbage worth freeing now, as
-    the aborted attempt an in-process restart leaves behind (its model and optimizer, possibly in
-    reference cycles, which would otherwise stay for the whole next attempt)."""
+    ``collect_first``: one full collection before the freeze, so that the garbage there is now is
+    freed rather than frozen. ``pretrain`` freezes without one when it starts (its imports are not
+    garbage, and the walk would cost every requeued run's start-up); an in-process restart's attempt
+    collects first, where the aborted attempt left its model and optimizer, possibly in reference
+    cycles, which would otherwise stay for the whole next attempt."""
     if collect_first:
         gc.collect()
     gc.freeze()
@@ -42,9 +44,9 @@ def imports_frozen(collect_first: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def set_up_frozen(manual_gc: bool) -> Iterator[None]:
+def steps_frozen(manual_gc: bool) -> Iterator[None]:
     """Around the steps: one full collection (what set-up dropped is freed), then everything there is
-    frozen; unfrozen when the steps end.
+    frozen (:func:`frozen`); unfrozen when the steps end.
 
     ``manual_gc`` (``train.manual_gc``, Megatron's and Bridge's): automatic collection is off for the
     steps too (``train.post_training_step_callbacks`` collects every ``train.manual_gc_interval``
@@ -52,11 +54,9 @@ def set_up_frozen(manual_gc: bool) -> Iterator[None]:
     was_enabled = gc.isenabled()
     if manual_gc:
         gc.disable()
-    gc.collect()
-    gc.freeze()
     try:
-        yield
+        with frozen(collect_first=True):
+            yield
     finally:
-        gc.unfreeze()
         if manual_gc and was_enabled:
             gc.enable()

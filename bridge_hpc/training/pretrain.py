@@ -93,7 +93,7 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
     checkpointing_context: dict = {}
     # Out of the cycle collector's walks (bridge_hpc.training.heap): the imports now, what set-up makes
     # when the steps start. An in-process restart's attempt collects the aborted one's garbage first.
-    frozen = heap.imports_frozen(collect_first=inprocess_call_wrapper is not None and inprocess_call_wrapper.iteration > 0)
+    frozen = heap.frozen(collect_first=inprocess_call_wrapper is not None and inprocess_call_wrapper.iteration > 0)
     try:
         with frozen:
             _setup_and_train(state, forward_step_func, checkpointing_context)

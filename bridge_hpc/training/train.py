@@ -395,7 +395,7 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
     # End-of-step times for logger.log_throughput_to_tensorboard (train_utils.report_throughput's window).
     history_wct = deque(maxlen=cfg.logger.throughput_window_size) if cfg.logger.log_throughput_to_tensorboard else None
     report_memory_flag = True
-    with heap.set_up_frozen(cfg.train.manual_gc):
+    with heap.steps_frozen(cfg.train.manual_gc):
         while True:
             # 1. one optimizer step
             ft.step_start(ts.step)
