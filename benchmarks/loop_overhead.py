@@ -10,9 +10,9 @@ differs:
   :mod:`bridge_hpc.training.grad_reduce_rider`), the result validation, the step timers, and the
   start-up heap frozen for the steps (:mod:`bridge_hpc.training.heap`; in the bare loops Python's
   automatic full collection walks it, 0.28-0.35 s on a rank about once in 130 steps of the CPU
-  model: a cost the fastest tenth of the steps leaves out). Evaluation and checkpoints are off (``eval_interval = 0``, no ``checkpoint.save``): no save
-  falls inside the timed steps either way, and the exit save after the last step would only
-  lengthen the run.
+  model: a cost the fastest tenth of the steps leaves out). Evaluation and checkpoints are off
+  (``eval_interval = 0``, no ``checkpoint.save``): no save falls inside the timed steps either way,
+  and the exit save after the last step would only lengthen the run.
 - **bare**: a plain for-loop a user would write with the same pieces: the toolkit's GPT builder (the
   model is not what is measured), the DDP wrapper and optimizer built directly (torch DDP and
   ``torch.optim.AdamW`` with ``clip_grad_norm_`` on CPU, as the toolkit did there; megatron-core's
