@@ -53,3 +53,19 @@ def test_an_error_inside_unfreezes_and_restores_the_collector():
         with heap.frozen(False), heap.steps_frozen(True):
             raise RuntimeError("a failed step")
     assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+
+def test_a_later_run_in_the_process_collects_what_the_runs_before_it_left_before_freezing(monkeypatch):
+    """The first run freezes its imports as they are; a later one (an in-process restart's attempt, a
+    sweep, a test suite) first frees the garbage of the runs before it, their models and optimizers,
+    instead of keeping it frozen for its whole run."""
+    monkeypatch.setattr(heap, "_runs_started", 0)
+    first_garbage = _dropped_cycle()
+    with heap.run_frozen():
+        gc.collect()
+        assert first_garbage() is not None  # the first run: frozen as it was, no walk
+        earlier_run_garbage = _dropped_cycle()
+    with heap.run_frozen():
+        assert first_garbage() is None and earlier_run_garbage() is None
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0

@@ -370,17 +370,21 @@ def test_manual_gc_turns_automatic_collection_off_for_the_steps_only(tmp_path, m
 
 @pytest.mark.usefixtures("one_rank")
 @pytest.mark.parametrize("manual_gc", [True, False])
-def test_the_start_up_heap_is_frozen_for_the_steps_and_cycles_of_the_steps_are_still_collected(tmp_path, manual_gc):
+def test_the_start_up_heap_is_frozen_for_the_steps_and_their_cycles_are_still_collected(tmp_path, manual_gc, monkeypatch):
     """The objects start-up left (imports, model, optimizer) are out of the collector's walks while the
     steps run (``gc.freeze``, bridge_hpc.training.heap), so a full collection no longer stalls a rank for
     tenths of a second; a reference cycle the steps make is still collected; a cycle dropped before
     ``pretrain`` (frozen with the imports, without a walk) is freed by the first full collection after
-    training returns, when the heap is unfrozen."""
+    training returns, when the heap is unfrozen (the process's first run: a later one collects first,
+    tests/test_heap.py)."""
     import gc
     import weakref
 
+    from bridge_hpc.training import heap
     from bridge_hpc.training.gpt_step import forward_step
     from bridge_hpc.training.pretrain import pretrain
+
+    monkeypatch.setattr(heap, "_runs_started", 0)  # as in a fresh process, whatever ran in this one before
 
     frozen, cycles_freed, earlier_cycle_alive = [], [], []
     earlier_garbage = _Cycle()

@@ -7,9 +7,12 @@ objects that the cycle collector tracks, and every automatic full collection wal
 steps, each rank at its own step, so the other ranks wait for it in the next collective. ``gc.freeze``
 moves objects out of every later collection. Two freezes keep that off the start-up time as well:
 
-1. ``pretrain``, around a run's set-up and training (:func:`frozen`): what the process holds when
-   it starts (its imports, for the most part) is frozen at once, without a collection, which would
-   walk all of it (0.3 s on a GPU host, in every requeued run's start-up);
+1. :func:`run_frozen`, around a run's set-up and training (``pretrain``): what the process holds
+   when its first run starts (its imports, for the most part) is frozen at once, without a
+   collection, which would walk all of it (0.3 s on a GPU host, in every requeued run's start-up);
+   a later run in the same process (an in-process restart's attempt, a sweep, a test suite) collects
+   first, since the runs before it left their models and optimizers, possibly in reference cycles
+   that a freeze would keep for the whole run;
 2. :func:`steps_frozen`, around the steps: one full collection, which walks only what set-up made
    (model, optimizer, checkpoint load) and frees its garbage, then that is frozen too.
 
@@ -30,10 +33,7 @@ def frozen(collect_first: bool) -> Iterator[None]:
     """Freeze what the process holds now, for what runs inside; unfreeze when it returns.
 
     ``collect_first``: one full collection before the freeze, so that the garbage there is now is
-    freed rather than frozen. ``pretrain`` freezes without one when it starts (its imports are not
-    garbage, and the walk would cost every requeued run's start-up); an in-process restart's attempt
-    collects first, where the aborted attempt left its model and optimizer, possibly in reference
-    cycles, which would otherwise stay for the whole next attempt."""
+    freed rather than frozen."""
     if collect_first:
         gc.collect()
     gc.freeze()
@@ -41,6 +41,21 @@ def frozen(collect_first: bool) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+#: Runs started in this process (:func:`run_frozen`): the first has only imports behind it.
+_runs_started = 0
+
+
+@contextlib.contextmanager
+def run_frozen() -> Iterator[None]:
+    """Around one run's set-up and training: :func:`frozen`, with a collection first unless this is the
+    process's first run."""
+    global _runs_started
+    collect_first = _runs_started > 0
+    _runs_started += 1
+    with frozen(collect_first):
+        yield
 
 
 @contextlib.contextmanager

@@ -91,11 +91,10 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
     if cfg.train.exit_signal_handler:
         state.signal_handler = StopSignalRecorder(cfg.train.exit_signal).__enter__()
     checkpointing_context: dict = {}
-    # Out of the cycle collector's walks (bridge_hpc.training.heap): the imports now, what set-up makes
-    # when the steps start. An in-process restart's attempt collects the aborted one's garbage first.
-    frozen = heap.frozen(collect_first=inprocess_call_wrapper is not None and inprocess_call_wrapper.iteration > 0)
     try:
-        with frozen:
+        # Out of the cycle collector's walks (bridge_hpc.training.heap): the imports now, what set-up
+        # makes when the steps start.
+        with heap.run_frozen():
             _setup_and_train(state, forward_step_func, checkpointing_context)
     except BaseException:
         _stop_async_writer(checkpointing_context, abandon=True)  # a save in flight is not waited for
