@@ -283,7 +283,7 @@ def test_bad_finetuning_config_names_the_key(tmp_path, dataset, tokenizer, key, 
     ('["a", "b"]', "dataset.dataset_root", "is a JSON list"),
     ('{"input": "a"}', "dataset.answer_key", "line 3 has no 'output' field"),
     ('{"prompt": "a", "output": "b"}', "dataset.prompt_key", "line 3 has no 'input' field"),
-    ('{"input": "a", "output": 7}', "dataset.answer_key", "field 'output' is a int"),
+    ('{"input": "a", "output": 7}', "dataset.answer_key", "line 3 has field 'output' of type int"),
 ])
 def test_bad_jsonl_line_names_file_and_line(tmp_path, line, key, expect):
     from bridge_hpc.training.data import FinetuningDataset

@@ -16,11 +16,16 @@ section's ``finalize()`` fills derived fields and checks the section on its own;
 from __future__ import annotations
 
 import abc
+import array
 import dataclasses
+import json
 import logging
+import math
 import os
+import struct
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, NamedTuple, Optional, Tuple, Union
 
 from bridge_hpc.contracts import run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
@@ -1094,10 +1099,12 @@ def _blend_items(value: Union[str, List[Union[str, float]]]) -> List[Union[str, 
 
 
 def _as_weight(item: Union[str, float]) -> Optional[float]:
-    if isinstance(item, (int, float)) and not isinstance(item, bool):
-        return float(item)
+    """``item`` as a number, or None when it is not one (a prefix). An integer too large for a float
+    (a config built in Python) is infinite, which :func:`parse_blend` then refuses as a weight."""
     try:
         return float(item)
+    except OverflowError:
+        return float("inf")
     except (TypeError, ValueError):
         return None
 
@@ -1107,7 +1114,13 @@ def parse_blend(value: Union[str, List[Union[str, float]]], key: str) -> Blend:
 
     ``["a", "b"]`` is two datasets weighted by their size (weights None); ``["0.7", "a", "0.3", "b"]``
     (or ``"0.7 a 0.3 b"``) weights them explicitly: when the first item is a number, every other item
-    is a weight, and each must be a positive number. Prefixes are returned as given (made absolute by
+    is a weight, and each must be a finite positive number. megatron-core divides the weights by their
+    float64 sum on every rank (``normalize``): a sum that overflows to inf makes every share 0, which
+    fails its assertion that the shares add up to 1 (a bare AssertionError after the queue), and a
+    weight tiny next to the others gets a share of 0, a dataset asked for nothing. So the sum must stay
+    at most half the float64 range (no order of adding can then overflow) and every share must be a
+    normal positive float64 (a margin over 0 for rounding differences between this sum and numpy's).
+    Prefixes are returned as given (made absolute by
     :meth:`GPTDatasetConfig.finalize`). A malformed list raises ConfigError naming ``key``.
     """
     items = _blend_items(value)
@@ -1124,11 +1137,21 @@ def parse_blend(value: Union[str, List[Union[str, float]]], key: str) -> Blend:
         number = _as_weight(weight)
         _check(number is not None, key, f"blend weight {weight!r} is not a number (expected weight, prefix, "
                                         "weight, prefix, ...)")
-        _check(number > 0 and number != float("inf"), key, f"blend weight {weight!r} must be a positive number")
+        _check(math.isfinite(number) and number > 0, key,
+               f"blend weight {weight!r} must be a positive number (finite, above 0)")
         _check(isinstance(prefix, str) and prefix != "" and _as_weight(prefix) is None, key,
                f"expected a dataset prefix after weight {weight!r}, got {prefix!r}")
         prefixes.append(prefix)
         weights.append(number)
+    total = sum(weights)
+    _check(total <= sys.float_info.max / 2, key,
+           ("the blend weights add up to more than a float64 holds" if math.isinf(total) else
+            f"the blend weights add up to {total:g}, too close to the float64 limit ({sys.float_info.max:g})")
+           + ": megatron-core divides them by their sum; scale them down (only their ratios matter)")
+    for weight, number in zip(items[0::2], weights):
+        _check(number / total >= sys.float_info.min, key,
+               f"blend weight {weight!r} is too small next to their sum {total:g}: its share {number / total:g} "
+               "is not a normal positive float64; raise it or drop its dataset")
     return prefixes, weights
 
 
@@ -1160,15 +1183,14 @@ def read_index_header(prefix: str, key: str) -> IndexedDatasetHeader:
     pointers are the running sum of the sequence lengths times the item size, so the last pointer plus
     the last length times the item size is what the ``.bin`` size must be: a truncated file, or an
     ``.idx`` paired with a ``.bin`` of another dtype or dataset, fails here instead of as a numpy error
-    (or silently wrong tokens) on every rank.
+    (or silently wrong tokens) on every rank. So does a dataset of empty documents only (an empty
+    ``.bin``, which megatron-core's memory map cannot open: "cannot mmap an empty file").
     """
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     for path in (idx, bin_):
         _check(os.path.isfile(path), key, f"{path} is missing (expected {prefix}.bin and .idx, as written by "
                                           "bridge-prepare-data)")
     idx_bytes, bin_bytes = os.path.getsize(idx), os.path.getsize(bin_)
-    import struct
-
     with open(idx, "rb") as f:
         head = f.read(_INDEX_HEADER_BYTES)
         _check(len(head) == _INDEX_HEADER_BYTES, key, f"{idx} is truncated ({idx_bytes} bytes, shorter than the "
@@ -1198,7 +1220,85 @@ def read_index_header(prefix: str, key: str) -> IndexedDatasetHeader:
            f"{bin_} has {bin_bytes} bytes but {idx} describes {want} ({n} sequences of {dtype}): "
            + ("the .bin is truncated, or " if bin_bytes < want else "")
            + "the .idx and .bin disagree (dtype or dataset)")
+    # megatron-core memory-maps the .bin on every rank, and an empty file cannot be mapped.
+    _check(bin_bytes > 0, key, f"{bin_} holds no tokens (every document is empty): prepare the data again from "
+                               "a corpus with text in it")
     return IndexedDatasetHeader(prefix, dtype, itemsize, n, d - 1, bin_bytes)
+
+
+def _bin_offset(header: IndexedDatasetHeader, sequence: int) -> int:
+    """Where sequence ``sequence`` of ``header``'s dataset starts in its ``.bin`` (its size for the
+    sequence count): one read of the ``.idx``'s pointers (all of which ``bridge-submit --verify-data``
+    checks: :func:`verify_index`)."""
+    if sequence >= header.sequence_count:
+        return header.bin_bytes
+    with open(header.prefix + ".idx", "rb") as f:
+        f.seek(_INDEX_HEADER_BYTES + 4 * header.sequence_count + 8 * sequence)
+        return struct.unpack("<q", f.read(8))[0]
+
+
+#: ``progress(file, bytes done, bytes in all)``: how the checks of every record (``bridge-submit
+#: --verify-data``) report on long files.
+Progress = Callable[[str, int, int], None]
+#: Entries per read when :func:`verify_index` walks an ``.idx``: 12 MiB of lengths and pointers at a time.
+_VERIFY_CHUNK = 1 << 20
+
+
+def _int_array(code: str, data: bytes) -> array.array:
+    """Little-endian integers (megatron-core's ``.idx`` on x86 and ARM) as an ``array`` of ``code``."""
+    out = array.array(code)
+    out.frombytes(data)
+    if sys.byteorder == "big":
+        out.byteswap()
+    return out
+
+
+def verify_index(prefix: str, key: str, progress: Optional[Progress] = None) -> int:
+    """Check every entry of ``prefix.idx``, not only the last ones that :func:`read_index_header` reads.
+
+    For ``bridge-submit --verify-data``: each sequence's length must be >= 0 and its pointer where the
+    sequence before it ends, and the document boundaries must run from 0 up to the sequence count
+    without going back. A damaged entry in the middle of an ``.idx`` would otherwise make megatron-core
+    read the wrong tokens, or past the end of the ``.bin``, on the ranks, without an error. One pass
+    over the ``.idx`` in chunks, with ``array`` (no numpy on the login node); the ``.bin`` is not read.
+    Returns the sequence count; raises ConfigError naming the file, the entry and ``key``.
+    """
+    header = read_index_header(prefix, key)
+    n, d = header.sequence_count, header.document_count + 1
+    idx, total = prefix + ".idx", _INDEX_HEADER_BYTES + 12 * n + 8 * d
+    expected = 0
+    try:
+        with open(idx, "rb") as f:
+            for first in range(0, n, _VERIFY_CHUNK):
+                count = min(_VERIFY_CHUNK, n - first)
+                f.seek(_INDEX_HEADER_BYTES + 4 * first)
+                lengths = _int_array("i", f.read(4 * count))
+                f.seek(_INDEX_HEADER_BYTES + 4 * n + 8 * first)
+                pointers = _int_array("q", f.read(8 * count))
+                for i, (length, pointer) in enumerate(zip(lengths, pointers), first):
+                    if length < 0 or pointer != expected:  # (no message built per entry: this loop is the cost)
+                        raise ConfigError(f"{idx} is damaged: sequence {i} " + (
+                            f"has length {length}" if length < 0 else
+                            f"starts at byte {pointer} of the .bin, but the sequences before it end at byte {expected}"),
+                            key=key)
+                    expected = pointer + length * header.itemsize
+                if progress is not None:
+                    progress(idx, _INDEX_HEADER_BYTES + 12 * (first + count), total)
+            previous = 0
+            for first in range(0, d, _VERIFY_CHUNK):
+                count = min(_VERIFY_CHUNK, d - first)
+                f.seek(_INDEX_HEADER_BYTES + 12 * n + 8 * first)
+                for j, boundary in enumerate(_int_array("q", f.read(8 * count)), first):
+                    if not (boundary == 0 if j == 0 else previous <= boundary <= n):
+                        raise ConfigError(f"{idx} is damaged: document {j} starts at sequence {boundary}, expected "
+                                          + ("0" if j == 0 else f"{previous} to {n} (where document {j - 1} starts, "
+                                                                "up to the sequence count)"), key=key)
+                    previous = boundary
+                if progress is not None:
+                    progress(idx, _INDEX_HEADER_BYTES + 12 * n + 8 * (first + count), total)
+    except OSError as err:
+        raise ConfigError(f"{idx} cannot be read: {err.strerror or err}", key=key) from None
+    return n
 
 
 def dataset_config_class(body: Dict[str, Any]) -> type:
@@ -1313,8 +1413,10 @@ class GPTDatasetConfig(DatasetProvider, DeferredPostInit):
         """Every split that ``split`` gives a share must get at least one document of every dataset.
 
         megatron-core splits each dataset by document with ``round(fraction * documents)``; a split
-        left with no document makes its GPTDataset loop forever looking for tokens, on every rank. So
-        a dataset of few documents with a small valid or test share is refused here, naming both.
+        left with no document, or with empty documents only (no tokens), makes its GPTDataset loop
+        forever looking for tokens, on every rank. So a dataset of few documents with a small valid or
+        test share is refused here, naming both; the token count of a split takes two reads of the
+        ``.idx`` (where its first and its last document start in the ``.bin``).
         """
         fractions = parse_split(self.split)
         bounds, start = [], 0.0
@@ -1322,12 +1424,18 @@ class GPTDatasetConfig(DatasetProvider, DeferredPostInit):
             bounds.append((start, start + fraction) if fraction > 0 else None)
             start += fraction
         for prefix in self.blend[0]:
-            documents = read_index_header(prefix, "dataset.data_path").sequence_count
+            header = read_index_header(prefix, "dataset.data_path")
+            documents = header.sequence_count
             for name, bound in zip(("train", "valid", "test"), bounds):
                 if bound is not None:
-                    _check(round(bound[1] * documents) > round(bound[0] * documents), "dataset.split",
+                    first, end = round(bound[0] * documents), round(bound[1] * documents)
+                    _check(end > first, "dataset.split",
                            f"{self.split!r} gives the {name} split none of the {documents} documents of {prefix} "
                            f"(megatron-core splits by document); give it more documents or set its share to 0")
+                    _check(_bin_offset(header, end) > _bin_offset(header, first), "dataset.split",
+                           f"{self.split!r} gives the {name} split documents {first} to {end - 1} of {prefix}, "
+                           "and every one of them is empty (no tokens); give it other documents or set its "
+                           "share to 0")
 
     @property
     def create_attention_mask(self) -> bool:
@@ -1433,6 +1541,172 @@ class GPTFIMDatasetConfig(GPTDatasetConfig):
                    "is only used with dataset.fim_split_sample; remove it or set fim_split_sample")
         _check(self.fim_no_prefix is None or self.fim_no_prefix != "", "dataset.fim_no_prefix",
                "expected the text that exempts a fragment from FIM, got an empty string")
+
+
+#: Records of each fine-tuning file a run reads that are checked when it is submitted (all of them with
+#: ``bridge-submit --verify-data``, and by every rank at start-up): the first ones, and the first one
+#: after each of as many points spread evenly over the rest of the file.
+SAMPLED_HEAD_RECORDS = 64
+SAMPLED_SPREAD_RECORDS = 64
+#: The most bytes of one file that the sample reads, half for its first records and half for the
+#: spread; a line the budget cuts is not checked. So the check at submission costs the same on a file
+#: of any size, with any line lengths (milliseconds for records of usual sizes).
+SAMPLED_BYTES = 1 << 23
+
+
+class JsonlProblem(NamedTuple):
+    """What is wrong with a line of a fine-tuning jsonl file: the config key to name, and the problem,
+    worded to read after where the line is (``line 7 has no 'output' field``)."""
+
+    key: str
+    problem: str
+
+
+def parse_jsonl_record(line: bytes, prompt_key: str, answer_key: str) -> Union[Dict[str, Any], JsonlProblem]:
+    """One non-blank line of a fine-tuning jsonl file as its record, or what is wrong with it.
+
+    A good line is a JSON object whose ``prompt_key`` and ``answer_key`` fields are strings of text:
+    ``"\\ud800"`` is valid JSON but a lone surrogate, which the tokenizer cannot encode as UTF-8
+    (``str.encode`` raises), so the rank reading that sample would die of a bare UnicodeEncodeError.
+    The login node (:func:`check_jsonl_records`) and the ranks (``bridge_hpc.training.data``) both use
+    it, so the two refuse the same records.
+    """
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError as err:
+        return JsonlProblem("dataset.dataset_root", f"is not UTF-8 text ({err.reason} at byte {err.start + 1} of "
+                                                    "the line)")
+    except RecursionError:
+        return JsonlProblem("dataset.dataset_root", "is not a record: its JSON nests too deeply to read")
+    except ValueError as err:
+        return JsonlProblem("dataset.dataset_root", f"is not JSON ({err})")
+    if not isinstance(record, dict):
+        return JsonlProblem("dataset.dataset_root", f"is a JSON {type(record).__name__}, expected an object with "
+                                                    f"{prompt_key!r} and {answer_key!r} fields")
+    for name, key in ((prompt_key, "dataset.prompt_key"), (answer_key, "dataset.answer_key")):
+        if name not in record:
+            fields = sorted(record)
+            shown = repr(fields) if len(fields) <= 8 else repr(fields[:8])[:-1] + f", ... ({len(fields)} fields)]"
+            return JsonlProblem(key, f"has no {name!r} field (it has {shown})")
+        value = record[name]
+        if not isinstance(value, str):
+            return JsonlProblem(key, f"has field {name!r} of type {type(value).__name__}, expected a string")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return JsonlProblem(key, f"has field {name!r} with a lone surrogate {value[err.start]!r} at character "
+                                     f"{err.start + 1}: not text, so the tokenizer cannot encode it as UTF-8")
+    return record
+
+
+def _jsonl_sample(f: Any, size: int) -> Tuple[List[Tuple[int, Optional[int], bytes]], bool]:
+    """The lines of an open jsonl file that a sample checks, as ``(offset, line number, line)``, and
+    whether they were the whole file. The first :data:`SAMPLED_HEAD_RECORDS` records are read with
+    their line numbers; then, past them, the first record after each of :data:`SAMPLED_SPREAD_RECORDS`
+    evenly spread points (seeking there costs nothing on a file of any size), whose line number is
+    None (counted only for an error: :func:`_line_number`). At most :data:`SAMPLED_BYTES` are read."""
+    lines: List[Tuple[int, Optional[int], bytes]] = []
+    budget, number, records = SAMPLED_BYTES // 2, 0, 0
+    while records < SAMPLED_HEAD_RECORDS and budget > 0:
+        offset = f.tell()
+        line = f.readline(budget)
+        if not line:
+            return lines, True
+        if not line.endswith(b"\n") and f.tell() < size:
+            break  # cut by the budget
+        budget, number = budget - len(line), number + 1
+        if line.strip():
+            lines.append((offset, number, line))
+            records += 1
+    position = f.tell()
+    if position >= size:
+        return lines, True
+    budget += SAMPLED_BYTES // 2
+    frontier = position
+    for k in range(1, SAMPLED_SPREAD_RECORDS + 1):
+        point = frontier + (size - frontier) * k // (SAMPLED_SPREAD_RECORDS + 1)
+        if point < position or point < 1:
+            continue  # inside a line read already
+        f.seek(point - 1)
+        rest = f.readline(budget)  # from the byte before the point to the end of its line
+        budget -= len(rest)
+        if not rest.endswith(b"\n") or budget <= 0:
+            break  # the end of the file, or of the budget
+        while budget > 0:
+            offset = f.tell()
+            line = f.readline(budget)
+            if not line or (not line.endswith(b"\n") and f.tell() < size):
+                budget = 0  # the end of the file, or a line cut by the budget
+                break
+            budget -= len(line)
+            if line.strip():
+                lines.append((offset, None, line))
+                break
+        position = f.tell()
+        if budget <= 0:
+            break
+    return lines, False
+
+
+def _line_number(f: Any, offset: int) -> int:
+    """The number of the line that starts at byte ``offset`` of the open file ``f`` (one pass up to it)."""
+    f.seek(0)
+    newlines, left = 0, offset
+    while left > 0:
+        chunk = f.read(min(left, 1 << 24))
+        if not chunk:
+            break
+        newlines += chunk.count(b"\n")
+        left -= len(chunk)
+    return newlines + 1
+
+
+def check_jsonl_records(path: str, prompt_key: str, answer_key: str, full: bool = False,
+                        progress: Optional[Progress] = None) -> int:
+    """Check the records of a fine-tuning jsonl file at submission: a sample (:func:`_jsonl_sample`), or
+    every line with ``full`` (``bridge-submit --verify-data``; ``progress`` then hears how far it is).
+
+    Raises ConfigError whose message starts with ``FILE:LINE`` and whose key is the config key of the
+    problem (:func:`parse_jsonl_record`), or names the file when it holds no record at all or cannot be
+    read; so a bad record is found on the login node, not on the ranks after the queue. Returns the
+    number of records checked.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if full:
+                lines: Any = _every_line(f, path, size, progress)
+                whole = True
+            else:
+                lines, whole = _jsonl_sample(f, size)
+            checked = 0
+            for offset, number, line in lines:
+                record = parse_jsonl_record(line, prompt_key, answer_key)
+                if isinstance(record, JsonlProblem):
+                    number = number if number is not None else _line_number(f, offset)
+                    raise ConfigError(f"{path}:{number} {record.problem}", key=record.key)
+                checked += 1
+    except OSError as err:
+        raise ConfigError(f"{path} cannot be read: {err.strerror or err}", key="dataset.dataset_root") from None
+    _check(checked > 0 or not whole, "dataset.dataset_root",
+           f"{path} holds no records: expected one JSON object per line with {prompt_key!r} and {answer_key!r} "
+           "fields")
+    return checked
+
+
+def _every_line(f: Any, path: str, size: int, progress: Optional[Progress]) -> Iterator[Tuple[int, int, bytes]]:
+    """``(offset, line number, line)`` of every non-blank line of the open file ``f``, telling ``progress``
+    how far it is every 16 MiB and at the end."""
+    done = reported = 0
+    for number, line in enumerate(f, 1):
+        if line.strip():
+            yield done, number, line
+        done += len(line)
+        if progress is not None and done - reported >= 1 << 24:
+            progress(path, done, size)
+            reported = done
+    if progress is not None:
+        progress(path, done, size)
 
 
 #: The jsonl files of a fine-tuning ``dataset_root`` (Megatron Bridge's names), per split.
@@ -1632,6 +1906,7 @@ class ConfigContainer:
         try:
             cfg.finalize_sections()
             cfg.check_data_needs()
+            cfg.check_data_records()
         except ConfigError as err:
             raise ConfigError(err.message, path=source, key=err.key) from None
         return cfg
@@ -1687,6 +1962,39 @@ class ConfigContainer:
                 _check(self.dataset.split_path("train") is not None, "dataset.dataset_root",
                        f"{self.dataset.dataset_root} has no {FINETUNING_FILES['train']}, and train.train_iters is "
                        f"{self.train.train_iters}")
+
+    def split_samples(self) -> Tuple[int, int, int]:
+        """How many samples the run reads from its train, validation and test data: all training
+        steps' global batches; ``eval_iters`` global batches at every ``eval_interval`` steps and once
+        after training; ``eval_iters`` global batches of test data. What the datasets are sized for
+        (:func:`bridge_hpc.training.data.build_datasets`); a fine-tuning split asked for 0 is not read."""
+        t, v = self.train, self.validation
+        evals = (t.train_iters // v.eval_interval + 1) if v.eval_interval else 0
+        return (t.train_iters * t.global_batch_size, evals * (v.eval_iters or 0) * t.global_batch_size,
+                (v.eval_iters or 0) * t.global_batch_size)
+
+    def check_data_records(self, full: bool = False, progress: Optional[Progress] = None) -> List[Tuple[str, int]]:
+        """Check the data's records on the login node, before the queue: ``[(file, records or sequences
+        checked)]``.
+
+        Fine-tuning data: a sample of the records of every jsonl file the run reads (a split asked for
+        samples, :meth:`split_samples`), or with ``full`` all of them (:func:`check_jsonl_records`); the
+        ranks check every record again when they index the files, in case the files change after
+        submission. Indexed data: nothing more than :meth:`GPTDatasetConfig.finalize` reads (the
+        ``.idx`` headers), or with ``full`` every entry of every ``.idx`` (:func:`verify_index`).
+        ``full`` is ``bridge-submit --verify-data``; ``progress`` hears how far it is on long files.
+        Raises ConfigError naming the file (and line) and the key.
+        """
+        d = self.dataset
+        checked: List[Tuple[str, int]] = []
+        if isinstance(d, FinetuningDatasetConfig):
+            for split, wanted in zip(FINETUNING_FILES, self.split_samples()):
+                path = d.split_path(split)
+                if path is not None and wanted > 0:
+                    checked.append((path, check_jsonl_records(path, d.prompt_key, d.answer_key, full, progress)))
+        elif isinstance(d, GPTDatasetConfig) and full:
+            checked = [(prefix + ".idx", verify_index(prefix, key, progress)) for prefix, key in d.prefixes()]
+        return checked
 
     def get_data_parallel_size(self, world_size: int) -> int:
         """``world_size`` over the model-parallel size (tensor x pipeline x context parallel)."""

@@ -30,6 +30,8 @@ from bridge_hpc.training.config import (
     FinetuningDatasetConfig,
     GPTDatasetConfig,
     GPTFIMDatasetConfig,
+    JsonlProblem,
+    parse_jsonl_record,
     read_index_header,
 )
 
@@ -236,12 +238,7 @@ def build_datasets(provider: DatasetProvider, cfg, tokenizer: Optional[Any] = No
     ``tokenizer``: the run's, from :func:`bridge_hpc.training.tokenizers.build_tokenizer_for` (which
     indexed data needs). A collective when torch.distributed is up: every rank must call it.
     """
-    t = cfg.train
-    train_samples = t.train_iters * t.global_batch_size
-    v = cfg.validation
-    evals = (t.train_iters // v.eval_interval + 1) if v.eval_interval else 0
-    valid_samples = evals * (v.eval_iters or 0) * t.global_batch_size
-    test_samples = (v.eval_iters or 0) * t.global_batch_size
+    train_samples, valid_samples, test_samples = cfg.split_samples()
     return provider.build_datasets(DatasetBuildContext(train_samples, valid_samples, test_samples,
                                                        tokenizer=tokenizer, vocab_size=cfg.model.vocab_size))
 
@@ -391,39 +388,29 @@ PAD_MULTIPLE = 8
 
 
 def index_jsonl(path: str, prompt_key: str, answer_key: str) -> np.ndarray:
-    """Byte ranges ``[start, end)`` of the records of a jsonl file, one row each; blank lines are skipped.
+    """Byte ranges ``[start, end)`` and line numbers of the records of a jsonl file, one row each; blank
+    lines are skipped.
 
-    Every line is checked once here so that a bad one stops the run at start-up rather than at the
-    step that reads it: a line that is not a JSON object, or lacks either field, or whose field is not
-    a string, is a ConfigError naming ``file:line`` and the config key of the field. So is a file
-    with no records.
+    Every line is checked once here, as at submission (:func:`~bridge_hpc.training.config.parse_jsonl_record`),
+    so that a bad one stops the run at start-up rather than at the step that reads it, and a file
+    changed since it was submitted is caught too: a line that is not a JSON object, or lacks either
+    field, or whose field is not a string of text (a lone surrogate), is a ConfigError naming
+    ``file:line`` and the config key of the field. So is a file with no records.
     """
-    ranges: List[Tuple[int, int]] = []
+    rows: List[Tuple[int, int, int]] = []
     position = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             start, position = position, position + len(raw)
             if not raw.strip():
                 continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(raw)
-            except ValueError as err:
-                raise ConfigError(f"line {number} is not JSON ({err})", path=where, key="dataset.dataset_root") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"line {number} is a JSON {type(record).__name__}, expected an object with "
-                                  f"{prompt_key!r} and {answer_key!r} fields", path=where, key="dataset.dataset_root")
-            for field, key in ((prompt_key, "dataset.prompt_key"), (answer_key, "dataset.answer_key")):
-                if field not in record:
-                    raise ConfigError(f"line {number} has no {field!r} field (it has {sorted(record)})",
-                                      path=where, key=key)
-                if not isinstance(record[field], str):
-                    raise ConfigError(f"line {number}: field {field!r} is a {type(record[field]).__name__}, "
-                                      "expected a string", path=where, key=key)
-            ranges.append((start, position))
-    if not ranges:
+            record = parse_jsonl_record(raw, prompt_key, answer_key)
+            if isinstance(record, JsonlProblem):
+                raise ConfigError(f"line {number} {record.problem}", path=f"{path}:{number}", key=record.key)
+            rows.append((start, position, number))
+    if not rows:
         raise ConfigError(f"{path} holds no records", path=path, key="dataset.dataset_root")
-    return np.asarray(ranges, dtype=np.int64)
+    return np.asarray(rows, dtype=np.int64)
 
 
 class FinetuningDataset(Dataset):
@@ -454,16 +441,28 @@ class FinetuningDataset(Dataset):
         return self.num_samples
 
     def record(self, index: int) -> Dict[str, Any]:
-        """The JSON record that sample ``index`` is made from."""
+        """The JSON record that sample ``index`` is made from.
+
+        Checked again as it is read (the parse it needs anyway, and a UTF-8 encoding of its two fields):
+        the file may have been changed since :func:`index_jsonl` indexed it, and its byte ranges then
+        cut other text. Such a record is a ConfigError naming ``file:line`` (the line indexed there) and
+        the key, not a bare exception of ``json`` or of the tokenizer.
+        """
         passes, line = divmod(int(index), len(self.records))
         if self.seed is not None:
             if self._order[0] != passes:
                 self._order = (passes, np.random.default_rng([self.seed, passes]).permutation(len(self.records)))
             line = int(self._order[1][line])
-        start, end = (int(x) for x in self.records[line])
+        start, end, number = (int(x) for x in self.records[line])
         if self._fd is None or self._fd[0] != os.getpid():
             self._fd = (os.getpid(), os.open(self.path, os.O_RDONLY))
-        return json.loads(os.pread(self._fd[1], end - start, start))
+        raw = os.pread(self._fd[1], end - start, start)
+        record = parse_jsonl_record(raw, self.prompt_key, self.answer_key) if raw.strip() else JsonlProblem(
+            "dataset.dataset_root", "is blank")
+        if isinstance(record, JsonlProblem):
+            raise ConfigError(f"line {number} {record.problem}; the file changed after the run indexed it at "
+                              "start-up", path=f"{self.path}:{number}", key=record.key)
+        return record
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         record = self.record(index)
