@@ -42,6 +42,7 @@ import pytest
 import toml
 
 from bridge_hpc.cli.submit import main as submit_main
+from bridge_hpc.contracts.text import one_line
 from bridge_hpc.launch.jobconfig import dump_resolved, load_job_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -625,7 +626,8 @@ def names_file(stderr: str, name: str) -> bool:
 
 
 def names_key(stderr: str, keys: Set[str]) -> bool:
-    return not keys or any(f"key '{k}'" in stderr for k in keys)
+    """Whether the message names one of ``keys``, as ConfigError writes it (invisible characters escaped)."""
+    return not keys or any(f"key '{one_line(k)}'" in stderr for k in keys)
 
 
 def test_hostile_configs_exit_0_with_inert_scripts_or_2_naming_the_key(tmp_path: Path, monkeypatch):

@@ -22,7 +22,7 @@ import toml
 from bridge_test_helpers import MINIMAL_TRAINING_TOML, ROOT
 from test_prepare_data import byte_level, documents, expected, read_back
 
-from bridge_hpc.data import slurm_plan
+from bridge_hpc.data import prepare, slurm_plan
 
 pytestmark = pytest.mark.slurm
 
@@ -74,7 +74,7 @@ def test_array_job_matches_direct_tokenization_and_a_cancelled_task_redoes_only_
     args = ["--input", str(tmp_path / "a.jsonl"), str(tmp_path / "big.jsonl"), str(tmp_path / "b.jsonl"),
             "--output-prefix", str(prefix), "--tokenizer-type", "ByteLevelTokenizer", "--append-eod",
             "--slurm", str(job_toml(tmp_path)), "--wait"]
-    big_tmp = Path(f"{prefix}_big_text_document.tmp.bin")
+    big_tmp = f"{prefix.name}_big_text_document{prepare.TMP_MARK}*.bin"  # private to the task that writes it
     started: List[str] = []
     try:
         # 1. Cancel task 1 once it is writing its shard; the others finish, the final step names the gap.
@@ -82,7 +82,7 @@ def test_array_job_matches_direct_tokenization_and_a_cancelled_task_redoes_only_
         array_id, finish_id = submitted_ids(first)
         started += [array_id, finish_id]
         deadline = time.monotonic() + 60
-        while not big_tmp.exists():
+        while not list(prefix.parent.glob(big_tmp)):
             assert time.monotonic() < deadline, "task 1 never started writing its shard"
             assert first.poll() is None, first.stderr.read()
             time.sleep(0.1)
@@ -150,3 +150,49 @@ def test_bad_job_config_exits_2_naming_the_key(slurm_cluster, tmp_path):
     assert proc.returncode == 2, err
     assert "slurm.time" in err and str(job) in err and "Traceback" not in err
     assert not Path(f"{tmp_path / 'o'}{slurm_plan.SLURM_FOLDER_SUFFIX}").exists()
+
+
+def test_a_prefix_whose_array_has_not_finished_is_refused_to_a_second_submit_and_a_local_run(slurm_cluster, tmp_path):
+    """Issue 25, item 1: re-running a --slurm command while its array is queued or running, or a local
+    run of the same prefix then, is refused naming the job; nothing is written or submitted."""
+    write_jsonl(tmp_path / "a.jsonl", documents()[:3])
+    prefix = tmp_path / "out" / "p"
+    base = ["--input", str(tmp_path / "a.jsonl"), "--output-prefix", str(prefix), "--tokenizer-type",
+            "ByteLevelTokenizer"]
+    job = job_toml(tmp_path)
+    # Held in the queue (--begin in an hour), so it is certainly unfinished while the others try.
+    first = cli(*base, "--slurm", str(job), "--set", 'slurm.extra = { begin = "now+3600" }')
+    array_id, finish_id = submitted_ids(first)
+    try:
+        first.communicate(timeout=60)
+        assert first.returncode == 0
+        for extra in (["--slurm", str(job)], []):
+            again = cli(*base, *extra)
+            out, err = again.communicate(timeout=120)
+            assert again.returncode == 2 and out == "", err
+            assert "key '--output-prefix'" in err and array_id in err and "PENDING" in err and "Traceback" not in err
+        assert not list(prefix.parent.glob("p_*"))
+        folder = Path(f"{prefix}{slurm_plan.SLURM_FOLDER_SUFFIX}")
+        jobs = [json.loads(line)["job_id"] for line in (folder / "jobs.jsonl").read_text().splitlines()]
+        assert jobs == [array_id, finish_id]
+    finally:
+        scancel(array_id, finish_id)
+
+
+def test_wait_names_each_failed_task_and_its_error(slurm_cluster, tmp_path):
+    """Issue 25, item 10: when a task fails on its input, --wait prints the task, its state and its
+    error line, not only a pointer to a log."""
+    write_jsonl(tmp_path / "good.jsonl", documents()[:2])
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    proc = cli("--input", str(tmp_path / "good.jsonl"), str(tmp_path / "bad.jsonl"), "--output-prefix",
+               str(tmp_path / "o"), "--tokenizer-type", "ByteLevelTokenizer", "--slurm", str(job_toml(tmp_path)),
+               "--wait")
+    ids = submitted_ids(proc)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        scancel(*ids)
+    assert proc.returncode == 1 and out == "", err
+    line = next(ln for ln in err.splitlines() if "task 1 (bad," in ln)
+    assert "FAILED" in line and f"{tmp_path / 'bad.jsonl'}:2" in line and "not valid JSON" in line, err
+    assert "task 0" not in err

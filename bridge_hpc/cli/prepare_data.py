@@ -10,25 +10,34 @@ With ``--slurm JOB.toml`` it submits instead: an sbatch array job with one task 
 final step that depends on it (``afterany``, so that it runs even when a task failed and can say which),
 both rendered from the job config's profile, partition, ``[setup]``, ``[env]`` and ``[container]``
 (:func:`bridge_hpc.launch.render.render_prepare_script`). The plan, the scripts and the logs live in
-``<output-prefix>.slurm/`` (:mod:`bridge_hpc.data.slurm_plan`). The batch scripts run this same module
-as ``--slurm-step shard|finish PLAN``: the array task's index comes from
+``<output-prefix>.slurm/`` (:mod:`bridge_hpc.data.slurm_plan`), with ``jobs.jsonl``: while a job listed
+there is unfinished, the prefix is in use (:mod:`bridge_hpc.data.prefix_lock`). The batch scripts run
+this same module as ``--slurm-step shard|finish PLAN``: the array task's index comes from
 :func:`bridge_hpc.slurm.job_environment.array_task_index`.
+
+Ctrl-C (or SIGTERM) stops a run within seconds: the workers are stopped, no temporary file is left,
+no shard is half published, and the command exits with status 130 after one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
 from bridge_hpc.contracts.run_folder import RunFolder
-from bridge_hpc.data import prepare, slurm_plan
+from bridge_hpc.contracts.text import has_control_chars, one_line
+from bridge_hpc.data import prefix_lock, prepare, slurm_plan
 from bridge_hpc.slurm.job_environment import array_task_index
+from bridge_hpc.slurm.query import unfinished_jobs
 from bridge_hpc.training.config import TokenizerConfig
 
 #: What the batch scripts run (``python -m``): this module, in its step mode.
@@ -37,6 +46,11 @@ STEP_MODULE = "bridge_hpc.cli.prepare_data"
 STEP_FLAG = "--slurm-step"
 #: Seconds between two looks at Slurm while ``--wait`` waits.
 WAIT_POLL_S = 2.0
+#: The exit status of a run stopped by Ctrl-C or SIGTERM (the shell's 128 + SIGINT).
+EXIT_INTERRUPTED = 130
+#: What an output prefix may not hold with --slurm: sbatch's pattern characters, since the log file
+#: names are made from the prefix.
+_SBATCH_PATTERN = re.compile(r"[%\\]")
 
 #: TokenizerConfig key -> the flag that sets it, so a bad value is blamed on what the user typed.
 _FLAGS = {"tokenizer_type": "--tokenizer-type", "tokenizer_model": "--tokenizer-model", "vocab_size": "--vocab-size",
@@ -67,7 +81,11 @@ def parser() -> argparse.ArgumentParser:
                             "<prefix>_<shard>.shard.json and <prefix>.manifest.json")
     group = p.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1,
-                       help="tokenizer processes on this machine, or per array task with --slurm (default 1)")
+                       help="tokenizer processes on this machine, or per array task with --slurm (default 1); "
+                            "capped by the CPUs this process may use and by the size of the largest input")
+    group.add_argument("--verify", action="store_true",
+                       help="read every byte of the shards a re-run keeps (by default: their sizes and a sample "
+                            "digest, every byte where a file's time changed); a damaged shard is rebuilt")
     group.add_argument("--slurm", metavar="JOB.toml",
                        help="submit an sbatch array job (one task per input file) plus a final step, using this "
                             "job config's profile, partition, [setup], [env] and [container]")
@@ -91,8 +109,50 @@ def tokenizer_config(args: argparse.Namespace) -> TokenizerConfig:
     return cfg
 
 
-@exits_on_config_error
+def check_output_prefix(prefix: str, slurm: bool) -> None:
+    """Refuse an output prefix that would break a line of a batch script or an sbatch file pattern."""
+    if not prefix.strip():
+        raise ConfigError("expected a path prefix, got an empty string", key="--output-prefix")
+    if has_control_chars(prefix):
+        raise ConfigError(f"must not contain newlines or control characters, got {prefix!r}", key="--output-prefix")
+    if slurm and _SBATCH_PATTERN.search(str(Path(prefix).absolute())):
+        raise ConfigError(f"must not contain '%' or '\\' with --slurm (sbatch reads them as patterns in the names "
+                          f"of the log files it writes beside the prefix), got {str(Path(prefix).absolute())!r}",
+                          key="--output-prefix")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``kill``, Slurm's time limit) ends the run as Ctrl-C does: through the same clean-up."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def slurm_jobs_of(output_prefix: str) -> Dict[str, str]:
+    """``{job id: state}`` of the prefix's --slurm jobs that Slurm has not finished."""
+    from bridge_hpc.launch.submit import submitted_job_ids
+
+    return unfinished_jobs(submitted_job_ids(slurm_plan.slurm_folder(output_prefix)))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        with sigterm_as_interrupt():
+            return run(argv)
+    except KeyboardInterrupt:
+        print("[prepare-data] interrupted: no shard was left half written; finished shards are kept, and the "
+              "same command goes on from them", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+@exits_on_config_error
+def run(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [STEP_FLAG]:
         return slurm_step(argv[1:])
@@ -101,16 +161,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise ConfigError("must be >= 1", key="--workers")
     if not args.slurm and (args.wait or args.set):
         raise ConfigError("only with --slurm JOB.toml", key="--wait" if args.wait else "--set")
+    check_output_prefix(args.output_prefix, slurm=bool(args.slurm))
     cfg = tokenizer_config(args)
     keys: List[str] = list(dict.fromkeys(args.json_keys))
     if args.slurm:
         return submit_slurm(args, cfg, keys)
-    records = prepare.prepare_local(args.input, args.output_prefix, cfg, keys, args.append_eod, args.workers,
-                                    args.on_bad_line, prepare.Progress(sys.stderr))
+    paths = prepare.expand_inputs(args.input)
+    workers, reduced = prepare.worker_count(args.workers, paths)
+    if reduced:
+        print(f"[prepare-data] {reduced}", file=sys.stderr)
+    prefix = str(Path(args.output_prefix).absolute())
+    records = prepare.prepare_local([str(p) for p in paths], prefix, cfg, keys, args.append_eod, workers,
+                                    args.on_bad_line, prepare.Progress(sys.stderr), verify=args.verify,
+                                    unfinished_jobs=lambda: slurm_jobs_of(prefix))
     documents = sum(r.documents for r in records)
     tokens = sum(r.tokens for r in records)
     print(f"[prepare-data] {len(records)} shard(s), {documents} documents, {tokens} tokens; manifest "
-          f"{prepare.manifest_path(str(Path(args.output_prefix).absolute()))}", file=sys.stderr)
+          f"{prepare.manifest_path(prefix)}", file=sys.stderr)
     print(prepare.data_path_snippet(records, keys))
     return 0
 
@@ -118,66 +185,112 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def submit_slurm(args: argparse.Namespace, tokenizer_cfg: TokenizerConfig, keys: List[str]) -> int:
     """Write the plan, render both scripts, submit the array job and the final step after it.
 
-    Everything that can be refused (the job config, the inputs, a prefix holding other input's shards)
-    is checked before the first sbatch. With ``--wait``: block until both jobs end, then print the
-    snippet (status 0) or say which shards are missing (status 1).
+    Everything that can be refused (the job config and its secrets, the inputs, a prefix in use or
+    holding other input's shards) is checked before the first sbatch, holding the prefix so that no
+    other preparation starts in between; the job ids go to the Slurm folder's ``jobs.jsonl``, which
+    keeps the prefix in use until they end. With ``--wait``: block until both jobs end, then print
+    the snippet (status 0), or each unfinished shard's task, state and error line (status 1).
     """
-    from bridge_hpc.launch.jobconfig import load_job_config
+    from bridge_hpc.launch.jobconfig import check_secrets_present, load_job_config
     from bridge_hpc.launch.render import render_prepare_script
     from bridge_hpc.launch.submit import TemplateExecutor
 
     job = load_job_config(args.slurm, overrides=args.set, training=False)
+    check_secrets_present(job)
     cpus = job.cluster.cpus_per_node
     if cpus is not None and args.workers > cpus:
         raise ConfigError(f"{args.workers} workers per task exceed the {cpus} CPUs per node of the job config's "
                           "cluster profile (cluster.cpus_per_node)", key="--workers")
-    plan, current = slurm_plan.make_plan(args.input, args.output_prefix, tokenizer_cfg, keys, args.append_eod,
-                                         args.workers, args.on_bad_line)
-    folder = slurm_plan.slurm_folder(plan.output_prefix)
-    logs = Path(RunFolder(str(folder)).logs)
-    plan_path = folder / slurm_plan.PLAN_FILE
-    snippet_path = folder / slurm_plan.SNIPPET_FILE
-    try:
-        logs.mkdir(parents=True, exist_ok=True)
-        plan.save(plan_path)
-        snippet_path.unlink(missing_ok=True)  # a snippet left from an earlier run must not pass for this one's
-    except OSError as err:
-        raise ConfigError(f"cannot write the Slurm folder {folder}: {err.strerror or err}",
-                          key="--output-prefix") from None
+    paths = prepare.expand_inputs(args.input)
+    workers, reduced = prepare.worker_count(args.workers, paths, cpus=args.workers)
+    if reduced:
+        print(f"[prepare-data] {reduced}", file=sys.stderr)
+    prefix = str(Path(args.output_prefix).absolute())
+    with prefix_lock.hold_prefix(prefix, "submit", unfinished_jobs=lambda: slurm_jobs_of(prefix)):
+        plan, current = slurm_plan.make_plan([str(p) for p in paths], prefix, tokenizer_cfg, keys, args.append_eod,
+                                             workers, args.on_bad_line, verify=args.verify)
+        folder = slurm_plan.slurm_folder(plan.output_prefix)
+        logs = Path(RunFolder(str(folder)).logs)
+        plan_path = folder / slurm_plan.PLAN_FILE
+        snippet_path = folder / slurm_plan.SNIPPET_FILE
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+            plan.save(plan_path)
+            snippet_path.unlink(missing_ok=True)  # a snippet left from an earlier run must not pass for this one's
+        except OSError as err:
+            raise ConfigError(f"cannot write the Slurm folder {folder}: {err.strerror or err}",
+                              key="--output-prefix") from None
 
-    def script(step: str, dependency: Optional[str]) -> str:
-        text = render_prepare_script(job, step=step, step_module=STEP_MODULE,
-                                     step_args=[STEP_FLAG, step, str(plan_path)], folder=str(folder),
-                                     tasks=len(plan.inputs), cpus_per_task=args.workers, dependency=dependency)
-        name = slurm_plan.SHARDS_SCRIPT if step == "shard" else slurm_plan.FINISH_SCRIPT
-        (folder / name).write_text(text)
-        return text
+        def script(step: str, dependency: Optional[str]) -> str:
+            text = render_prepare_script(job, step=step, step_module=STEP_MODULE,
+                                         step_args=[STEP_FLAG, step, str(plan_path)], folder=str(folder),
+                                         tasks=len(plan.inputs), cpus_per_task=workers, dependency=dependency)
+            name = slurm_plan.SHARDS_SCRIPT if step == "shard" else slurm_plan.FINISH_SCRIPT
+            (folder / name).write_text(text)
+            return text
 
-    array_id = TemplateExecutor(folder=logs, script=script("shard", None), num_tasks=1).submit_script().job_id
-    try:
-        finish_id = TemplateExecutor(folder=logs, script=script("finish", f"afterany:{array_id}"),
-                                     num_tasks=1).submit_script().job_id
-    except BaseException:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(["scancel", str(array_id)], capture_output=True, timeout=30)
-        raise
-    up_to_date = f" ({len(current)} already up to date: their tasks only confirm them)" if current else ""
+        array_id = TemplateExecutor(folder=logs, script=script("shard", None), num_tasks=1).submit_script().job_id
+        try:
+            finish_id = TemplateExecutor(folder=logs, script=script("finish", f"afterany:{array_id}"),
+                                         num_tasks=1).submit_script().job_id
+        except BaseException:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run(["scancel", str(array_id)], capture_output=True, timeout=30)
+            raise
+        try:
+            record_jobs(Path(RunFolder(str(folder)).jobs_log), [array_id, finish_id])
+        except OSError as err:  # submitted: say what is missing rather than fail
+            print(f"[prepare-data] warning: jobs {array_id} and {finish_id} were submitted, but "
+                  f"{RunFolder(str(folder)).jobs_log} could not be written ({err.strerror or err}): the prefix is not "
+                  "marked in use while they run", file=sys.stderr)
+    up_to_date = f" ({len(current)} already up to date: their tasks only check them)" if current else ""
     print(f"[prepare-data] submitted array job {array_id}: {len(plan.inputs)} task(s), one per input{up_to_date}; "
           f"final step job {finish_id} after it", file=sys.stderr)
     print(f"[prepare-data] logs: {logs}; the [dataset] snippet will be in {snippet_path} and the manifest in "
           f"{prepare.manifest_path(plan.output_prefix)}", file=sys.stderr)
     if not args.wait:
         return 0
-    from bridge_hpc.slurm.query import unfinished_jobs
-
     while unfinished_jobs([str(array_id), str(finish_id)]):
         time.sleep(WAIT_POLL_S)
     if not snippet_path.is_file():
-        print(f"[prepare-data] the final step (job {finish_id}) did not finish the dataset: see "
-              f"{RunFolder(str(folder)).stderr(str(finish_id))}", file=sys.stderr)
+        print(f"[prepare-data] the final step (job {finish_id}) did not finish the dataset:", file=sys.stderr)
+        for line in failed_tasks(plan, logs, str(array_id)):
+            print(f"[prepare-data]   {line}", file=sys.stderr)
+        print(f"[prepare-data] the final step's own log: {RunFolder(str(folder)).stderr(str(finish_id))}",
+              file=sys.stderr)
         return 1
     print(snippet_path.read_text(), end="")
     return 0
+
+
+def record_jobs(jobs_log: Path, job_ids: Sequence[str]) -> None:
+    """Append submitted job ids to a ``jobs.jsonl`` (the run folder's format: bridge-status reads it)."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    with open(jobs_log, "a") as f:
+        f.write("".join(json.dumps({"job_id": str(j), "submitted": stamp}) + "\n" for j in job_ids))
+
+
+def failed_tasks(plan: slurm_plan.Plan, logs: Path, array_id: str) -> List[str]:
+    """One line per input whose shard did not check out: its task, Slurm's state, and the task's own
+    error line (the last ``error:`` line of its log), so that a user sees why without opening logs."""
+    from bridge_hpc.slurm.query import job_runs
+
+    settings = plan.settings()
+    lines = []
+    for index, source in enumerate(plan.inputs):
+        if prepare.check_shard(plan.output_prefix, Path(source), settings).record is not None:
+            continue
+        task = f"{array_id}_{index}"
+        runs = job_runs(task)
+        state = runs[-1].state if runs else "UNKNOWN"
+        log = Path(RunFolder(str(logs.parent)).stderr(task))
+        try:
+            errors = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("error:")]
+        except OSError:
+            errors = []
+        why = errors[-1] if errors else f"no error line in {log}"
+        lines.append(one_line(f"task {index} ({prepare.shard_name(Path(source))}, {source}): {state}: {why}"))
+    return lines
 
 
 def slurm_step(argv: Sequence[str]) -> int:

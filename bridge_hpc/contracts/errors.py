@@ -10,6 +10,8 @@ import functools
 import sys
 from typing import Callable, Optional, TypeVar
 
+from bridge_hpc.contracts.text import one_line
+
 EXIT_BAD_INPUT = 2
 
 F = TypeVar("F", bound=Callable[..., int])
@@ -31,7 +33,8 @@ class ConfigError(Exception):
         if self.key:
             where.append(f"key '{self.key}'")
         prefix = ": ".join(where)
-        return f"{prefix}: {self.message}" if prefix else self.message
+        return one_line(f"{prefix}: {self.message}" if prefix else self.message)
+
 
 
 def exits_on_config_error(main: F) -> F:

@@ -17,10 +17,16 @@ the file name without ``.jsonl``/``.json``/``.gz``) and json key ``text``:
   writes only its own record; nothing is shared between tasks;
 - ``out/corpus.manifest.json`` — every shard's record plus the settings and totals.
 
-A shard is written under ``.tmp`` names and renamed when complete. A re-run skips a shard whose
-record matches its source (path, size and modification time; or, when only the time differs, the
-sha256 of its bytes) and the settings (tokenizer, json keys, EOD). A record naming a *different*
-source file is refused rather than overwritten.
+One writer per prefix: every writer holds ``<output-prefix>.lock``
+(:mod:`bridge_hpc.data.prefix_lock`) before it reads a record. A shard is written under temporary
+names private to its writer (host, pid), read back and checked against the checksums computed while
+writing, and only then renamed into place; the record comes last. A re-run keeps a shard only when
+its record matches the source (path, size and modification time; or, when the time differs or the
+file was moved or reached through a symlink, the sha256 of its bytes), the settings (tokenizer, json
+keys, EOD) and the shard's own files: their sizes, and a digest of a sample of their bytes (the whole
+file up to :data:`SAMPLE_WHOLE_BYTES`; all bytes when a file's time differs from its record, or with
+``verify``). A damaged shard is rebuilt, never trusted. A record naming a *different* source file is
+refused rather than overwritten.
 
 Bad input is a :class:`ConfigError` naming the file and line (``file:line``) or the json key. Torch
 and megatron-core are imported inside the functions that need them, so the module itself is cheap to import.
@@ -28,6 +34,7 @@ and megatron-core are imported inside the functions that need them, so the modul
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import gzip
@@ -38,15 +45,18 @@ import json
 import multiprocessing
 import os
 import re
+import signal
+import socket
 import sys
 import time
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.data.prefix_lock import hold_prefix
 from bridge_hpc.training.config import TokenizerConfig
 from bridge_hpc.training.tokenizers import build_tokenizer
 
@@ -59,6 +69,17 @@ BLOCK_BYTES = 256 * 1024
 #: Blocks per worker sent ahead of the one the writer waits for. Results come back in input order,
 #: so a worker that finishes early idles unless blocks after the awaited one are already queued.
 BLOCKS_IN_FLIGHT = 8
+#: Seconds a stopped pool's workers get to exit before they are killed.
+POOL_STOP_S = 2.0
+#: Bytes of a text file per block of compressed input, to size the worker pool of a ``.gz`` input.
+GZIP_EXPANSION = 4
+#: A shard file up to this size is digested whole on every re-run; a larger one by
+#: :data:`SAMPLE_BLOCKS` blocks of :data:`SAMPLE_BLOCK_BYTES` spread over it (first and last included).
+SAMPLE_WHOLE_BYTES = 64 << 20
+SAMPLE_BLOCKS = 64
+SAMPLE_BLOCK_BYTES = 64 << 10
+#: Temporary files of a shard: ``<dataset prefix>`` + this + ``<host>-<pid>`` + ``.bin``/``.idx``.
+TMP_MARK = ".tmp-"
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _SHARD_SUFFIXES = (".gz", ".jsonl", ".json")
 
@@ -89,6 +110,16 @@ class OutputFiles:
     idx_bytes: int
     bin_sha256: str
     idx_sha256: str
+    # What a re-run checks cheaply (None in records of earlier versions: the full sha256 is checked).
+    bin_mtime_ns: Optional[int] = None
+    idx_mtime_ns: Optional[int] = None
+    bin_sample_sha256: Optional[str] = None
+    idx_sample_sha256: Optional[str] = None
+
+    def files(self) -> List[Tuple[str, int, str, Optional[int], Optional[str]]]:
+        """``(path, bytes, sha256, mtime_ns, sample sha256)`` of the ``.bin`` and the ``.idx``."""
+        return [(self.prefix + ".bin", self.bin_bytes, self.bin_sha256, self.bin_mtime_ns, self.bin_sample_sha256),
+                (self.prefix + ".idx", self.idx_bytes, self.idx_sha256, self.idx_mtime_ns, self.idx_sample_sha256)]
 
 
 @dataclass
@@ -275,20 +306,61 @@ _WORKER: Dict[str, Any] = {}
 
 
 def _init_worker(tokenizer_cfg: TokenizerConfig, json_keys: Sequence[str], append_eod: bool, dtype: str,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, in_pool: bool = True) -> None:
     """Set up a process to encode blocks: build the tokenizer once per process (not once per block),
-    unless one is given (the process that already built it encodes too)."""
+    unless one is given (the process that already built it encodes too).
+
+    A pool worker ignores SIGINT: Ctrl-C reaches the whole process group, and a worker killed while
+    it holds the pool's task queue lock leaves ``Pool.terminate`` waiting for that lock forever; the
+    parent stops its workers itself. SIGTERM (how the parent stops them) gets its default action
+    back, whatever handler the parent had when it forked."""
+    if in_pool:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if tokenizer is None:
         tokenizer = build_tokenizer(tokenizer_cfg)
-    _WORKER.update(tokenizer=tokenizer, keys=list(json_keys), eod=(tokenizer.eod,) if append_eod else (), dtype=dtype)
+    _WORKER.update(tokenizer=tokenizer, keys=list(json_keys), eod=(tokenizer.eod,) if append_eod else (), dtype=dtype,
+                   vocab_size=tokenizer.vocab_size, name=tokenizer_cfg.tokenizer_type)
 
 
-def _encode_block(block: Tuple[int, bytes]) -> _Encoded:
-    """Parse and tokenize one block's lines (in a worker, or in the main process with one worker)."""
+def _document_texts(number: int, line: bytes, keys: Sequence[str]) -> Tuple[Optional[List[str]], Optional[Tuple]]:
+    """The texts of one line's json keys, or the reason the line is bad: ``(line number, key, message)``."""
+    try:
+        doc = json.loads(line)
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        return None, (number, None, f"not valid JSON ({str(err)[:200]})")
+    if not isinstance(doc, dict):
+        return None, (number, None, f"expected a JSON object, got {type(doc).__name__}")
+    texts = []
+    for key in keys:
+        if key not in doc:
+            return None, (number, key, f"the line has no key {key!r} (--json-keys)")
+        text = doc[key]
+        if not isinstance(text, str):
+            return None, (number, key, f"key {key!r} is {type(text).__name__}, not a string")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # valid JSON ("\ud800"), but no text a tokenizer can read
+            return None, (number, key, f"key {key!r} holds {text[err.start]!r} at character {err.start}, a lone "
+                                       "surrogate: not Unicode text")
+        texts.append(text)
+    return texts, None
+
+
+def _encode_block(block: Tuple[int, bytes], check_each_document: bool = False) -> _Encoded:
+    """Parse and tokenize one block's lines (in a worker, or in the main process with one worker).
+
+    A line is bad when it is not a JSON object with a string at every json key, when its text is not
+    Unicode (a lone surrogate), when the tokenizer refuses it (NullTokenizer reads space-separated
+    ids), or when a token id falls outside ``[0, vocab_size)``: the line is reported, never a crash.
+    Token ids are range-checked for the whole block at once; only a block that fails is encoded again
+    with ``check_each_document`` to find the lines.
+    """
     import numpy as np
 
     first, data = block
     tokenizer, keys, eod, dtype = _WORKER["tokenizer"], _WORKER["keys"], _WORKER["eod"], _WORKER["dtype"]
+    vocab_size = _WORKER["vocab_size"]
     # Per key: each document's ids (and the EOD) in order, joined into bytes once at the end;
     # np.fromiter over the chained lists costs less than extending one list and converting it.
     pieces: Dict[str, List[Sequence[int]]] = {k: [] for k in keys}
@@ -297,48 +369,70 @@ def _encode_block(block: Tuple[int, bytes]) -> _Encoded:
     for number, line in enumerate(data.split(b"\n"), start=first):
         if not line.strip():
             continue  # blank lines (a trailing newline, a gap) carry no document
-        try:
-            doc = json.loads(line)
-        except (ValueError, UnicodeDecodeError) as err:
-            bad.append((number, None, f"not valid JSON ({err})"))
-            continue
-        if not isinstance(doc, dict):
-            bad.append((number, None, f"expected a JSON object, got {type(doc).__name__}"))
-            continue
-        texts = []
-        for key in keys:
-            if key not in doc:
-                bad.append((number, key, f"the line has no key {key!r} (--json-keys)"))
-                break
-            if not isinstance(doc[key], str):
-                bad.append((number, key, f"key {key!r} is {type(doc[key]).__name__}, not a string"))
-                break
-            texts.append(doc[key])
-        else:
-            for key, text in zip(keys, texts):
+        texts, problem = _document_texts(number, line, keys)
+        encoded: List[Sequence[int]] = []
+        for key, text in zip(keys, texts or ()):
+            try:
                 doc_ids = tokenizer.tokenize(text) if text else ()
-                n = len(doc_ids)
-                if n:
-                    pieces[key].append(doc_ids)
-                    if eod:  # as preprocess_data.py: an empty document gets no EOD
-                        pieces[key].append(eod)
-                        n += 1
-                lengths[key].append(n)
-    tokens = {k: np.fromiter(itertools.chain.from_iterable(pieces[k]), dtype=dtype, count=sum(lengths[k])).tobytes()
-              for k in keys}
+            except Exception as err:  # noqa: BLE001 - whatever the tokenizer raises is about this line
+                problem = (number, key, f"the {_WORKER['name']} cannot tokenize key {key!r}: "
+                                        f"{type(err).__name__}: {str(err)[:200]}")
+                break
+            if check_each_document and len(doc_ids) and (min(doc_ids) < 0 or max(doc_ids) >= vocab_size):
+                wrong = next(i for i in doc_ids if not 0 <= i < vocab_size)
+                problem = (number, key, f"token id {wrong} of key {key!r} is outside the {_WORKER['name']}'s "
+                                        f"vocabulary [0, {vocab_size})")
+                break
+            encoded.append(doc_ids)
+        if problem is not None:
+            bad.append(problem)
+            continue
+        for key, doc_ids in zip(keys, encoded):
+            n = len(doc_ids)
+            if n:
+                pieces[key].append(doc_ids)
+                if eod:  # as preprocess_data.py: an empty document gets no EOD
+                    pieces[key].append(eod)
+                    n += 1
+            lengths[key].append(n)
+    tokens = {}
+    for key in keys:
+        ids = np.fromiter(itertools.chain.from_iterable(pieces[key]), dtype=np.int64, count=sum(lengths[key]))
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            if check_each_document:  # every document's ids were in range: only the EOD id is left
+                raise ConfigError(f"the {_WORKER['name']}'s end-of-document id {eod} is outside its vocabulary "
+                                  f"[0, {vocab_size})", key="--append-eod")
+            return _encode_block(block, check_each_document=True)
+        tokens[key] = ids.astype(dtype).tobytes()
     return _Encoded(bad=bad, lengths=lengths, tokens=tokens)
+
+
+def _stop_pool(pool, workers: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    """Stop a pool's ``workers`` now (an error or Ctrl-C in the parent): terminate, and kill any worker
+    that outlives :data:`POOL_STOP_S`, so the parent never waits on a worker that does not exit."""
+    pool.terminate()
+    deadline = time.monotonic() + POOL_STOP_S
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+            worker.join(1.0)
 
 
 def _encode_all(blocks: Iterator[Tuple[int, bytes]], workers: int, initargs: tuple, tokenizer: Any) -> Iterator[_Encoded]:
     """Encoded blocks in input order. One worker: encoded here, with ``tokenizer`` (no second process,
     no second tokenizer). Several: a pool, with at most :data:`BLOCKS_IN_FLIGHT` ``x workers`` blocks
-    in flight, so a large file is never read into memory far ahead of the writer."""
+    in flight, so a large file is never read into memory far ahead of the writer. However the
+    generator ends (done, a bad line, Ctrl-C), no worker outlives it."""
     if workers <= 1:
-        _init_worker(*initargs, tokenizer=tokenizer)
+        _init_worker(*initargs, tokenizer=tokenizer, in_pool=False)
         for block in blocks:
             yield _encode_block(block)
         return
-    with multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
+    others = set(multiprocessing.active_children())
+    pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=initargs)
+    pool_workers = [c for c in multiprocessing.active_children() if c not in others]
+    try:
         pending: deque = deque()
         for block in blocks:
             pending.append(pool.apply_async(_encode_block, (block,)))
@@ -346,6 +440,10 @@ def _encode_all(blocks: Iterator[Tuple[int, bytes]], workers: int, initargs: tup
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+        pool.close()
+        pool.join()
+    finally:
+        _stop_pool(pool, pool_workers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,37 +506,125 @@ def load_record(output_prefix: str, shard: str) -> Optional[ShardRecord]:
     path = record_path(output_prefix, shard)
     try:
         return ShardRecord.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def is_up_to_date(record: Optional[ShardRecord], source: Path, settings: Dict[str, Any]) -> bool:
-    """Whether a finished shard can be kept for ``source``.
+def sample_sha256(path: str, size: int) -> str:
+    """The sha256 of the whole file when it is at most :data:`SAMPLE_WHOLE_BYTES`, else of
+    :data:`SAMPLE_BLOCKS` blocks spread evenly from its first byte to its last: what a re-run reads
+    to vouch for a shard it keeps without reading every byte (``--verify`` reads them all)."""
+    if size <= SAMPLE_WHOLE_BYTES:
+        return _sha256_file(Path(path))
+    digest = hashlib.sha256()
+    step = (size - SAMPLE_BLOCK_BYTES) / (SAMPLE_BLOCKS - 1)
+    with open(path, "rb") as f:
+        for i in range(SAMPLE_BLOCKS):
+            f.seek(int(i * step))
+            digest.update(f.read(SAMPLE_BLOCK_BYTES))
+    return digest.hexdigest()
 
-    Raises ConfigError when the record names another source file: making this shard would overwrite
-    finished data made from other input.
+
+def file_problem(path: str, size: int, sha256: str, mtime_ns: Optional[int], sample: Optional[str],
+                 verify: bool) -> Tuple[Optional[str], Optional[int]]:
+    """``(what is wrong with a shard file, its modification time)``; the problem is None when it
+    matches its record. Every byte is read when ``verify``, when the record has no sample digest,
+    or when the file's time differs from the record's (copied, or written since); else its size and
+    :func:`sample_sha256`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "missing", None
+    except OSError as err:
+        return f"unreadable ({err.strerror})", None
+    if st.st_size != size:
+        return f"has {st.st_size} bytes, its record says {size} (truncated or rewritten)", st.st_mtime_ns
+    try:
+        if verify or sample is None or st.st_mtime_ns != mtime_ns:
+            if _sha256_file(Path(path)) != sha256:
+                return "its sha256 differs from its record (damaged or rewritten)", st.st_mtime_ns
+        elif sample_sha256(path, size) != sample:
+            return "the sha256 of a sample of its bytes differs from its record (damaged)", st.st_mtime_ns
+    except OSError as err:
+        return f"unreadable ({err.strerror})", st.st_mtime_ns
+    return None, st.st_mtime_ns
+
+
+#: :attr:`ShardCheck.reason` of a shard that was never made (nothing to say about it).
+NOT_PREPARED = "no finished shard"
+
+
+@dataclass
+class ShardCheck:
+    """What a re-run found for one input's shard: keep ``record`` (not None), or (re)build it.
+
+    ``reason`` says why, for the one line the run prints. ``refreshed``: ``record`` differs from the
+    record file only in what moved without changing the data (the source's path or time, the shard
+    files' times after a copy), and the holder of the prefix writes it back.
     """
+
+    record: Optional[ShardRecord]
+    reason: str
+    refreshed: bool = False
+
+
+def _same_source(recorded: SourceInfo, source: Path, st: os.stat_result) -> bool:
+    """Whether ``source`` is the file a record names under another path: the same file (a symlink,
+    a hard link) or the same bytes (a moved or copied folder)."""
+    with contextlib.suppress(OSError):
+        if os.path.samefile(recorded.path, source):
+            return True
+    return st.st_size == recorded.size and _sha256_file(source) == recorded.sha256
+
+
+def check_shard(output_prefix: str, source: Path, settings: Dict[str, Any], verify: bool = False) -> ShardCheck:
+    """Whether the finished shard of ``source`` can be kept, checked against its record (see the
+    module docstring for what is read). Raises ConfigError when the record names another input with
+    other bytes: making this shard would overwrite finished data made from other input."""
+    shard = shard_name(source)
+    record = load_record(output_prefix, shard)
     if record is None:
-        return False
-    if record.source.path != str(source):
-        raise ConfigError(f"would overwrite the finished shard {record.name!r}, made from {record.source.path!r} "
+        return ShardCheck(None, NOT_PREPARED)
+    try:
+        st = source.stat()
+    except OSError as err:
+        raise ConfigError(f"cannot read: {err.strerror}", path=str(source), key="--input") from None
+    src = record.source
+    moved = src.path != str(source)
+    if moved and not _same_source(src, source, st):
+        raise ConfigError(f"would overwrite the finished shard {record.name!r}, made from {src.path!r} "
                           "(see its .shard.json); choose another --output-prefix or remove that shard",
                           path=str(source), key="--output-prefix")
     if record.settings != settings:
-        return False
-    for out in record.outputs.values():
-        for suffix, size in ((".bin", out.bin_bytes), (".idx", out.idx_bytes)):
-            try:
-                if os.path.getsize(out.prefix + suffix) != size:
-                    return False
-            except OSError:
-                return False
-    st = source.stat()
-    if st.st_size != record.source.size:
-        return False
-    if st.st_mtime_ns == record.source.mtime_ns:
-        return True
-    return _sha256_file(source) == record.source.sha256  # touched but unchanged
+        return ShardCheck(None, "made with other settings (tokenizer, json keys or EOD): rebuilding")
+    if not moved and (st.st_size != src.size or (st.st_mtime_ns != src.mtime_ns
+                                                 and _sha256_file(source) != src.sha256)):
+        return ShardCheck(None, "its input changed: rebuilding")
+    refreshed = moved or st.st_mtime_ns != src.mtime_ns
+    outputs = {}
+    for key, out in record.outputs.items():
+        times = []
+        for path, size, digest, mtime_ns, sample in out.files():
+            problem, now = file_problem(path, size, digest, mtime_ns, sample, verify)
+            if problem:
+                return ShardCheck(None, f"{path} {problem}: rebuilding the shard")
+            times.append(now)
+        refreshed = refreshed or times != [out.bin_mtime_ns, out.idx_mtime_ns]
+        outputs[key] = dataclasses.replace(
+            out, bin_mtime_ns=times[0], idx_mtime_ns=times[1],
+            bin_sample_sha256=out.bin_sample_sha256 or sample_sha256(out.prefix + ".bin", out.bin_bytes),
+            idx_sample_sha256=out.idx_sample_sha256 or sample_sha256(out.prefix + ".idx", out.idx_bytes))
+    if not refreshed:
+        return ShardCheck(record, "up to date" + (" (every byte verified)" if verify else ""))
+    fresh = dataclasses.replace(record, outputs=outputs,
+                                source=dataclasses.replace(src, path=str(source), mtime_ns=st.st_mtime_ns))
+    note = f" (its input moved from {src.path!r})" if moved else " (files touched or copied, bytes unchanged)"
+    return ShardCheck(fresh, "up to date" + note, refreshed=True)
+
+
+def write_record(output_prefix: str, record: ShardRecord) -> None:
+    """Write a shard's record (atomically): the mark that the shard is complete."""
+    _write_json_atomically(record_path(output_prefix, record.name), record.to_json())
 
 
 @dataclass
@@ -461,7 +647,8 @@ class DatasetWriter:
     written in the same order, the same ``sequence_lengths`` and ``document_indices``) with one
     write per block, so the files are byte for byte the same (tests/test_prepare_data.py proves it);
     the ``.idx`` is still written by the builder's own ``finalize``. The ``.bin`` is hashed as it is
-    written, so it is never read back; the ``.idx`` (20 bytes per document) is hashed once written.
+    written (what it should hold, to check the file read back against before it is published); the
+    ``.idx`` (20 bytes per document) is hashed once written.
     """
 
     def __init__(self, prefix: str, dtype: type):
@@ -501,14 +688,49 @@ def _write_json_atomically(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def input_blocks(path: Path) -> int:
+    """How many blocks of :data:`BLOCK_BYTES` the input makes (estimated for ``.gz``): more workers than
+    that would have nothing to do."""
+    size = path.stat().st_size * (GZIP_EXPANSION if path.name.endswith(".gz") else 1)
+    return max(1, -(-size // BLOCK_BYTES))
+
+
+def worker_count(requested: int, paths: Sequence[Path], cpus: Optional[int] = None) -> Tuple[int, Optional[str]]:
+    """``--workers`` capped by the CPUs this process may use (``os.sched_getaffinity``, or ``cpus``
+    where the work runs elsewhere) and by the blocks of the largest input; with the line that says so
+    when it was reduced (None when not). Each worker is a process with its own tokenizer and imports:
+    asking for thousands would fork until memory runs out."""
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    blocks = max((input_blocks(p) for p in paths), default=1)
+    workers = min(requested, cpus, blocks)
+    if workers == requested:
+        return workers, None
+    why = [f"this process may use {cpus} CPUs"] if cpus < requested else []
+    if blocks < requested:
+        why.append(f"the largest input makes {blocks} block(s) of {BLOCK_BYTES >> 10} KiB")
+    return workers, f"--workers {requested} reduced to {workers}: {' and '.join(why)}"
+
+
+def _remove_stale_tmp(final: str) -> None:
+    """Remove temporary files a killed writer of this dataset left (the caller is now its only
+    writer: it holds the prefix, or is the one array task of this shard)."""
+    for path in glob.glob(glob.escape(final) + TMP_MARK + "*") + [final + ".tmp.bin", final + ".tmp.idx"]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def prepare_shard(input_path: Path, output_prefix: str, tokenizer_cfg: TokenizerConfig, json_keys: Sequence[str],
                   append_eod: bool, workers: int, on_bad_line: str = "fail",
                   progress: Optional[Progress] = None) -> ShardRecord:
     """Tokenize one jsonl (or jsonl.gz) file into one indexed dataset per json key; return its record.
 
-    ``tokenizer_cfg`` must be finalized. The files are written under ``.tmp`` names and renamed when
-    complete, then the record is written (:func:`record_path`): an interrupted run leaves no file that
-    looks finished. ``on_bad_line`` is ``"fail"`` (ConfigError naming ``file:line``) or ``"skip"``.
+    The caller holds the prefix (:func:`bridge_hpc.data.prefix_lock.hold_prefix`). ``tokenizer_cfg``
+    must be finalized. The files are written under temporary names private to this process, read
+    back and checked against the sha256 computed as they were written, renamed into place, and only
+    then is the record written (:func:`record_path`): an interrupted or failed run leaves no file
+    that looks finished, and no temporary file. ``on_bad_line`` is ``"fail"`` (ConfigError naming
+    ``file:line``) or ``"skip"``. A shard without a single token is refused: a rank cannot map an
+    empty ``.bin``. A file that cannot be written is a ConfigError naming ``--output-prefix``.
     """
     from megatron.core.datasets.indexed_dataset import DType
 
@@ -520,18 +742,24 @@ def prepare_shard(input_path: Path, output_prefix: str, tokenizer_cfg: Tokenizer
                           "has no end-of-document token (for Hugging Face, set eos_token)", key="--append-eod")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     settings = settings_of(tokenizer_cfg, json_keys, append_eod)
-    st = input_path.stat()
+    try:
+        st = input_path.stat()
+        source_file = open(input_path, "rb")
+    except OSError as err:
+        raise ConfigError(f"cannot read: {err.strerror or err}", path=str(input_path), key="--input") from None
+    workers = min(workers, input_blocks(input_path))
     finals = {k: dataset_prefix(output_prefix, shard, k) for k in json_keys}
-    tmps = {k: v + ".tmp" for k, v in finals.items()}
-    Path(output_prefix).absolute().parent.mkdir(parents=True, exist_ok=True)
+    tmps = {k: f"{v}{TMP_MARK}{socket.gethostname()}-{os.getpid()}" for k, v in finals.items()}
     if progress:
         progress.begin(shard)
     writers: Dict[str, DatasetWriter] = {}
     documents, skipped = 0, 0
     try:
+        Path(output_prefix).absolute().parent.mkdir(parents=True, exist_ok=True)
         for key in json_keys:
+            _remove_stale_tmp(finals[key])
             writers[key] = DatasetWriter(tmps[key], dtype)
-        with _HashingReader(open(input_path, "rb")) as reader:
+        with _HashingReader(source_file) as reader:
             stream = gzip.GzipFile(fileobj=reader, mode="rb") if input_path.name.endswith(".gz") else io.BufferedReader(reader)
             initargs = (tokenizer_cfg, list(json_keys), append_eod, dtype.__name__)
             encoded_blocks = _encode_all(line_blocks(stream, BLOCK_BYTES), workers, initargs, tokenizer)
@@ -557,25 +785,39 @@ def prepare_shard(input_path: Path, output_prefix: str, tokenizer_cfg: Tokenizer
         if documents == 0:
             raise ConfigError("no documents: the corpus is empty" + (f" ({skipped} bad lines skipped)" if skipped else ""),
                               path=str(input_path), key="--input")
+        empty = [key for key, writer in writers.items() if writer.tokens == 0]
+        if empty:
+            raise ConfigError(f"no tokens under key {empty[0]!r}: every one of its {documents} documents is empty "
+                              "(a training run cannot read an empty dataset)", path=str(input_path), key="--input")
         outputs = {}
         for key, writer in writers.items():
             written = writer.finalize()
-            outputs[key] = OutputFiles(prefix=finals[key], documents=documents, tokens=writer.tokens,
-                                       bin_bytes=written.bin_bytes, idx_bytes=written.idx_bytes,
-                                       bin_sha256=written.bin_sha256, idx_sha256=written.idx_sha256)
+            if _sha256_file(Path(tmps[key] + ".bin")) != written.bin_sha256:
+                raise ConfigError(f"{tmps[key]}.bin reads back other bytes than were written to it: the file system "
+                                  "lost or changed data; nothing was published", key="--output-prefix")
+            outputs[key] = OutputFiles(
+                prefix=finals[key], documents=documents, tokens=writer.tokens, bin_bytes=written.bin_bytes,
+                idx_bytes=written.idx_bytes, bin_sha256=written.bin_sha256, idx_sha256=written.idx_sha256,
+                bin_sample_sha256=sample_sha256(tmps[key] + ".bin", written.bin_bytes),
+                idx_sample_sha256=sample_sha256(tmps[key] + ".idx", written.idx_bytes))
         for key in json_keys:
-            os.replace(tmps[key] + ".bin", finals[key] + ".bin")
-            os.replace(tmps[key] + ".idx", finals[key] + ".idx")
+            for suffix in (".bin", ".idx"):
+                os.replace(tmps[key] + suffix, finals[key] + suffix)
+            outputs[key].bin_mtime_ns = os.stat(finals[key] + ".bin").st_mtime_ns
+            outputs[key].idx_mtime_ns = os.stat(finals[key] + ".idx").st_mtime_ns
+        record = ShardRecord(name=shard, source=source, settings=settings, dtype=dtype.__name__, documents=documents,
+                             skipped_lines=skipped, outputs=outputs)
+        write_record(output_prefix, record)
+    except OSError as err:
+        what = f"cannot write {err.filename}" if err.filename else "input/output error"
+        raise ConfigError(f"{what}: {err.strerror or err}", key="--output-prefix") from None
     finally:
         for writer in writers.values():
             writer.close()
         for tmp in tmps.values():
             for suffix in (".bin", ".idx"):
-                if os.path.exists(tmp + suffix):
+                with contextlib.suppress(OSError):
                     os.unlink(tmp + suffix)
-    record = ShardRecord(name=shard, source=source, settings=settings, dtype=dtype.__name__, documents=documents,
-                         skipped_lines=skipped, outputs=outputs)
-    _write_json_atomically(record_path(output_prefix, shard), record.to_json())
     if progress:
         progress.shard_done()
     return record
@@ -587,21 +829,16 @@ def prepare_shard(input_path: Path, output_prefix: str, tokenizer_cfg: Tokenizer
 
 
 def check_shards(records: Sequence[ShardRecord]) -> None:
-    """Verify every shard's files against its record: present, same size and same sha256.
+    """Verify every byte of every shard's files against its record (:func:`file_problem`).
 
     Raises ConfigError naming the first file that is missing, truncated or different.
     """
     for record in records:
         for out in record.outputs.values():
-            for suffix, size, digest in ((".bin", out.bin_bytes, out.bin_sha256), (".idx", out.idx_bytes, out.idx_sha256)):
-                path = Path(out.prefix + suffix)
-                if not path.is_file():
-                    raise ConfigError(f"missing (shard {record.name!r})", path=str(path))
-                if path.stat().st_size != size:
-                    raise ConfigError(f"has {path.stat().st_size} bytes, its record says {size} (truncated or "
-                                      f"rewritten; shard {record.name!r})", path=str(path))
-                if _sha256_file(path) != digest:
-                    raise ConfigError(f"checksum differs from its record (shard {record.name!r})", path=str(path))
+            for path, size, digest, mtime_ns, sample in out.files():
+                problem, _ = file_problem(path, size, digest, mtime_ns, sample, verify=True)
+                if problem:
+                    raise ConfigError(f"{problem} (shard {record.name!r})", path=path)
 
 
 def write_manifest(output_prefix: str, records: Sequence[ShardRecord], settings: Dict[str, Any]) -> Path:
@@ -628,31 +865,49 @@ def data_path_snippet(records: Sequence[ShardRecord], json_keys: Sequence[str]) 
 
 
 def prepare_local(inputs: Sequence[str], output_prefix: str, tokenizer_cfg: TokenizerConfig, json_keys: Sequence[str],
-                  append_eod: bool, workers: int, on_bad_line: str = "fail",
-                  progress: Optional[Progress] = None) -> List[ShardRecord]:
-    """Prepare every input file on this machine, skipping shards that are up to date; then write the manifest.
+                  append_eod: bool, workers: int, on_bad_line: str = "fail", progress: Optional[Progress] = None,
+                  verify: bool = False, unfinished_jobs: Optional[Callable[[], Dict[str, str]]] = None,
+                  ) -> List[ShardRecord]:
+    """Prepare every input file on this machine, keeping shards that check out; then write the manifest.
 
-    Every shard's record is checked (:func:`is_up_to_date`) before any work starts, so a prefix that
-    would overwrite shards of other input is refused before anything is written.
+    The prefix is held exclusively for the whole run (:func:`~bridge_hpc.data.prefix_lock.hold_prefix`,
+    refused while ``unfinished_jobs()`` names a --slurm job of it). Every shard is checked
+    (:func:`check_shard`; every byte with ``verify``) before any work starts, so a prefix that would
+    overwrite shards of other input is refused before anything is written.
     """
     progress = progress or Progress()
     output_prefix = str(Path(output_prefix).absolute())
     paths = expand_inputs(inputs)
     settings = settings_of(tokenizer_cfg, json_keys, append_eod)
-    plan = []
-    for path in paths:
-        record = load_record(output_prefix, shard_name(path))
-        plan.append((path, record if is_up_to_date(record, path, settings) else None))
-    records = []
-    for path, record in plan:
-        if record is not None:
-            progress.message(f"[prepare-data] {record.name}: skipped, up to date ({record.documents} documents, "
-                             f"{record.tokens} tokens)")
-        else:
-            record = prepare_shard(path, output_prefix, tokenizer_cfg, json_keys, append_eod, workers, on_bad_line,
-                                   progress)
-            if record.skipped_lines:
-                progress.message(f"[prepare-data] {record.name}: {record.skipped_lines} bad lines skipped")
-        records.append(record)
-    write_manifest(output_prefix, records, settings)
+    with hold_prefix(output_prefix, "local", unfinished_jobs=unfinished_jobs):
+        checks = [check_shard(output_prefix, path, settings, verify) for path in paths]
+        records = [keep_or_prepare(path, check, output_prefix, tokenizer_cfg, json_keys, append_eod, workers,
+                                   on_bad_line, progress) for path, check in zip(paths, checks)]
+        try:
+            write_manifest(output_prefix, records, settings)
+        except OSError as err:
+            raise ConfigError(f"cannot write {err.filename}: {err.strerror or err}", key="--output-prefix") from None
     return records
+
+
+def keep_or_prepare(path: Path, check: ShardCheck, output_prefix: str, tokenizer_cfg: TokenizerConfig,
+                    json_keys: Sequence[str], append_eod: bool, workers: int, on_bad_line: str,
+                    progress: Progress, label: str = "[prepare-data] ") -> ShardRecord:
+    """One input, by what :func:`check_shard` found: keep its shard (writing a refreshed record back)
+    or prepare it, saying which in one line (``label`` starts it). The caller holds the prefix."""
+    record = check.record
+    if record is not None:
+        if check.refreshed:
+            try:
+                write_record(output_prefix, record)
+            except OSError as err:
+                raise ConfigError(f"cannot write {err.filename}: {err.strerror or err}", key="--output-prefix") from None
+        progress.message(f"{label}{record.name}: skipped, {check.reason} ({record.documents} documents, "
+                         f"{record.tokens} tokens)")
+        return record
+    progress.message(f"{label}{shard_name(path)}: " + (f"preparing {path}" if check.reason == NOT_PREPARED
+                                                       else check.reason))
+    record = prepare_shard(path, output_prefix, tokenizer_cfg, json_keys, append_eod, workers, on_bad_line, progress)
+    if record.skipped_lines:
+        progress.message(f"{label}{record.name}: {record.skipped_lines} bad lines skipped")
+    return record

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Sequence, TextIO, Tuple
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.run_folder import RunFolder
 from bridge_hpc.data import prepare
+from bridge_hpc.data.prefix_lock import hold_prefix
 from bridge_hpc.training.config import TokenizerConfig
 
 #: The Slurm folder is ``<output-prefix>`` + this suffix: beside the data it makes, so that two
@@ -58,6 +59,7 @@ class Plan:
     append_eod: bool
     workers: int
     on_bad_line: str
+    verify: bool = False
 
     def tokenizer_config(self) -> TokenizerConfig:
         cfg = TokenizerConfig(**self.tokenizer)
@@ -86,53 +88,43 @@ def slurm_folder(output_prefix: str) -> Path:
 
 
 def make_plan(inputs: Sequence[str], output_prefix: str, tokenizer_cfg: TokenizerConfig, json_keys: Sequence[str],
-              append_eod: bool, workers: int, on_bad_line: str) -> Tuple[Plan, List[str]]:
+              append_eod: bool, workers: int, on_bad_line: str, verify: bool = False) -> Tuple[Plan, List[str]]:
     """The plan for ``inputs`` and the names of the shards already up to date.
 
-    Every existing record is checked here, on the login node, so that a prefix that would overwrite
-    shards made from other input is refused before anything is submitted (as in a local run).
-    Up-to-date shards still get their task: it only confirms the record and exits, and the plan's
-    task index stays the input's position.
+    The caller holds the prefix. Every existing record is checked here, on the login node, so that
+    a prefix that would overwrite shards made from other input is refused before anything is
+    submitted (as in a local run). Up-to-date shards still get their task: it checks the shard again
+    and exits, and the plan's task index stays the input's position.
     """
     output_prefix = str(Path(output_prefix).absolute())
     paths = prepare.expand_inputs(inputs)
     settings = prepare.settings_of(tokenizer_cfg, json_keys, append_eod)
-    current = []
-    for path in paths:
-        record = prepare.load_record(output_prefix, prepare.shard_name(path))
-        if prepare.is_up_to_date(record, path, settings):
-            current.append(record.name)
+    current = [check.record.name for check in (prepare.check_shard(output_prefix, p, settings, verify) for p in paths)
+               if check.record is not None]
     plan = Plan(output_prefix=output_prefix, inputs=[str(p) for p in paths],
                 tokenizer=dataclasses.asdict(tokenizer_cfg), json_keys=list(json_keys), append_eod=append_eod,
-                workers=workers, on_bad_line=on_bad_line)
+                workers=workers, on_bad_line=on_bad_line, verify=verify)
     return plan, current
 
 
 def run_shard_task(plan: Plan, index: int, stream: TextIO, label: str = "") -> prepare.ShardRecord:
-    """Array task ``index``: prepare ``plan.inputs[index]`` unless its record is up to date.
+    """Array task ``index``: prepare ``plan.inputs[index]`` unless its shard checks out.
 
-    Writes plain progress lines (documents, tokens/s) to ``stream``, the task's log; ``label`` (the
-    array task's id) starts each of the task's own lines so that logs read on their own.
+    Holds the prefix shared (the other tasks write other shards). Writes plain progress lines
+    (documents, tokens/s) to ``stream``, the task's log; ``label`` (the array task's id) starts each
+    of the task's own lines so that logs read on their own.
     """
     if not 0 <= index < len(plan.inputs):
         raise ConfigError(f"array task {index} has no input: the plan lists {len(plan.inputs)}",
                           path=str(slurm_folder(plan.output_prefix) / PLAN_FILE))
     path = Path(plan.inputs[index])
     tokenizer_cfg = plan.tokenizer_config()
-    settings = prepare.settings_of(tokenizer_cfg, plan.json_keys, plan.append_eod)
     progress = prepare.Progress(stream, interval=LOG_INTERVAL_S)
-    prefix = f"[prepare-data] task {label}: " if label else "[prepare-data] "
-    record = prepare.load_record(plan.output_prefix, prepare.shard_name(path))
-    if prepare.is_up_to_date(record, path, settings):
-        progress.message(f"{prefix}{record.name}: skipped, up to date ({record.documents} documents, "
-                         f"{record.tokens} tokens)")
-        return record
-    progress.message(f"{prefix}{prepare.shard_name(path)}: preparing {path}")
-    record = prepare.prepare_shard(path, plan.output_prefix, tokenizer_cfg, plan.json_keys, plan.append_eod,
-                                   plan.workers, plan.on_bad_line, progress)
-    if record.skipped_lines:
-        progress.message(f"{prefix}{record.name}: {record.skipped_lines} bad lines skipped")
-    return record
+    with hold_prefix(plan.output_prefix, f"task {index}", shared=True, warn=stream):
+        check = prepare.check_shard(plan.output_prefix, path, plan.settings(), plan.verify)
+        return prepare.keep_or_prepare(path, check, plan.output_prefix, tokenizer_cfg, plan.json_keys, plan.append_eod,
+                                       plan.workers, plan.on_bad_line, progress,
+                                       label=f"[prepare-data] task {label}: " if label else "[prepare-data] ")
 
 
 def finish(plan: Plan) -> Tuple[List[prepare.ShardRecord], str, Path]:
@@ -144,20 +136,22 @@ def finish(plan: Plan) -> Tuple[List[prepare.ShardRecord], str, Path]:
     ConfigError when a finished shard's files disagree with its record.
     """
     settings = plan.settings()
-    records, missing = [], []
-    for index, source in enumerate(plan.inputs):
-        path = Path(source)
-        record = prepare.load_record(plan.output_prefix, prepare.shard_name(path))
-        if prepare.is_up_to_date(record, path, settings):
-            records.append(record)
-        else:
-            missing.append(f"{prepare.shard_name(path)} (task {index}, {source})")
-    if missing:
-        raise ShardsMissing(f"{len(missing)} of {len(plan.inputs)} shard(s) not finished: {', '.join(missing)}; "
-                            f"see their task logs in {RunFolder(str(slurm_folder(plan.output_prefix))).logs} and run the same "
-                            "bridge-prepare-data --slurm command again to redo only those")
-    prepare.check_shards(records)
-    manifest = prepare.write_manifest(plan.output_prefix, records, settings)
+    with hold_prefix(plan.output_prefix, "finish", shared=True):
+        records, missing = [], []
+        for index, source in enumerate(plan.inputs):
+            record = prepare.check_shard(plan.output_prefix, Path(source), settings).record
+            if record is not None:
+                records.append(record)
+            else:
+                missing.append(f"{prepare.shard_name(Path(source))} (task {index}, {source})")
+        if missing:
+            raise ShardsMissing(f"{len(missing)} of {len(plan.inputs)} shard(s) not finished: {', '.join(missing)}; "
+                                "each task's error is the last 'error:' line of its log in "
+                                f"{RunFolder(str(slurm_folder(plan.output_prefix))).logs}. Fix what it names (a task "
+                                "that failed on its input fails again), then run the same bridge-prepare-data --slurm "
+                                "command: it redoes only those")
+        prepare.check_shards(records)
+        manifest = prepare.write_manifest(plan.output_prefix, records, settings)
     snippet = prepare.data_path_snippet(records, plan.json_keys)
     snippet_path = slurm_folder(plan.output_prefix) / SNIPPET_FILE
     tmp = snippet_path.with_name(snippet_path.name + f".tmp{os.getpid()}")

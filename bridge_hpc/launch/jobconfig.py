@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - Python 3.10
 from bridge_hpc.contracts import bytecode_cache, run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
+from bridge_hpc.contracts.text import has_control_chars
 from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
 from bridge_hpc.training.config import (
     ConfigContainer,
@@ -59,9 +60,6 @@ _RESERVED_ENV_RE = re.compile(
     r"|SLURM_(RESTART_COUNT|PROCID|LOCALID|NODEID|NNODES|NODELIST|NTASKS|NPROCS|CLUSTER_NAME|SUBMIT_DIR|SUBMIT_HOST)"
     r"|ENV|SHELLOPTS|BASHOPTS|IFS|PS1|PS2|PS3|PS4|PROMPT_COMMAND|GLOBIGNORE"
 )
-#: What no key, value or file name may contain: C0 and C1 control characters (newlines among them),
-#: Unicode's line and paragraph separators, and lone surrogates (undecodable bytes of a file name).
-_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 #: The largest job file or profile read (a profile pointing at /proc/kcore must not be read whole).
 MAX_CONFIG_BYTES = 1 << 20
 #: How deeply tables and arrays may nest (the checks below walk them; no job config needs more).
@@ -238,10 +236,6 @@ class JobConfig:
 # --------------------------------------------------------------------------- loading and merging
 
 
-def _control_chars(text: str) -> bool:
-    return bool(_CONTROL_RE.search(text))
-
-
 _NO_CONTROL = "must not contain newlines or control characters"
 _KEY_NOT_PRINTABLE = "a key must not contain newlines, control characters or invisible ones"
 
@@ -327,7 +321,7 @@ def _read_toml(path: Path, referenced_by: Optional[Tuple[Path, str]] = None) -> 
             return ConfigError(f"{str(path)!r}: {message}", path=str(referenced_by[0]), key=referenced_by[1])
         return ConfigError(message, path=str(path))
 
-    if _control_chars(str(path)):
+    if has_control_chars(str(path)):
         if referenced_by:
             raise ConfigError(f"{str(path)!r}: a file name {_NO_CONTROL}", path=str(referenced_by[0]), key=referenced_by[1])
         raise ConfigError(f"a file name {_NO_CONTROL}", path=repr(str(path)))
@@ -392,7 +386,7 @@ def _load_with_profiles(path: Path, chain: Tuple[Path, ...] = (),
     merged: Dict[str, Any] = {}
     origin: Dict[Tuple[str, ...], Path] = {}
     for rel in extends:
-        if _control_chars(rel):
+        if has_control_chars(rel):
             raise ConfigError(f"{rel!r}: a file name {_NO_CONTROL}", path=str(path), key="extends")
         if not rel.strip():
             raise ConfigError("expected a file name, got an empty string", path=str(path), key="extends")
@@ -431,7 +425,7 @@ def parse_override(text: str) -> Tuple[List[str], Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected section.key=value")
     key, raw = text.split("=", 1)
-    if _control_chars(key) or _bad_key(key.strip()):
+    if has_control_chars(key) or _bad_key(key.strip()):
         raise ConfigError(f"--set {text!r}: {_KEY_NOT_PRINTABLE}", key=key.strip())
     parts = key.strip().split(".")
     if len(parts) < 2 or not all(_KEY_PART_RE.fullmatch(p) for p in parts):
@@ -498,7 +492,7 @@ def _no_control_chars(value: Any, parts: Tuple[str, ...], where: _Where) -> None
     beyond TOML's 64 bits (the readers take them; nothing downstream can) and numbers that are not
     finite (nan compares false with every bound a check sets) are refused here too."""
     dotted = ".".join(parts)
-    if isinstance(value, str) and _control_chars(value):
+    if isinstance(value, str) and has_control_chars(value):
         raise where.error(dotted, _NO_CONTROL, parts)
     if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]:
         raise where.error(dotted, f"expected a 64-bit integer, got {value}", parts)
@@ -613,7 +607,7 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     This is the one place a job is resolved: ``bridge-submit`` calls it on the job file and the ranks
     on the resolved.toml it wrote (whose paths are absolute already, so they resolve to themselves)."""
     path = Path(path)
-    if _control_chars(str(path)):
+    if has_control_chars(str(path)):
         raise ConfigError(f"a file name {_NO_CONTROL}", path=repr(str(path)))
     doc, origin = _load_with_profiles(path.absolute())
     overridden = []

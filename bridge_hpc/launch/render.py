@@ -5,7 +5,9 @@ Two quoting rules, one per reader of the script:
   backticks and quotes stay inert;
 - ``#SBATCH`` lines are read by sbatch's own tokenizer, not by a shell: ``sbatch_arg`` writes a
   value bare when it is plain, else in double quotes with ``"`` and ``\\`` escaped.
-Control characters never get this far: the config loader refuses them.
+Control characters should never get this far: the config loader and every command-line tool refuse
+them, naming the key or flag. Both filters refuse them too (:func:`script_text`), so that a value
+from a path no check covers still cannot end a line of the script and start a command.
 """
 
 from __future__ import annotations
@@ -21,16 +23,26 @@ import jinja2
 
 from bridge_hpc import __version__
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.contracts.errors import EXIT_BAD_INPUT
+from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
 from bridge_hpc.contracts.requeue import REQUEUE_FILE_ENV
+from bridge_hpc.contracts.text import has_control_chars
 from bridge_hpc.launch.jobconfig import JobConfig
 from bridge_hpc.slurm.query import STOP_CAUSE_COMMAND
 
 _PLAIN = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 
 
-def sbatch_arg(value: object) -> str:
+def script_text(value: object) -> str:
+    """``str(value)``; a ConfigError (exit 2, nothing written) when it holds a control character."""
     text = str(value)
+    if has_control_chars(text):
+        raise ConfigError(f"refusing to write {text!r} into a batch script: it holds a newline or another "
+                          "control character")
+    return text
+
+
+def sbatch_arg(value: object) -> str:
+    text = script_text(value)
     if _PLAIN.fullmatch(text):  # fullmatch: "$" would also match before a final newline
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -47,7 +59,7 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
-    env.filters["q"] = lambda v: shlex.quote(str(v))
+    env.filters["q"] = lambda v: shlex.quote(script_text(v))
     env.filters["sbatch_arg"] = sbatch_arg
     return env
 
