@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.text import has_control_chars
 from bridge_hpc.data.prefix_lock import hold_prefix
 from bridge_hpc.training.config import TokenizerConfig
 from bridge_hpc.training.tokenizers import build_tokenizer
@@ -189,6 +190,34 @@ def record_path(output_prefix: str, shard: str) -> Path:
 
 def manifest_path(output_prefix: str) -> Path:
     return Path(f"{output_prefix}.manifest.json")
+
+
+def check_output_names(output_prefix: str, paths: Sequence[Path], json_keys: Sequence[str]) -> None:
+    """Refuse, before anything is written, output file names the file system cannot hold: a json key
+    is part of each dataset's file name (``<prefix>_<shard>_<key>_document.bin``, Megatron-LM's
+    naming), so it may not hold ``/`` or control characters; and the longest name, with its
+    temporary suffix, must fit the file system's name limit. Blames the key, the input whose name
+    makes the shard's name, or the prefix."""
+    for key in json_keys:
+        if not key or key in (".", "..") or "/" in key or has_control_chars(key):
+            raise ConfigError(f"{key!r} names the dataset files (<prefix>_<shard>_<key>_document.bin): expected a "
+                              "json key without '/' or control characters", key="--json-keys")
+    folder = Path(output_prefix).absolute().parent
+    try:
+        limit = os.pathconf(folder if folder.is_dir() else "/", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    base = Path(output_prefix).name
+    tmp_suffix = f"{TMP_MARK}{socket.gethostname()}-{os.getpid()}.bin"
+    for key in json_keys:
+        for path in paths:
+            name = f"{base}_{shard_name(path)}_{key}_document{tmp_suffix}"
+            if len(os.fsencode(name)) > limit:
+                blame = {"path": str(path), "key": "--input"} if len(os.fsencode(shard_name(path))) > limit // 2 \
+                    else {"key": "--output-prefix"}
+                raise ConfigError(f"its dataset files would be named {len(os.fsencode(name))} bytes long "
+                                  f"({name[:40]}...), more than the file system's {limit}: shorten the input's "
+                                  "name or --output-prefix", **blame)
 
 
 def expand_inputs(patterns: Sequence[str]) -> List[Path]:
@@ -878,6 +907,7 @@ def prepare_local(inputs: Sequence[str], output_prefix: str, tokenizer_cfg: Toke
     progress = progress or Progress()
     output_prefix = str(Path(output_prefix).absolute())
     paths = expand_inputs(inputs)
+    check_output_names(output_prefix, paths, json_keys)
     settings = settings_of(tokenizer_cfg, json_keys, append_eod)
     with hold_prefix(output_prefix, "local", unfinished_jobs=unfinished_jobs):
         checks = [check_shard(output_prefix, path, settings, verify) for path in paths]

@@ -98,6 +98,7 @@ def make_plan(inputs: Sequence[str], output_prefix: str, tokenizer_cfg: Tokenize
     """
     output_prefix = str(Path(output_prefix).absolute())
     paths = prepare.expand_inputs(inputs)
+    prepare.check_output_names(output_prefix, paths, json_keys)
     settings = prepare.settings_of(tokenizer_cfg, json_keys, append_eod)
     current = [check.record.name for check in (prepare.check_shard(output_prefix, p, settings, verify) for p in paths)
                if check.record is not None]
