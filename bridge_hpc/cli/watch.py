@@ -2,9 +2,9 @@
 
 ``bridge-status --follow`` and ``bridge-submit --wait`` both call :func:`watch`; what they show and
 how is :mod:`bridge_hpc.report.live`. This module joins the three sources, which only the command
-side may read together: the job config the ranks run (the run folder's resolved.toml, loaded by
-``load_job_config`` as the ranks load it: ``train.train_iters`` and where metrics.jsonl is), Slurm
-(:mod:`bridge_hpc.slurm.query`) and the metrics file.
+side may read together: what the run folder's resolved.toml records (``train.train_iters`` and where
+metrics.jsonl is, re-rooted to the folder named where it was moved or copied:
+:mod:`bridge_hpc.report.run_paths`), Slurm (:mod:`bridge_hpc.slurm.query`) and the metrics file.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
-from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.contracts.run_folder import RunFolder
-from bridge_hpc.launch.jobconfig import load_job_config
 from bridge_hpc.report.live import LiveDisplay, LiveStatus, MetricsTail, add_training_figures
+from bridge_hpc.report.run_paths import RunPaths, read_run_paths
 from bridge_hpc.slurm.query import job_finished, job_runs, job_times
 
 #: Seconds between two polls of Slurm and the metrics file.
@@ -27,21 +25,13 @@ POLL_S = 2.0
 class LiveReader:
     """Builds a :class:`LiveStatus` for one job of a run folder, poll after poll."""
 
-    def __init__(self, run_dir: Path, job_id: str):
+    def __init__(self, run_dir: Path, job_id: str, paths: Optional[RunPaths] = None):
         self.job_id = job_id
-        self.train_iters: Optional[int] = None
-        folder = RunFolder(str(run_dir))
-        metrics = Path(folder.metrics)
-        if Path(folder.resolved_config).is_file():
-            try:
-                training = load_job_config(folder.resolved_config).training
-            except ConfigError:
-                training = None  # the folder's config no longer loads here: show what Slurm and the files say
-            if training is not None:
-                self.train_iters = training.train.train_iters
-                if training.logger.metrics_file:
-                    metrics = Path(training.logger.metrics_file)
-        self._metrics = MetricsTail(metrics)
+        # a resolved.toml that cannot be read gives no step count and the default metrics.jsonl: the view
+        # shows what Slurm and the files say (the caller prints ``paths.notes()``)
+        self.paths = paths or read_run_paths(str(run_dir))
+        self.train_iters: Optional[int] = self.paths.train_iters
+        self._metrics = MetricsTail(Path(self.paths.metrics))
 
     def poll(self) -> LiveStatus:
         runs = job_runs(self.job_id)
@@ -58,9 +48,11 @@ class LiveReader:
         return status
 
 
-def watch(run_dir: Path, job_id: str, style: str, stream: TextIO = sys.stdout) -> LiveStatus:
-    """Show the job live until Slurm is done with it (a requeue is not done); return the last status."""
-    reader = LiveReader(run_dir, job_id)
+def watch(run_dir: Path, job_id: str, style: str, stream: TextIO = sys.stdout,
+          paths: Optional[RunPaths] = None) -> LiveStatus:
+    """Show the job live until Slurm is done with it (a requeue is not done); return the last status.
+    ``paths``: the run folder's, where the caller has read them already."""
+    reader = LiveReader(run_dir, job_id, paths)
     display = LiveDisplay(run_dir, style, stream)
     try:
         while True:

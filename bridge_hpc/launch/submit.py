@@ -243,17 +243,32 @@ def submit(cfg: JobConfig, force: bool = False) -> Submission:
     )
 
 
-def submitted_job_ids(run_dir: Path) -> List[str]:
-    """Job ids submitted into a run folder, oldest first (from its jobs.jsonl)."""
+def submitted_job_ids(run_dir: Path, skipped: Optional[List[int]] = None) -> List[str]:
+    """Job ids submitted into a run folder, oldest first (from its jobs.jsonl; [] without one).
+
+    Only Slurm job ids come back (digits, or an array task's ``<job>_<task>``: ``is_job_id``), as they are
+    handed to squeue, sacct and scontrol. A line that is not UTF-8 JSON with such an id under ``job_id``
+    (a torn or edited line, ``--help``) is passed over: its 1-based number is appended to ``skipped``
+    where the caller passes a list, so that it can say how many."""
+    from bridge_hpc.slurm.query import is_job_id
+
     path = Path(run_folder.RunFolder(str(run_dir)).jobs_log)
     try:
-        text = path.read_text(errors="replace")
+        data = path.read_bytes()
     except OSError:
         return []
     ids = []
-    for line in text.splitlines():
-        try:
-            ids.append(str(json.loads(line)["job_id"]))
-        except (ValueError, KeyError, TypeError, IndexError):
+    for number, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
             continue
+        try:
+            job_id = json.loads(line.decode("utf-8"))["job_id"]
+        except (ValueError, KeyError, TypeError, IndexError):  # UnicodeDecodeError is a ValueError
+            job_id = None
+        if isinstance(job_id, int) and not isinstance(job_id, bool):
+            job_id = str(job_id)
+        if is_job_id(job_id):
+            ids.append(job_id)
+        elif skipped is not None:
+            skipped.append(number)
     return ids

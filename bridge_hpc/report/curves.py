@@ -39,6 +39,12 @@ class TrainingCurves:
     step_time_s: List[Optional[float]] = field(default_factory=list)
     validation: Dict[int, float] = field(default_factory=dict)
     validation_sources: List[str] = field(default_factory=list)  # the files the validation losses came from
+    #: 1-based numbers of the non-blank lines of metrics.jsonl that were passed over (not UTF-8, not JSON, not
+    #: a record with an integer ``step``, or a last line cut short), and how many non-blank lines it has
+    skipped: List[int] = field(default_factory=list)
+    lines: int = 0
+    #: job logs named for validation losses that could not be read: "path (why)"
+    unread_logs: List[str] = field(default_factory=list)
 
     @property
     def final_step(self) -> Optional[int]:
@@ -72,34 +78,37 @@ def read_curves(metrics_path: str, job_logs: Iterable[str] = ()) -> Optional[Tra
     """The curves of ``metrics_path`` (None when there is no such file), validation from its records or,
     where none has one, from ``job_logs`` (stdout logs of the run's jobs, oldest first; missing ones skipped).
 
-    A last line without its newline is a record being written (or a killed writer's): skipped. Any other
-    line that is not a JSON object with an integer ``step`` is damage: ConfigError naming file and line.
+    Best effort: a line that is not UTF-8, not JSON or not a JSON object with an integer ``step`` is
+    damage, and a last line without its newline a record being written (or a killed writer's); either is
+    passed over and its number kept in ``skipped``. A job log that cannot be read is named in
+    ``unread_logs``. Raises ConfigError naming the file only when metrics.jsonl itself cannot be read.
     """
     if not os.path.isfile(metrics_path):
         return None
-    by_step: Dict[int, dict] = {}
     try:
-        with open(metrics_path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read: {err}", path=metrics_path) from None
+        with open(metrics_path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as err:
+        raise ConfigError(f"cannot read: {err.strerror or err}", path=metrics_path) from None
+    by_step: Dict[int, dict] = {}
+    skipped: List[int] = []
+    count = 0
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        torn = number == len(lines) and not line.endswith("\n")
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if torn:
-                continue
-            raise ConfigError(f"line {number} is not JSON: {line.strip()[:80]!r}", path=metrics_path) from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            if torn:
-                continue
-            raise ConfigError(f"line {number}: expected a JSON object with an integer 'step'", path=metrics_path)
+        count += 1
+        record = None
+        if number < len(lines):  # after the last newline: b"" or a line being written
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
+            skipped.append(number)
+            continue
         by_step[record["step"]] = record  # a reader's view: the last record of a step wins
 
-    curves = TrainingCurves(metrics_path)
+    curves = TrainingCurves(metrics_path, skipped=skipped, lines=count)
     for step in sorted(by_step):
         record = by_step[step]
         validation = _number(record.get(VALIDATION_LOSS))
@@ -116,7 +125,11 @@ def read_curves(metrics_path: str, job_logs: Iterable[str] = ()) -> Optional[Tra
         curves.validation_sources = [metrics_path]
     else:
         for log in job_logs:
-            found = read_validation_lines(log)
+            try:
+                found = read_validation_lines(log)
+            except ConfigError as err:
+                curves.unread_logs.append(f"{log} ({err.message})")
+                continue
             if found:
                 curves.validation.update(found)
                 curves.validation_sources.append(log)
@@ -141,5 +154,5 @@ def read_validation_lines(path: str) -> Dict[int, float]:
     except FileNotFoundError:
         return {}
     except OSError as err:
-        raise ConfigError(f"cannot read: {err.strerror}", path=path) from None
+        raise ConfigError(f"cannot read: {err.strerror or err}", path=path) from None
     return found

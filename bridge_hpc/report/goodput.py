@@ -8,12 +8,15 @@ Where the time went, per run (start = process start when the log records it, els
 - lost work: steps done after the last checkpoint, redone by the next run, priced at the step time
   estimated from the iterations between saves (or, when a run ended without saying how many steps it
   lost, the time from its last checkpoint to its end);
-- training: the rest of the run.
+- training: the rest of the run. A run that trained no step has no training time: a bridge_hpc run
+  (which logs its first step) failed or was stopped before its first, so the rest of its span is
+  start-up; a run of a Megatron log (which records saves, not steps) that saved nothing lost it all.
 
 Between runs, the time from one run's end to the next one's start is an *in-job restart* (allocated,
 lost) when fault tolerance restarted training inside the allocation (a ``Restart`` line), and a gap
 between allocations (queue wait; not allocated, reported apart) otherwise.
-Goodput = training / allocated, allocated = the runs plus in-job restarts. The log's stamps have
+Goodput = training / allocated, allocated = the runs plus in-job restarts; 0 when no run trained a
+step, whatever the allocated time (even none). The log's stamps have
 1-second resolution, so a measured overhead can exceed its run's span by a fraction of a second: each
 run's overheads are clipped to its span (load, start-up, save, then lost work), so that training and
 the overheads add up to the allocated time exactly.
@@ -115,6 +118,9 @@ class RunRow:
 
     @property
     def training_s(self) -> float:
+        """The run's time less its overheads; none at all for a run that trained no step."""
+        if self.steps <= 0:
+            return 0.0
         lost = sum(x or 0.0 for x in (self.startup_s, self.load_s, self.save_s, self.lost_s))
         return max(self.duration_s - lost, 0.0)
 
@@ -126,9 +132,9 @@ class Report:
     rows: List[RunRow]
     totals: Dict[str, object]
 
-    def goodput_segments(self) -> List[Tuple[str, float]]:
+    def goodput_segments(self) -> List[Tuple[str, Optional[float]]]:
         """(what, seconds) for the allocated time: training, then :data:`LOST_KINDS`; they add up to
-        ``totals["allocated_s"]``."""
+        ``totals["allocated_s"]`` (all None where there is no progress log: :func:`metrics_only_report`)."""
         lost = self.totals["lost_s"]
         return [("training", self.totals["training_s"])] + [(kind, lost[kind]) for kind in LOST_KINDS]
 
@@ -235,6 +241,12 @@ def build_rows(runs: Sequence[Run], curves: Optional[TrainingCurves] = None,
                 lost_steps = round(lost_s / step_s) if step_s else None
 
         load_s, startup_s, save_s, lost_s = _clip(end - start, load_s, startup_s, _sum(saves, SAVE_SECONDS), lost_s)
+        if last_it <= first_it:  # no step recorded: none of the run's time is training
+            rest = max(end - start - sum(x or 0.0 for x in (load_s, startup_s, save_s, lost_s)), 0.0)
+            if run.restart_count is not None:  # ours: no First step line, so it never got past start-up
+                startup_s = (startup_s or 0.0) + rest
+            else:  # Megatron's log records no steps, only saves: without one, whatever it did was lost
+                lost_s = (lost_s or 0.0) + rest
         device = device_kind(run.device) or device_fallback or (GPU if run.restart_count is None else UNKNOWN)
         trained = range(first_it + 1, last_it + 1)
         # the first step of a run compiles and warms up (start-up): left out unless it is the only one
@@ -277,8 +289,8 @@ def build_rows(runs: Sequence[Run], curves: Optional[TrainingCurves] = None,
 
 def build_report(runs: Sequence[Run], curves: Optional[TrainingCurves] = None,
                  device_fallback: Optional[str] = None) -> Report:
-    """Rows and totals; ``curves`` (a run folder's metrics) add tokens/s and the final losses,
-    ``device_fallback`` names the device where the log does not (see the module docstring)."""
+    """Rows and totals of the runs of a progress log; ``curves`` (a run folder's metrics) add tokens/s and
+    the final losses, ``device_fallback`` names the device where the log does not (see the module docstring)."""
     rows = build_rows(runs, curves, device_fallback)
     restart_s = between_s = 0.0
     for prev, row in zip(rows, rows[1:]):
@@ -316,10 +328,39 @@ def build_report(runs: Sequence[Run], curves: Optional[TrainingCurves] = None,
         "wall_s": (rows[-1].end - rows[0].start) if rows else 0.0,
         "allocated_s": allocated,
         "training_s": training,
-        "goodput": training / allocated if allocated > 0 else None,
+        # no step trained: 0, not "?" (nothing was trained, whatever the time; and never 100 %)
+        "goodput": 0.0 if not any(r.steps > 0 for r in rows) else training / allocated if allocated > 0 else None,
         "lost_s": lost,
         "between_allocations_s": between_s,
         # False when some overhead was not recorded (Megatron logs): goodput is then an upper bound.
         "complete": all(r.end_known and r.startup_s is not None for r in rows),
     }
     return Report(rows, totals)
+
+
+def metrics_only_report(curves: TrainingCurves, device: Optional[str] = None) -> Report:
+    """The report of a run folder without a progress log: what its metrics.jsonl says (losses, the last
+    step, tokens/s over the steps after the first, which compiles and warms up). Which runs there were,
+    where the time went and goodput are not recorded anywhere else: None ("?"), never guessed; no rows."""
+    tokens_per_s = curves.tokens_per_s_over(curves.steps[1:])
+    tokens_per_s = tokens_per_s if tokens_per_s is not None else curves.tokens_per_s_over(curves.steps)
+    totals: Dict[str, object] = {
+        "runs": None,
+        "jobs": None,
+        "steps": None,
+        "lost_steps": None,
+        "cumulative_throughput": None,
+        "devices": f"{UNKNOWN} {device}" if device else None,
+        "tokens_per_s": tokens_per_s,
+        "final_step": curves.final_step,
+        "final_loss": curves.final_loss,
+        "final_validation_loss": curves.final_validation_loss,
+        "wall_s": None,
+        "allocated_s": None,
+        "training_s": None,
+        "goodput": None,
+        "lost_s": {kind: None for kind in LOST_KINDS},
+        "between_allocations_s": None,
+        "complete": False,
+    }
+    return Report([], totals)

@@ -8,7 +8,9 @@
 3. **throughput** per run: tokens/s of the training steps, scaled by k or M; where the ranks run on GPUs,
    TFLOP/s/GPU (the progress log's job throughput) on a second axis;
 4. **goodput**: the allocated time split into training and what was lost (:data:`LOST_KINDS`), stacked so
-   the segments add up to the allocated time, with the queue wait as its own bar beside it.
+   the segments add up to the allocated time, with the queue wait as its own bar beside it. A run that
+   trained no step has no training segment (:mod:`bridge_hpc.report.goodput`); an argument without a
+   progress log has no bar and goodput "?".
 
 Several arguments overlay in the same panels, one colour each. matplotlib is imported here only (an
 optional dependency), and the figure is built without pyplot, so no display or global state is involved.
@@ -47,7 +49,8 @@ def resume_kind(previous: RunRow, row: RunRow) -> str:
 
 
 def build_figure(runs: Sequence[RunReport]) -> "Figure":
-    """The report figure of one or several arguments (``load_run_reports``); nothing is written."""
+    """The report figure of one or several arguments (``bridge_hpc.cli.report.load_run_reports``); nothing
+    is written."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -116,11 +119,15 @@ def _loss_panel(ax: "Axes", runs: Sequence[RunReport], colors: Sequence[Optional
 
 def _progress_panel(ax: "Axes", runs: Sequence[RunReport], colors: Sequence[Optional[str]]) -> None:
     several = len(runs) > 1
-    span = max(max(t for row in run.report.rows for t, _ in row.points + [(row.end, 0)]) - run.report.rows[0].start
-               for run in runs)
-    unit, seconds = time_unit(span)
+    spans = [max(t for row in run.report.rows for t, _ in row.points + [(row.end, 0)]) - run.report.rows[0].start
+             for run in runs if run.report.rows]
+    if not spans:
+        _no_data(ax, "no progress log: no runs")
+    unit, seconds = time_unit(max(spans, default=0.0))
     for run, color in zip(runs, colors):
         rows = run.report.rows
+        if not rows:
+            continue
         t0 = rows[0].start
         for j, row in enumerate(rows):
             xs = [(t - t0) / seconds for t, _ in row.points]
@@ -154,8 +161,10 @@ def _throughput_panel(ax: "Axes", runs: Sequence[RunReport], colors: Sequence[Op
         drawn = ax.bar(xs, [(r or 0.0) / factor for r in rates], width=width,
                        color=[color or "tab:blue" for _, _, color in bars], label="tokens/s")
         ax.bar_label(drawn, labels=[format_rate(r) or "?" for r in rates], fontsize=7)
-    else:
+    elif bars:
         _no_data(ax, "no metrics.jsonl: no tokens/s")
+    else:
+        _no_data(ax, "no progress log: no runs")
     ax.set_xticks(range(len(bars)), [f"{run.label}\n{row.label}" if several else row.label for run, row, _ in bars],
                   fontsize=7)
     pad = max(0.0, (4 - len(bars)) / 2)  # a run or two: bars of the width of four, centred
@@ -172,13 +181,18 @@ def _throughput_panel(ax: "Axes", runs: Sequence[RunReport], colors: Sequence[Op
 
 
 def _goodput_panel(ax: "Axes", runs: Sequence[RunReport]) -> None:
+    """The allocated time of each argument split into its segments; an argument without a progress log
+    (where the time went unknown) gets no bar, and "?" in the title."""
     several = len(runs) > 1
-    span = max(max(run.report.totals["allocated_s"], run.report.totals["between_allocations_s"]) for run in runs)
+    span = max((max(run.report.totals["allocated_s"], run.report.totals["between_allocations_s"])
+                for run in runs if run.report.rows), default=0.0)
     unit, seconds = time_unit(span)
     ticks, names = [], []
     for k, run in enumerate(runs):
         totals = run.report.totals
         allocated, y = totals["allocated_s"], -2 * k
+        if not run.report.rows:
+            continue
         left = 0.0
         for name, sec in run.report.goodput_segments():
             share = f" {100 * sec / allocated:.1f}%" if allocated and not several else ""
@@ -193,8 +207,8 @@ def _goodput_panel(ax: "Axes", runs: Sequence[RunReport]) -> None:
     ax.set_yticks(ticks, names, fontsize=8)
     ax.set_xlabel(f"time ({unit})")
     goodputs = [run.report.totals["goodput"] for run in runs]
-    parts = [("?" if g is None else f"{100 * g:.1f}%") + ("" if run.report.totals["complete"] else " (max)")
-             for run, g in zip(runs, goodputs)]
+    parts = [("?" if g is None else f"{100 * g:.1f}%")
+             + ("" if run.report.totals["complete"] or g is None else " (max)") for run, g in zip(runs, goodputs)]
     ax.set_title("goodput " + ", ".join(f"{run.label} {p}" if several else p for run, p in zip(runs, parts))
                  + " of the allocated time")
     _legend(ax, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4)

@@ -94,6 +94,7 @@ class Event:
     world_size: int
     name: str
     fields: Dict[str, str] = field(default_factory=dict)
+    line: int = field(default=0, compare=False)  # 1-based line number in its file (0: not read from a file)
 
     def number(self, key: str) -> Optional[float]:
         """The leading number of a field (``"95.2 TFLOP/s/GPU"`` -> 95.2); None if absent or not numeric."""
@@ -159,32 +160,95 @@ def parse_line(line: str) -> Optional[Event]:
     return Event(stamp, job_id, world_size, tokens[3], fields)
 
 
-def parse_events(path: str) -> List[Event]:
-    """All well-formed lines of ``path``.
+@dataclass
+class ProgressRead:
+    """What :func:`read_progress` made of a log: the runs, and the numbers of the lines it passed over."""
 
-    A last line without its newline was cut short by a kill (the writers end every line with one in
-    the same write), so it is dropped: a half-written ``Iteration: 12`` could really be 1234.
+    runs: List[Run]
+    skipped: List[int] = field(default_factory=list)  # 1-based line numbers, in file order
+    lines: int = 0  # non-blank lines in the file
+
+
+def read_events(path: str) -> Tuple[List[Event], List[int], int]:
+    """(the well-formed lines of ``path`` as events, the numbers of the non-blank lines that are not,
+    the number of non-blank lines). Raises OSError when the file cannot be read.
+
+    A line that is not valid UTF-8 is passed over whole (a byte flipped in ``Iteration: 1200`` could
+    make any number), and so is one that is not a progress line. A last line without its newline was
+    cut short by a kill (the writers end every line with one in the same write): passed over too, as
+    a half-written ``Iteration: 12`` could really be 1234.
     """
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
-        lines = f.read().split("\n")
-    complete = lines[:-1]  # the text after the last newline is '' or a truncated line
-    return [event for event in map(parse_line, complete) if event is not None]
+    with open(path, "rb") as f:
+        data = f.read()
+    events: List[Event] = []
+    skipped: List[int] = []
+    lines = data.split(b"\n")
+    count = 0
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        count += 1
+        event = None
+        if number < len(lines):  # the text after the last newline is b"" or a truncated line
+            try:
+                event = parse_line(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                event = None
+        if event is None:
+            skipped.append(number)
+        else:
+            event.line = number
+            events.append(event)
+    return events, skipped, count
 
 
-def group_runs(events: List[Event]) -> List[Run]:
-    """Split events into runs; lines before the first ``Starting job`` are ignored."""
+def parse_events(path: str) -> List[Event]:
+    """The well-formed lines of ``path`` (:func:`read_events` tells which lines it passed over)."""
+    return read_events(path)[0]
+
+
+#: The lines that end a run: any line after one, up to the next ``Starting job``, belongs to a run whose
+#: ``Starting job`` line is missing.
+_ENDS = (ENDING_JOB, RESTART)
+
+
+def split_runs(events: List[Event]) -> Tuple[List[Run], List[Event]]:
+    """Split events into runs: (runs, events that belong to no run). An event belongs to no run when
+    it comes before the first ``Starting job``, names another job than its run, or follows its run's
+    ``Ending job`` or ``Restart``: a damaged or lost ``Starting job`` line must not make one run of two,
+    which would count the time between them as the first's."""
     runs: List[Run] = []
+    orphans: List[Event] = []
+    ended = False  # the last run has written its Ending job or Restart line
     for event in events:
         if event.name == STARTING_JOB:
             runs.append(Run(event.job_id, event.world_size, event))
-        elif runs:
+            ended = False
+        elif not runs or event.job_id != runs[-1].job_id or ended:
+            orphans.append(event)
+        else:
             runs[-1].events.append(event)
-    return runs
+            ended = ended or event.name in _ENDS
+    return runs, orphans
+
+
+def group_runs(events: List[Event]) -> List[Run]:
+    """Split events into runs (:func:`split_runs`, less the events that belong to no run)."""
+    return split_runs(events)[0]
+
+
+def read_progress(path: str) -> ProgressRead:
+    """Read a progress log written by bridge_hpc, Megatron-LM or Megatron Bridge into runs, with the
+    lines passed over: damaged ones (:func:`read_events`) and those that belong to no run
+    (:func:`split_runs`). Raises OSError when the file cannot be read."""
+    events, skipped, count = read_events(path)
+    runs, orphans = split_runs(events)
+    return ProgressRead(runs, sorted(skipped + [e.line for e in orphans]), count)
 
 
 def parse_progress(path: str) -> List[Run]:
-    """Read a progress log written by bridge_hpc, Megatron-LM or Megatron Bridge into runs."""
-    return group_runs(parse_events(path))
+    """The runs of a progress log (:func:`read_progress` without the lines it passed over)."""
+    return read_progress(path).runs
 
 
 def cumulative_baseline(events: List[Event], world_size: int) -> Tuple[Optional[float], float]:

@@ -2,7 +2,8 @@
 comparison of the headline figures when there are several arguments.
 
 Cells: "?" where the log does not record a value, "-" where it does not apply (TFLOP/s/GPU of ranks
-that run on CPUs). Rates are scaled (``11.9k`` tokens/s) so a small run does not read 0.
+that run on CPUs). Rates are scaled (``11.9k`` tokens/s) so a small run does not read 0. An argument
+without a progress log gets what its metrics.jsonl says and "?" for goodput (:func:`format_metrics_only`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Dict, List, Sequence
 
+from bridge_hpc.contracts.text import one_line
 from bridge_hpc.report.goodput import UNKNOWN, RunRow
 from bridge_hpc.report.progress import format_time
 from bridge_hpc.report.run_report import RunReport
@@ -56,9 +58,28 @@ def _table(header: List[str], body: List[List[str]], right: List[bool]) -> List[
     return out
 
 
+def format_metrics_only(run: RunReport) -> str:
+    """An argument without a progress log: what its metrics.jsonl says, and "?" for the rest."""
+    t, curves = run.report.totals, run.curves
+    steps = curves.steps if curves is not None else []
+    lines = [
+        "no progress log: the runs, where the time went and goodput are unknown",
+        f"from {one_line(curves.metrics_path) if curves is not None else UNKNOWN}: steps "
+        f"{format_value(steps[0] if steps else None, 'd')}-{format_value(t['final_step'], 'd')} ({len(steps)} records), "
+        f"final loss {format_value(t['final_loss'], '.4f')}, "
+        f"validation loss {format_value(t['final_validation_loss'], '.4f')}, "
+        f"tokens/s {format_value(t['tokens_per_s'], 'rate')}",
+        f"goodput {UNKNOWN}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def format_table(run: RunReport) -> str:
-    """The runs of one argument, then where its allocated time went."""
+    """The runs of one argument, then where its allocated time went (:func:`format_metrics_only` where
+    there is no progress log)."""
     report = run.report
+    if not report.rows:
+        return format_metrics_only(run)
     header = [h for h, _, _ in COLUMNS]
     body = [[format_cell(row, attr, fmt) for _, attr, fmt in COLUMNS] for row in report.rows]
     right = [fmt not in _TEXT_FORMATS for _, _, fmt in COLUMNS]
@@ -90,11 +111,12 @@ def _headline(run: RunReport) -> List[str]:
     gpus = any(row.has_gpus for row in rows)
     goodput = None if t["goodput"] is None else 100 * t["goodput"]
     return [
-        run.label,
+        one_line(run.label),
         t["devices"] or UNKNOWN,
-        str(t["runs"]),
-        str(t["steps"]),
-        format_value(goodput, ".1f") + ("%" if goodput is not None else "") + ("" if t["complete"] else " (max)"),
+        format_value(t["runs"], "d"),
+        format_value(t["steps"], "d"),
+        format_value(goodput, ".1f") + ("%" if goodput is not None else "")
+        + ("" if t["complete"] or goodput is None else " (max)"),
         format_value(t["tokens_per_s"], "rate"),
         format_value(t["cumulative_throughput"], ".1f") if gpus else NOT_APPLICABLE,
         format_value(t["final_step"], "d"),
@@ -118,7 +140,8 @@ def format_report(runs: Sequence[RunReport]) -> str:
     """The whole text output: one table, or one per argument (each under its name) and the comparison."""
     if len(runs) == 1:
         return format_table(runs[0])
-    parts = [f"{run.label}: {run.progress_log}\n{format_table(run)}" for run in runs]
+    parts = [f"{one_line(run.label)}: {one_line(run.progress_log or 'no progress log')}\n{format_table(run)}"
+             for run in runs]
     parts.append("comparison\n" + format_comparison(runs))
     return "\n".join(parts)
 
@@ -130,8 +153,9 @@ def to_json(run: RunReport) -> Dict[str, object]:
         data.update(steps=row.steps, devices=row.devices, duration_s=row.duration_s, training_s=row.training_s,
                     start=format_time(row.start), end=format_time(row.end), start_epoch=row.start, end_epoch=row.end)
         runs.append(data)
-    return {"target": run.target, "label": run.label, "progress_log": run.progress_log, "runs": runs,
-            "totals": run.report.totals}
+    return {"target": run.target, "label": run.label, "progress_log": run.progress_log,
+            "metrics": run.curves.metrics_path if run.curves is not None else None, "runs": runs,
+            "totals": run.report.totals, "notes": run.notes}
 
 
 def reports_to_json(runs: Sequence[RunReport]) -> Dict[str, object]:

@@ -2,7 +2,9 @@
 scontrol for why a running job is being stopped.
 
 Both sides use it (``bridge-status``/``bridge-submit`` on the login node; rank 0 for its end time
-and for the cause of a stop signal); it is the one place that parses these tools' output. Stdlib only.
+and for the cause of a stop signal); it is the one place that parses these tools' output. A job id is
+checked (:func:`is_job_id`) before it reaches any of these tools: a word read from a damaged file is
+never passed as an option. Stdlib only.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class JobRun:
     reason: str = ""
 
 
+#: A Slurm job id: digits, or an array task's ``<job>_<task>``. Every id this module hands to squeue,
+#: sacct or scontrol matches it: a word from a damaged file (``--help``, ``1,2``) is never an option there.
+_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")
+
+
+def is_job_id(text: object) -> bool:
+    """Whether ``text`` is a Slurm job id (a str of ASCII digits, optionally ``_<task>``)."""
+    return isinstance(text, str) and _JOB_ID.fullmatch(text) is not None
+
+
 def _run(cmd: List[str]) -> Optional[str]:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -39,7 +51,10 @@ def _run(cmd: List[str]) -> Optional[str]:
 
 
 def job_runs(job_id: str) -> List[JobRun]:
-    """Every run of a job, oldest first (``sacct --duplicates`` keeps the requeued ones)."""
+    """Every run of a job, oldest first (``sacct --duplicates`` keeps the requeued ones); [] for a word
+    that is not a job id (:func:`is_job_id`)."""
+    if not is_job_id(job_id):
+        return []
     out = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "--duplicates",
                 "-o", "JobID,State,ExitCode,Start,End,Elapsed,NodeList"])
     runs = []
@@ -57,15 +72,15 @@ def job_runs(job_id: str) -> List[JobRun]:
 
 
 def live_state(job_id: str) -> Optional[tuple]:
-    """(state, reason) from squeue while the controller still knows the job, else None."""
+    """(state, reason) from squeue while the controller still knows the job, else None (and for a word
+    that is not a job id)."""
+    if not is_job_id(job_id):
+        return None
     out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"])
     if not out or not out.strip():
         return None
     state, _, reason = out.strip().splitlines()[0].partition("|")
     return state, reason
-
-
-_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+)?")
 
 
 def job_finished(state: str) -> bool:
@@ -82,7 +97,7 @@ def unfinished_jobs(job_ids: Sequence[str]) -> Dict[str, str]:
     A job the controller no longer knows is finished; so is every job when Slurm cannot be asked.
     An array job counts while any of its tasks does (``%F``: the array's id). Words that are not job
     ids are left out (one would make squeue refuse the whole list)."""
-    wanted = list(dict.fromkeys(str(j) for j in job_ids if _JOB_ID.fullmatch(str(j))))
+    wanted = list(dict.fromkeys(str(j) for j in job_ids if is_job_id(str(j))))
     if not wanted:
         return {}
     out = _run(["squeue", "-h", "-j", ",".join(wanted), "-o", "%F|%i|%T"]) or ""
@@ -144,7 +159,9 @@ def _parse_stamp(text: str) -> Optional[float]:
 def job_times(job_id: str) -> Optional[JobTimes]:
     """The job's times from squeue (Slurm 22.05 exports no SLURM_JOB_END_TIME), or None when Slurm
     cannot tell (no Slurm, job unknown, no time limit). Read again when it matters: an admin's
-    ``scontrol update TimeLimit`` or a preemption moves the end."""
+    ``scontrol update TimeLimit`` or a preemption moves the end. None for a word that is not a job id."""
+    if not is_job_id(job_id):
+        return None
     out = (_run(["squeue", "-h", "-j", job_id, "-o", "%S|%e|%l"]) or "").strip()
     fields = out.splitlines()[0].split("|") if out else []
     if len(fields) != 3:
@@ -156,7 +173,10 @@ def job_times(job_id: str) -> Optional[JobTimes]:
 
 
 def scontrol_job(job_id: str) -> Dict[str, str]:
-    """``scontrol show job -o`` as ``{field: value}`` ({} when Slurm cannot be asked)."""
+    """``scontrol show job -o`` as ``{field: value}`` ({} when Slurm cannot be asked, or for a word that
+    is not a job id)."""
+    if not is_job_id(str(job_id)):
+        return {}
     out = _run(["scontrol", "show", "job", "-o", str(job_id)]) or ""
     fields: Dict[str, str] = {}
     for word in out.split():
@@ -167,7 +187,10 @@ def scontrol_job(job_id: str) -> Dict[str, str]:
 
 
 def _accounted_state(job_id: str) -> str:
-    """sacct's state of the job's current run ("" without accounting): "CANCELLED by 0" -> CANCELLED."""
+    """sacct's state of the job's current run ("" without accounting, or for a word that is not a job id):
+    "CANCELLED by 0" -> CANCELLED."""
+    if not is_job_id(str(job_id)):
+        return ""
     lines = (_run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"]) or "").split("\n")
     lines = [line.split()[0] for line in lines if line.strip()]
     return lines[-1] if lines else ""
