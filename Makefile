@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 STAMP = .setup-done
 
-.PHONY: setup cluster demo demo-text report-image test lint clean-demo
+.PHONY: setup cluster demo demo-text demo-sft report-image test lint clean-demo
 
 # torch 2.13.0 is the CPU build on these machines' disk; installing it first keeps pip from pulling a
 # multi-GB CUDA build for the range in setup.cfg.
@@ -33,6 +33,14 @@ demo-text: cluster
 	bridge-report runs/local-tiny-text
 	grep -h 'validation loss' runs/local-tiny-text/logs/*_0_log.out
 
+# The fine-tuning demo (configs/local-tiny-sft.toml): demo-text's model fine-tuned on prompt/answer pairs
+# made from the same docstrings ("Docstring of json.dumps:" -> its docstring).
+demo-sft: demo-text
+	$(PYTHON) -m bridge_hpc.data.stdlib_corpus data/stdlib-sft --sft
+	bridge-submit configs/local-tiny-sft.toml --wait
+	bridge-report runs/local-tiny-sft
+	grep -h 'validation loss' runs/local-tiny-sft/logs/*_0_log.out
+
 # docs/report.png, README's report image: the demo preempted once, requeued and finished.
 report-image: cluster
 	rm -rf runs/report-image
@@ -45,4 +53,4 @@ lint: setup
 	$(PYTHON) -m ruff check bridge_hpc tests benchmarks scripts
 
 clean-demo:
-	rm -rf runs/local-tiny runs/local-tiny-text
+	rm -rf runs/local-tiny runs/local-tiny-text runs/local-tiny-sft

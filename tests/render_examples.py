@@ -16,7 +16,7 @@ from bridge_hpc.launch.jobconfig import load_job_config  # noqa: E402
 from bridge_hpc.launch.render import render_script  # noqa: E402
 
 SUBMIT_DIR = Path("/scratch/bridge")
-EXAMPLES = ["configs/local-tiny.toml", "configs/local-tiny-ft.toml", "configs/gpt-126m-h100.toml"]
+EXAMPLES = ["configs/local-tiny.toml", "configs/local-tiny-fault-tolerance.toml", "configs/gpt-126m-h100.toml"]
 
 
 def rendered_examples():

@@ -14,7 +14,7 @@ unwritable. Every variant must either
   spells it; a related key where the loader checks two keys against each other) or, for a file name,
   that file.
 
-A secret's value (``WANDB_API_KEY``, itself hostile) must never appear in a script. Variants whose
+A secret's value (``HF_TOKEN``, itself hostile) must never appear in a script. Variants whose
 run folder is unwritable are also submitted for real (in-process, ``sbatch`` shimmed): exit 2 naming
 ``job.run_dir`` and nothing submitted. bridge-submit runs in-process (its ``main``), not as a
 subprocess per variant, to keep the test around a minute.
@@ -49,12 +49,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = 9  # issue 9
 VARIANTS = 1000  # random ones, on top of the corpus (Generator.corpus)
 EXECUTE_AT_MOST = 300
-SECRET_VAR = "WANDB_API_KEY"
+SECRET_VAR = "HF_TOKEN"
 
 #: (name, job file): the examples, each with the cluster profile it extends
 BASES = [
     ("local-tiny", "configs/local-tiny.toml"),
-    ("local-tiny-ft", "configs/local-tiny-ft.toml"),
+    ("local-tiny-fault-tolerance", "configs/local-tiny-fault-tolerance.toml"),
     ("gpt-126m-h100", "configs/gpt-126m-h100.toml"),
     ("tiny", "tests/data/tiny.toml"),
 ]

@@ -1,6 +1,6 @@
 """Fault tolerance end to end on the local cluster: the real 2-rank GPT loop under ft_launcher.
 
-Two jobs of configs/local-tiny-ft.toml, submitted with bridge-submit, each with one simulated fault on
+Two jobs of configs/local-tiny-fault-tolerance.toml, submitted with bridge-submit, each with one simulated fault on
 rank 1: ``rank_hung`` (its rank monitor must kill it after the step timeout) and ``rank_killed`` (the
 launcher sees it die). The second job also makes every checkpoint save longer than the step timeout
 (``TEST_SAVE_DELAY`` of tests/data/faulty_forward_step.py), which must not be taken
@@ -34,7 +34,7 @@ pytest.importorskip("nvidia_resiliency_ext.fault_tolerance")
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "configs" / "local-tiny-ft.toml"
+CONFIG = ROOT / "configs" / "local-tiny-fault-tolerance.toml"
 ITERS = 120
 STEP_TIMEOUT = 3.0
 CHECK = 0.5  # ft.workload_check_interval

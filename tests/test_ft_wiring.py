@@ -41,7 +41,7 @@ def _render(tmp_path, config, *overrides):
 
 
 def test_ft_job_renders_one_ft_launcher_per_node(tmp_path):
-    script = _render(tmp_path, "local-tiny-ft.toml", "ft.max_restarts=5", "ft.step_timeout=7.5",
+    script = _render(tmp_path, "local-tiny-fault-tolerance.toml", "ft.max_restarts=5", "ft.step_timeout=7.5",
                      "slurm.nodes=2", "job.python='/opt/py $(touch x)/python3'")
     assert "-m bridge_hpc.launch.ft_launch" in script and "bridge_hpc.training.run \"$BRIDGE_CONFIG\"" in script
     assert "--ntasks-per-node=1" in script and "--nodes=2" in script and "--nnodes=2" in script
@@ -56,7 +56,7 @@ def test_ft_job_renders_one_ft_launcher_per_node(tmp_path):
 def test_job_without_ft_keeps_the_plain_srun(tmp_path):
     script = _render(tmp_path, "local-tiny.toml")
     assert "-u -m bridge_hpc.training.run \"$BRIDGE_CONFIG\" &" in script and "ft_launch" not in script
-    script = _render(tmp_path, "local-tiny-ft.toml", "ft.enable_ft_package=false")
+    script = _render(tmp_path, "local-tiny-fault-tolerance.toml", "ft.enable_ft_package=false")
     assert "ft_launch" not in script
 
 

@@ -533,3 +533,13 @@ def test_a_job_file_without_training_sections_loads_for_its_slurm_side_only(tmp_
     write(tmp_path / "bad.toml", f'extends = "{profile}"\n[train]\nmicro_batch_size = 0\n')
     with pytest.raises(ConfigError, match="train"):
         load_job_config(tmp_path / "bad.toml", cwd=tmp_path, training=False)
+
+
+def test_a_job_writes_the_progress_log_unless_it_says_otherwise(tmp_path: Path):
+    """bridge-report reads progress.txt: a job writes it by default (Bridge's default, off, suits a
+    script, not a job); ``log_progress = false`` still turns it off, and resolved.toml records which."""
+    write(tmp_path / "job.toml", MINIMAL_TRAINING_TOML)
+    cfg = load_job_config(tmp_path / "job.toml", cwd=tmp_path)
+    assert cfg.training.logger.log_progress is True and cfg.raw["logger"]["log_progress"] is True
+    off = load_job_config(tmp_path / "job.toml", overrides=["logger.log_progress=false"], cwd=tmp_path)
+    assert off.training.logger.log_progress is False and off.raw["logger"]["log_progress"] is False

@@ -327,3 +327,30 @@ def test_slurm_mode_checks_the_job_configs_secrets_before_submitting(tmp_path, c
                      "--slurm", str(job))
     assert rc == 2 and "key 'env.HF_TOKEN'" in err and "BRIDGE_TEST_UNSET_SECRET" in err, err
     assert not (tmp_path / "SUBMITTED").exists() and not (tmp_path / "o.slurm").exists()
+
+
+@pytest.mark.parametrize("names, keys", [
+    (["train", "valid"], {"train_data_path": ["train"], "valid_data_path": ["valid"]}),
+    (["wiki-train-00", "wiki-train-01", "wiki-validation", "test"],
+     {"train_data_path": ["wiki-train-00", "wiki-train-01"], "valid_data_path": ["wiki-validation"],
+      "test_data_path": ["test"]}),
+    (["train", "misc"], {"data_path": ["train", "misc"]}),
+    (["part-00", "part-01"], {"data_path": ["part-00", "part-01"]}),
+])
+def test_the_printed_dataset_lines_keep_held_out_inputs_out_of_training(tmp_path, capsys, names, keys):
+    """Item 14: inputs named by split print per-split paths (a pasted data_path would blend the held-out
+    text into training); otherwise one data_path. The lines load into a job config as printed."""
+    import toml
+
+    paths = [str(jsonl(tmp_path / f"{name}.jsonl", [f"text of {name}"])) for name in names]
+    rc, out, _ = run(capsys, "--input", *paths, "--output-prefix", str(tmp_path / "d"), *BYTE_LEVEL)
+    assert rc == 0
+    printed = toml.loads(out)["dataset"]
+    assert printed == {k: [f"{tmp_path}/d_{n}_text_document" for n in v] for k, v in keys.items()}
+    job = tmp_path / "job.toml"
+    job.write_text(MINIMAL_TRAINING_TOML + out
+                   + '[tokenizer]\ntokenizer_type = "ByteLevelTokenizer"\n')
+    from bridge_hpc.launch.jobconfig import load_job_config
+
+    cfg = load_job_config(job, overrides=["dataset.split=1,0,0"] if "data_path" in keys else [], cwd=tmp_path)
+    assert type(cfg.training.dataset).__name__ == "GPTDatasetConfig"

@@ -108,7 +108,8 @@ def test_one_definition_reaches_every_consumer(tmp_path, form, ranks, traps):
     from bridge_hpc.launch.render import render_script
 
     job = tmp_path / "job.toml"
-    job.write_text((ROOT / "configs" / "local-tiny-ft.toml").read_text().replace('extends = "clusters/local.toml"\n', ""))
+    example = (ROOT / "configs" / "local-tiny-fault-tolerance.toml").read_text()
+    job.write_text(example.replace('extends = "clusters/local.toml"\n', ""))
     cfg = load_job_config(job, [f"slurm.signal='{form}'"], cwd=tmp_path)
     stop = parse_slurm_signal(form)
     assert tuple(cfg.training.train.exit_signal) == ranks == stop.rank_signals

@@ -29,9 +29,10 @@ import toml
 from bridge_test_helpers import ROOT, drive, log_text, submit_cli
 
 from bridge_hpc.contracts.run_folder import RunFolder
-from bridge_hpc.data.stdlib_corpus import SPLIT_FILES, TEXT_KEY, split_of
+from bridge_hpc.data.stdlib_corpus import SFT_FILES, SPLIT_FILES, TEXT_KEY, split_of
 
 TEXT_CONFIG = ROOT / "configs" / "local-tiny-text.toml"
+SFT_CONFIG = ROOT / "configs" / "local-tiny-sft.toml"
 #: Where the README's walkthrough puts the corpus and the prepared datasets (relative to the submit folder).
 CORPUS = Path("data") / "stdlib"
 PREFIX = CORPUS / "docs"
@@ -130,20 +131,28 @@ def validation_losses(run_dir: Path, job_id: str) -> Dict[int, float]:
     return out
 
 
-@pytest.mark.slurm
-def test_demo_trains_on_prepared_stdlib_text_and_validation_loss_falls(slurm_cluster, workdir):
+@pytest.fixture(scope="module")
+def text_demo(slurm_cluster, workdir):
+    """The walkthrough's steps 2 and 3: prepare, then train configs/local-tiny-text.toml as it is (its
+    paths resolve against workdir). Returns (the prepare step's stdout, the job id)."""
     prepare = subprocess.run(
         [sys.executable, "-m", "bridge_hpc.cli.prepare_data", "--input", str(CORPUS / "train.jsonl"),
          str(CORPUS / "valid.jsonl"), "--output-prefix", str(PREFIX), "--tokenizer-type", "ByteLevelTokenizer",
          "--append-eod", "--workers", "2"], cwd=workdir, capture_output=True, text=True, timeout=300)
     assert prepare.returncode == 0, prepare.stderr
-    train_prefix, valid_prefix = (str(workdir / f"{PREFIX}_{split}_text_document") for split in ("train", "valid"))
-    assert train_prefix in prepare.stdout and valid_prefix in prepare.stdout
-
-    proc = submit_cli(str(TEXT_CONFIG), cwd=workdir)  # the config as it is: its paths resolve against workdir
+    proc = submit_cli(str(TEXT_CONFIG), cwd=workdir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = proc.stdout.split()[2]
     assert drive(job_id, timeout=600) == "COMPLETED", log_text(workdir / "runs" / "local-tiny-text", job_id)[-3000:]
+    return prepare.stdout, job_id
+
+
+@pytest.mark.slurm
+def test_demo_trains_on_prepared_stdlib_text_and_validation_loss_falls(workdir, text_demo):
+    printed, job_id = text_demo
+    train_prefix, valid_prefix = (str(workdir / f"{PREFIX}_{split}_text_document") for split in ("train", "valid"))
+    # The printed [dataset] lines are per split (the input names say so): pasted, they train on train.jsonl only.
+    assert toml.loads(printed)["dataset"] == {"train_data_path": [train_prefix], "valid_data_path": [valid_prefix]}
 
     config = toml.load(TEXT_CONFIG)
     run_dir = workdir / config["job"]["run_dir"]
@@ -165,3 +174,29 @@ def test_demo_trains_on_prepared_stdlib_text_and_validation_loss_falls(slurm_clu
     assert report.returncode == 0, report.stderr
     assert re.search(rf"^{job_id}\s+0\s+\d+ cpu\s+\S+\s+\S+\s+\S+\s+\S+\s+done\s+{train['train_iters']}\s", report.stdout,
                      re.MULTILINE), report.stdout
+
+
+@pytest.mark.slurm
+def test_sft_demo_fine_tunes_the_text_demo_model_on_prompt_answer_pairs(workdir, text_demo):
+    """``make demo-sft``: the corpus builder's --sft pairs, configs/local-tiny-sft.toml as it is (a shorter
+    run), fine-tuning the text demo's checkpoint: it starts from the pretrained weights (its first loss is
+    the pretrained model's, far below the untrained ln 384 = 5.95) and evaluates on held-out pairs."""
+    proc = build_corpus(workdir, "data/stdlib-sft", "--sft", "--modules", "json", "email", "collections", "textwrap")
+    assert proc.returncode == 0, proc.stderr
+    for name in SFT_FILES.values():
+        for line in (workdir / "data" / "stdlib-sft" / name).read_text().splitlines():
+            record = json.loads(line)
+            assert record["input"].startswith("Docstring of ") and record["input"].endswith(":\n")
+            assert isinstance(record["output"], str) and record["output"].strip()
+    proc = submit_cli(str(SFT_CONFIG), "--set", "train.train_iters=30", "--set", "train.eval_interval=10",
+                      cwd=workdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stdout.split()[2]
+    run_dir = workdir / toml.load(SFT_CONFIG)["job"]["run_dir"]
+    assert drive(job_id, timeout=600) == "COMPLETED", log_text(run_dir, job_id)[-3000:]
+    log = log_text(run_dir, job_id)
+    assert f"loaded pretrained weights from {workdir}/runs/local-tiny-text/checkpoints/iter_0000300" in log
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(1, 31)) and steps[0]["loss"] < 4.0, steps[0]
+    losses = validation_losses(run_dir, job_id)
+    assert sorted(losses) == [10, 20, 30] and max(losses.values()) < 4.0, losses

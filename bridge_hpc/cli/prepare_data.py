@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import re
 import signal
 import subprocess
@@ -193,7 +192,7 @@ def submit_slurm(args: argparse.Namespace, tokenizer_cfg: TokenizerConfig, keys:
     """
     from bridge_hpc.launch.jobconfig import check_secrets_present, load_job_config
     from bridge_hpc.launch.render import render_prepare_script
-    from bridge_hpc.launch.submit import TemplateExecutor
+    from bridge_hpc.launch.submit import TemplateExecutor, record_jobs
 
     job = load_job_config(args.slurm, overrides=args.set, training=False)
     check_secrets_present(job)
@@ -238,7 +237,7 @@ def submit_slurm(args: argparse.Namespace, tokenizer_cfg: TokenizerConfig, keys:
                 subprocess.run(["scancel", str(array_id)], capture_output=True, timeout=30)
             raise
         try:
-            record_jobs(Path(RunFolder(str(folder)).jobs_log), [array_id, finish_id])
+            record_jobs(Path(RunFolder(str(folder)).jobs_log), [array_id, finish_id], str(job.path))
         except OSError as err:  # submitted: say what is missing rather than fail
             print(f"[prepare-data] warning: jobs {array_id} and {finish_id} were submitted, but "
                   f"{RunFolder(str(folder)).jobs_log} could not be written ({err.strerror or err}): the prefix is not "
@@ -261,13 +260,6 @@ def submit_slurm(args: argparse.Namespace, tokenizer_cfg: TokenizerConfig, keys:
         return 1
     print(snippet_path.read_text(), end="")
     return 0
-
-
-def record_jobs(jobs_log: Path, job_ids: Sequence[str]) -> None:
-    """Append submitted job ids to a ``jobs.jsonl`` (the run folder's format: bridge-status reads it)."""
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    with open(jobs_log, "a") as f:
-        f.write("".join(json.dumps({"job_id": str(j), "submitted": stamp}) + "\n" for j in job_ids))
 
 
 def failed_tasks(plan: slurm_plan.Plan, logs: Path, array_id: str) -> List[str]:

@@ -884,12 +884,40 @@ def write_manifest(output_prefix: str, records: Sequence[ShardRecord], settings:
     return path
 
 
+#: Words in a shard's name that say which split its input is (``train.jsonl``, ``wiki-validation-00``).
+SPLIT_WORDS = {"train": ("train", "training"), "valid": ("valid", "validation", "val", "dev"), "test": ("test",)}
+
+
+def split_of_shard(name: str) -> Optional[str]:
+    """The split a shard's name says it is (one of :data:`SPLIT_WORDS`), or None (no word, or two)."""
+    words = set(re.split(r"[._-]+", name.lower()))
+    found = [split for split, names in SPLIT_WORDS.items() if words & set(names)]
+    return found[0] if len(found) == 1 else None
+
+
 def data_path_snippet(records: Sequence[ShardRecord], json_keys: Sequence[str]) -> str:
-    """The ``[dataset]`` lines to paste into a job config (one ``data_path`` per json key; the first is live)."""
+    """The ``[dataset]`` lines to paste into a job config (one set per json key; the first is live).
+
+    When the inputs' names say their splits (every shard's name holds one of :data:`SPLIT_WORDS`,
+    a training one among them, and another split too), the lines are ``train_data_path`` /
+    ``valid_data_path`` / ``test_data_path``: a single ``data_path`` would blend the held-out text into
+    training and split every shard by ``split``. Otherwise one ``data_path`` lists every shard.
+    """
+    splits = [split_of_shard(r.name) for r in records]
+    per_split = None not in splits and "train" in splits and len(set(splits)) > 1
     lines = ["[dataset]"]
+    if per_split:
+        lines.append("# per split, as the input names say (train/valid/test)")
     for i, key in enumerate(json_keys):
-        prefixes = ", ".join(json.dumps(r.outputs[key].prefix) for r in records)
-        lines.append(("" if i == 0 else f"# json key {key!r}: ") + f"data_path = [{prefixes}]")
+        lead = "" if i == 0 else f"# json key {key!r}: "
+        if per_split:
+            for split in SPLIT_WORDS:
+                prefixes = ", ".join(json.dumps(r.outputs[key].prefix) for r, s in zip(records, splits) if s == split)
+                if prefixes:
+                    lines.append(f"{lead}{split}_data_path = [{prefixes}]")
+        else:
+            prefixes = ", ".join(json.dumps(r.outputs[key].prefix) for r in records)
+            lines.append(f"{lead}data_path = [{prefixes}]")
     return "\n".join(lines)
 
 

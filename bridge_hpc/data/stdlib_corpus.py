@@ -3,7 +3,11 @@
 ``python -m bridge_hpc.data.stdlib_corpus OUT_DIR`` writes ``OUT_DIR/train.jsonl`` and
 ``OUT_DIR/valid.jsonl``, one ``{"text": ...}`` document per docstring, for ``bridge-prepare-data``. It
 exists so that the real-data demo (``configs/local-tiny-text.toml``, ``make demo-text``) trains on text
-without downloading anything.
+without downloading anything. With ``--sft`` it writes fine-tuning data instead, in Megatron Bridge's
+``dataset_root`` layout (``training.jsonl``, ``validation.jsonl``): one ``{"input": "Docstring of
+json.dumps:\n", "output": <the docstring>}`` pair per docstring, for the fine-tuning demo
+(``configs/local-tiny-sft.toml``, ``make demo-sft``), which teaches the pretrained model to answer
+with the documentation of the object it is asked about.
 
 What is collected: the docstrings of the public standard-library modules (``sys.stdlib_module_names``
 and their submodules, found by ``pkgutil`` and imported; a module that does not import here is
@@ -41,14 +45,21 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, Iterator, List, Optional, Sequence, TextIO
+from typing import Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
+from bridge_hpc.training.config import FINETUNING_FILES
 
 #: The two files written into OUT_DIR, by split.
 SPLIT_FILES = {"train": "train.jsonl", "valid": "valid.jsonl"}
+#: With ``--sft``: the fine-tuning files of a ``dataset_root`` (Megatron Bridge's names).
+SFT_FILES = {split: FINETUNING_FILES[split] for split in SPLIT_FILES}
 #: The json key of each document (``bridge-prepare-data``'s default ``--json-keys``).
 TEXT_KEY = "text"
+#: With ``--sft``: the prompt asks for an object's documentation; ``FinetuningDatasetConfig``'s
+#: default fields hold the prompt and the answer.
+SFT_PROMPT = "Docstring of {name}:\n"
+SFT_PROMPT_KEY, SFT_ANSWER_KEY = "input", "output"
 #: Share of top-level modules (by hash of the name, not by size) whose text is held out for validation.
 VALID_PERCENT = 10
 #: Top-level modules (and packages) never imported, and why.
@@ -140,32 +151,33 @@ def walk_modules(name: str, skipped: Dict[str, str]) -> Iterator[ModuleType]:
             yield from walk_modules(f"{name}.{info.name}", skipped)
 
 
-def _own_members(module: ModuleType) -> Iterator[object]:
-    """The public classes and functions ``module`` defines (sorted by name), each class followed by its
-    public methods and properties."""
+def _own_members(module: ModuleType) -> Iterator[Tuple[str, object]]:
+    """``(dotted name, object)`` of the public classes and functions ``module`` defines (sorted by
+    name), each class followed by its public methods and properties."""
     for name, obj in sorted(vars(module).items()):
         if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
             continue
         if inspect.isclass(obj):
-            yield obj
+            yield f"{module.__name__}.{name}", obj
             for attr, member in sorted(vars(obj).items()):
                 if attr.startswith("_"):
                     continue
                 member = getattr(member, "__func__", member)  # classmethod / staticmethod
                 if inspect.isroutine(member) or isinstance(member, property):
-                    yield member
+                    yield f"{module.__name__}.{name}.{attr}", member
         elif inspect.isroutine(obj):
-            yield obj
+            yield f"{module.__name__}.{name}", obj
 
 
-def docstrings(module: ModuleType) -> Iterator[str]:
-    """The module's own docstring, then its members' (:func:`_own_members`), cleaned; empty ones left out."""
-    for obj in (module, *_own_members(module)):
+def docstrings(module: ModuleType) -> Iterator[Tuple[str, str]]:
+    """``(dotted name, docstring)``: the module's own, then its members' (:func:`_own_members`),
+    cleaned; empty ones left out."""
+    for name, obj in ((module.__name__, module), *_own_members(module)):
         doc = vars(obj).get("__doc__") if isinstance(obj, type) else getattr(obj, "__doc__", None)
         if isinstance(doc, str):
             text = inspect.cleandoc(doc).strip()
             if text:
-                yield text
+                yield name, text
 
 
 @dataclass
@@ -178,8 +190,10 @@ class SplitTotals:
     modules: List[str] = field(default_factory=list)
 
 
-def build_corpus(out_dir: Path, only: Sequence[str] = (), progress: Optional[TextIO] = None) -> Dict[str, SplitTotals]:
+def build_corpus(out_dir: Path, only: Sequence[str] = (), progress: Optional[TextIO] = None,
+                 sft: bool = False) -> Dict[str, SplitTotals]:
     """Write train.jsonl and valid.jsonl into ``out_dir`` (each atomically); returns the totals by split.
+    With ``sft``: training.jsonl and validation.jsonl of prompt/answer pairs (:data:`SFT_PROMPT`).
 
     ``only`` restricts the walk to these top-level modules (all of :func:`top_level_modules` when empty).
     """
@@ -194,7 +208,7 @@ def build_corpus(out_dir: Path, only: Sequence[str] = (), progress: Optional[Tex
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"cannot create the folder: {err.strerror or err}", path=str(out_dir)) from None
-    totals = {split: SplitTotals(out_dir / file) for split, file in SPLIT_FILES.items()}
+    totals = {split: SplitTotals(out_dir / file) for split, file in (SFT_FILES if sft else SPLIT_FILES).items()}
     temporary = {split: t.path.with_name(t.path.name + ".tmp") for split, t in totals.items()}
     seen: set = set()
     skipped: Dict[str, str] = {}
@@ -210,11 +224,13 @@ def build_corpus(out_dir: Path, only: Sequence[str] = (), progress: Optional[Tex
             split = split_of(top)
             for module in walk_modules(top, skipped):
                 totals[split].modules.append(module.__name__)
-                for text in docstrings(module):
+                for name, text in docstrings(module):
                     if text in seen:
                         continue
                     seen.add(text)
-                    line = json.dumps({TEXT_KEY: text}, ensure_ascii=False) + "\n"
+                    record = ({SFT_PROMPT_KEY: SFT_PROMPT.format(name=name), SFT_ANSWER_KEY: text} if sft
+                              else {TEXT_KEY: text})
+                    line = json.dumps(record, ensure_ascii=False) + "\n"
                     files[split].write(line)
                     totals[split].documents += 1
                     totals[split].bytes += len(line.encode("utf-8"))
@@ -247,6 +263,9 @@ def summary_table(totals: Dict[str, SplitTotals]) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bridge_hpc.data.stdlib_corpus", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder for train.jsonl and valid.jsonl")
+    p.add_argument("--sft", action="store_true",
+                   help="write fine-tuning pairs instead: training.jsonl and validation.jsonl of "
+                        '{"input": "Docstring of NAME:\\n", "output": DOCSTRING} (a dataset_root)')
     p.add_argument("--modules", nargs="+", default=[], metavar="NAME",
                    help="only these top-level modules (default: the whole standard library)")
     return p
@@ -255,7 +274,7 @@ def parser() -> argparse.ArgumentParser:
 @exits_on_config_error
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
-    totals = build_corpus(args.out_dir, args.modules, progress=sys.stderr)
+    totals = build_corpus(args.out_dir, args.modules, progress=sys.stderr, sft=args.sft)
     print(summary_table(totals))
     return 0
 

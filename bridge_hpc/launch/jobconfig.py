@@ -699,6 +699,13 @@ _RUN_FOLDER_PATHS = (
 _OFF_WHEN_EMPTY = {("logger", "tensorboard_dir"): "TensorBoard"}
 
 
+#: What a job gets unless it says otherwise, where Megatron Bridge's default suits a script but not a
+#: job on a preemptible cluster: (section, key, value). The progress log is what bridge-report and the
+#: goodput figures read, so a job writes it, as it writes TensorBoard events (``log_progress = false``
+#: turns it off).
+_JOB_DEFAULTS = (("logger", "log_progress", True),)
+
+
 #: Training inputs given as paths: relative ones mean the folder bridge-submit runs in, as for
 #: ``job.run_dir`` and ``job.forward_step``. (Dataset prefixes: :func:`absolute_dataset_paths`.)
 _INPUT_PATHS = (
@@ -765,6 +772,8 @@ def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, s
         except ValueError as err:
             raise where.error(f"{section}.{key}", str(err)) from None
         training.setdefault(section, {})[key] = str(path if path.is_absolute() else Path(run_dir) / path)
+    for section, key, value in _JOB_DEFAULTS:
+        training.setdefault(section, {}).setdefault(key, value)
     train = training.setdefault("train", {})
     wanted = list(stop_signal.rank_signals)
     given = train.get("exit_signal")

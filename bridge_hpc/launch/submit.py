@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import submitit
 
@@ -229,11 +229,9 @@ def submit(cfg: JobConfig, force: bool = False) -> Submission:
             if err.filename and str(err.filename).startswith(cfg.job.run_dir):
                 raise _run_dir_error(cfg, err) from None
             raise
-        record = {"job_id": job.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": str(cfg.path)}
         warning = None
         try:
-            with open(folder.jobs_log, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            record_jobs(Path(folder.jobs_log), [job.job_id], str(cfg.path))
         except OSError as err:  # the job is submitted: say what is missing rather than fail
             warning = (f"job {job.job_id} was submitted, but {folder.jobs_log} could not be written "
                        f"({err.strerror or err}): bridge-status and the next bridge-submit will not know it")
@@ -241,6 +239,14 @@ def submit(cfg: JobConfig, force: bool = False) -> Submission:
         job_id=job.job_id, run_dir=cfg.run_dir, script_path=Path(folder.job_script),
         resolved_path=Path(folder.resolved_config), stdout=Path(str(job.paths.stdout)), job=job, warning=warning,
     )
+
+
+def record_jobs(jobs_log: Path, job_ids: Sequence[str], config: str) -> None:
+    """Append submitted job ids to a folder's ``jobs.jsonl`` (what :func:`submitted_job_ids`, the next
+    submission's busy check and bridge-status read); ``config`` names the job file they came from."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    with open(jobs_log, "a") as f:
+        f.write("".join(json.dumps({"job_id": str(j), "submitted": stamp, "config": config}) + "\n" for j in job_ids))
 
 
 def submitted_job_ids(run_dir: Path, skipped: Optional[List[int]] = None) -> List[str]:
