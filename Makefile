@@ -26,7 +26,7 @@ demo: cluster
 # The real-data demo (configs/local-tiny-text.toml): the standard library's docstrings as the corpus
 # (nothing is downloaded), prepared into indexed datasets, trained on, and the validation losses shown.
 demo-text: cluster
-	$(PYTHON) -m bridge_hpc.data.stdlib_corpus data/stdlib
+	$(PYTHON) -m bridge_hpc.prepare.stdlib_corpus data/stdlib
 	bridge-prepare-data --input data/stdlib/train.jsonl data/stdlib/valid.jsonl --output-prefix data/stdlib/docs \
 	    --tokenizer-type ByteLevelTokenizer --append-eod --workers 2
 	bridge-submit configs/local-tiny-text.toml --wait
@@ -36,7 +36,7 @@ demo-text: cluster
 # The fine-tuning demo (configs/local-tiny-sft.toml): demo-text's model fine-tuned on prompt/answer pairs
 # made from the same docstrings ("Docstring of json.dumps:" -> its docstring).
 demo-sft: demo-text
-	$(PYTHON) -m bridge_hpc.data.stdlib_corpus data/stdlib-sft --sft
+	$(PYTHON) -m bridge_hpc.prepare.stdlib_corpus data/stdlib-sft --sft
 	bridge-submit configs/local-tiny-sft.toml --wait
 	bridge-report runs/local-tiny-sft
 	grep -h 'validation loss' runs/local-tiny-sft/logs/*_0_log.out

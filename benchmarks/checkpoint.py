@@ -3,12 +3,12 @@
 What it measures, per rank count, each mode in a fresh process (torchrun), so that the first save is
 the first of a process as after a requeue:
 
-- sync: :func:`bridge_hpc.training.checkpointing.save_checkpoint` (what every exit save runs), the
+- sync: :func:`bridge_hpc.training.checkpoint.checkpointing.save_checkpoint` (what every exit save runs), the
   first save of the process and later ones: blocking = total;
-- async: :func:`~bridge_hpc.training.async_checkpoint.start_async_save` (blocking part) and
-  :func:`~bridge_hpc.training.async_checkpoint.finalize_async_save` (total until committed), the
+- async: :func:`~bridge_hpc.training.checkpoint.async_writer.start_async_save` (blocking part) and
+  :func:`~bridge_hpc.training.checkpoint.async_writer.finalize_async_save` (total until committed), the
   worker started before the model is built, as ``pretrain`` does;
-- load: :func:`~bridge_hpc.training.checkpointing.load_checkpoint`, with the files in the page cache
+- load: :func:`~bridge_hpc.training.checkpoint.checkpointing.load_checkpoint`, with the files in the page cache
   (warm) and evicted from it (cold, ``posix_fadvise(DONTNEED)`` after fsync; no root needed), with
   the parallel reads (``LOAD_READ_THREADS``) and with one reader thread;
 - the physical limit, in the same folder: a plain sequential write + fsync of the same number of
@@ -148,7 +148,8 @@ def _wrap(owner: Any, attr: str, name: str) -> None:
 
 
 def instrument(on_gpu: bool) -> None:
-    from bridge_hpc.training import async_checkpoint, checkpointing
+    from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
+    from bridge_hpc.training.checkpoint import checkpointing
 
     _wrap(checkpointing, "begin_save", "prepare_folder")
     _wrap(checkpointing, "_save_model_and_optimizer", "model_optimizer_save")
@@ -221,7 +222,9 @@ def rank_main(job: str, mode: str, result_path: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from bridge_hpc.training import async_checkpoint, checkpointing, pretrain
+    from bridge_hpc.training import pretrain
+    from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
+    from bridge_hpc.training.checkpoint import checkpointing
     from bridge_hpc.training.gpt_step import forward_step
     from bridge_hpc.training.run import build_config
     from bridge_hpc.training.state import GlobalState

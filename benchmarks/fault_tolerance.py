@@ -49,7 +49,7 @@ def overhead_worker(args) -> None:
     import torch.distributed as dist
 
     from bridge_hpc.training.config import FaultToleranceConfig
-    from bridge_hpc.training.fault_tolerance import FaultTolerance
+    from bridge_hpc.training.resilience.fault_tolerance import FaultTolerance
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

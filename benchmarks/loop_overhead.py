@@ -7,8 +7,8 @@ differs:
   defaults: metrics.jsonl on rank 0, TensorBoard on the last rank, the log line every
   ``logger.log_interval`` steps, the loss reduction and the exit checks every step (in one
   all-reduce of their own on GPU; on CPU ranks riding on DDP's gradient all-reduce:
-  :mod:`bridge_hpc.training.grad_reduce_rider`), the result validation, the step timers, and the
-  start-up heap frozen for the steps (:mod:`bridge_hpc.training.heap`; in the bare loops Python's
+  :mod:`bridge_hpc.training.engine.grad_reduce_rider`), the result validation, the step timers, and the
+  start-up heap frozen for the steps (:mod:`bridge_hpc.training.process.heap`; in the bare loops Python's
   automatic full collection walks it, 0.28-0.35 s on a rank about once in 130 steps of the CPU
   model: a cost the fastest tenth of the steps leaves out). Evaluation and checkpoints are off
   (``eval_interval = 0``, no ``checkpoint.save``): no save falls inside the timed steps either way,
@@ -183,7 +183,7 @@ class StepClock:
 
 def _load_training_config(job: str, overrides: List[str]):
     """The run's ConfigContainer as the ranks build it, evaluation and checkpoints off."""
-    from bridge_hpc.launch.jobconfig import load_job_config
+    from bridge_hpc.jobfile.jobconfig import load_job_config
 
     cfg = load_job_config(job, overrides).training
     cfg.checkpoint.save = cfg.checkpoint.load = None
@@ -198,7 +198,7 @@ def _world() -> tuple:
 
 #: What the toolkit's loop does around the calls a bare loop makes too, by the names ``train.py``
 #: calls them (those it has): each is timed when ``--sections`` is given.
-#: The rider's methods (bridge_hpc.training.grad_reduce_rider), timed as ``GradReduceRider.<name>``.
+#: The rider's methods (bridge_hpc.training.engine.grad_reduce_rider), timed as ``GradReduceRider.<name>``.
 RIDER_SECTIONS = ("load", "take")
 LOOP_SECTIONS = ("train_step", "start_reduce_loss_dicts_and_flags", "validate_loss", "checkpoint_and_decide_exit", "training_log",
                  "_count_step", "post_training_step_callbacks", "zero_grads", "finalize_grads")
@@ -242,11 +242,11 @@ def bridge_worker(cfg, clock: StepClock, sections: Optional[Dict[str, List[float
         from bridge_hpc.training import train as train_module
 
         time_sections(train_module, LOOP_SECTIONS, sections)
-        if importlib.util.find_spec("bridge_hpc.training.rerun") is not None:  # the result validation, where present
-            from bridge_hpc.training import rerun
+        if importlib.util.find_spec("bridge_hpc.training.resilience.rerun") is not None:  # the result validation, where present
+            from bridge_hpc.training.resilience import rerun
 
             time_sections(rerun, ("validate_loss",), sections)
-        from bridge_hpc.training.grad_reduce_rider import GradReduceRider
+        from bridge_hpc.training.engine.grad_reduce_rider import GradReduceRider
 
         time_sections(GradReduceRider, RIDER_SECTIONS, sections)
     if cfg.model.cuda_graph_impl != "none":
@@ -291,11 +291,11 @@ def bare_worker(cfg, clock: StepClock, cuda: bool, toolkit_optimizer: bool) -> L
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from torch.utils.data import DataLoader
 
-    from bridge_hpc.training.data import MockGPTDataset
-    from bridge_hpc.training.gpt import gpt_model_provider
+    from bridge_hpc.training.datasets.builders import MockGPTDataset
+    from bridge_hpc.training.engine.collectives import reduce_loss_dicts
+    from bridge_hpc.training.engine.model import gpt_model_provider
     from bridge_hpc.training.losses import masked_token_loss
     from bridge_hpc.training.pretrain import megatron_ddp_config
-    from bridge_hpc.training.utils.train_utils import reduce_loss_dicts
 
     rank, world, local_rank = _world()
     if cuda:

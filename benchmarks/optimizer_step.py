@@ -104,7 +104,7 @@ def main() -> int:
 
     import megatron.core
 
-    from bridge_hpc.training.optimizer import FusedStep, TorchOptimizer, setup_optimizer
+    from bridge_hpc.training.engine.optimizer import FusedStep, TorchOptimizer, setup_optimizer
     from bridge_hpc.training.pretrain import set_random_seed, setup_model
 
     gpu = torch.cuda.is_available()

@@ -163,7 +163,7 @@ def wait_all(procs: List[subprocess.Popen], log: Path, timeout: float = 900) -> 
 
 
 def metrics(run_dir: Path) -> Dict[int, dict]:
-    from bridge_hpc.training.metrics import read_metrics
+    from bridge_hpc.training.engine.metrics import read_metrics
 
     return read_metrics(str(run_dir / "metrics.jsonl"))
 

@@ -50,8 +50,7 @@ from bridge_test_helpers import (  # noqa: E402
     wait_running_past,
 )
 
-from bridge_hpc.contracts.run_folder import CHECKPOINTS_DIR, METRICS_FILE, PROGRESS_FILE, tracked_iteration  # noqa: E402
-from bridge_hpc.report.progress import (  # noqa: E402
+from bridge_hpc.contracts.progress_log import (  # noqa: E402
     ENDING_JOB,
     FIRST_STEP,
     LOAD_SECONDS,
@@ -63,7 +62,8 @@ from bridge_hpc.report.progress import (  # noqa: E402
     STEPS_LOST,
     parse_progress,
 )
-from bridge_hpc.training.startup import parse_phases  # noqa: E402
+from bridge_hpc.contracts.run_folder import CHECKPOINTS_DIR, METRICS_FILE, PROGRESS_FILE, tracked_iteration  # noqa: E402
+from bridge_hpc.training.process.startup import parse_phases  # noqa: E402
 
 
 def startup_phases(runs) -> list:

@@ -73,7 +73,7 @@ from typing import Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bridge_hpc.data import prepare  # noqa: E402
+from bridge_hpc.prepare import shards as prepare  # noqa: E402
 from bridge_hpc.training.config import TokenizerConfig  # noqa: E402
 from bridge_hpc.training.tokenizers import build_tokenizer  # noqa: E402
 

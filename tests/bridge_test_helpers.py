@@ -31,7 +31,7 @@ import toml
 
 from bridge_hpc.contracts.run_folder import CHECKPOINTS_DIR, METRICS_FILE, RunFolder
 from bridge_hpc.slurm.query import TERMINAL_STATES
-from bridge_hpc.training.checkpoint_worker import WORKER_NAME
+from bridge_hpc.training.checkpoint.worker import WORKER_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "local-tiny.toml"

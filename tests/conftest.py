@@ -28,6 +28,7 @@ Slurm's ~120 s BeginTime hold.
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -149,3 +150,19 @@ def one_rank(monkeypatch, tmp_path):
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A 2600 KiB tmpfs: the first checkpoint of the tiny model (about 1.6 MB) fits, a second does not.
+    Skips where a tmpfs cannot be mounted (it needs root); unmounted afterwards."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

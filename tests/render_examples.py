@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bridge_hpc.launch.jobconfig import load_job_config  # noqa: E402
+from bridge_hpc.jobfile.jobconfig import load_job_config  # noqa: E402
 from bridge_hpc.launch.render import render_script  # noqa: E402
 
 SUBMIT_DIR = Path("/scratch/bridge")

@@ -44,11 +44,11 @@ from bridge_test_helpers import (
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.report.progress import CHECKPOINT_SAVE_FAILED, parse_events
-from bridge_hpc.training import checkpointing
-from bridge_hpc.training.checkpointing import find_latest_checkpoint, iteration_dir, verify_checkpoint
+from bridge_hpc.contracts.progress_log import CHECKPOINT_SAVE_FAILED, parse_events
+from bridge_hpc.training.checkpoint import checkpointing
+from bridge_hpc.training.checkpoint.checkpointing import find_latest_checkpoint, iteration_dir, verify_checkpoint
 from bridge_hpc.training.config import CheckpointConfig
-from bridge_hpc.training.metrics import read_metrics
+from bridge_hpc.training.engine.metrics import read_metrics
 
 ITERS = 40
 ASYNC = ("checkpoint.async_save=true", "logger.log_progress=true")
@@ -199,20 +199,6 @@ def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straigh
     _assert_same_training(job, straight, tmp_path)
     assert_no_process_left(os.path.dirname(job))
 
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 2600 KiB tmpfs: the first checkpoint of the tiny model (about 1.6 MB) fits, a second does not."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
-    try:
-        yield str(mount_point)
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_a_full_disk_fails_async_saves_until_the_run_stops(small_disk, tmp_path):

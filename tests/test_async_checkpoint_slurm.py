@@ -27,7 +27,7 @@ from bridge_test_helpers import (
     wait_running_past,
 )
 
-from bridge_hpc.report.progress import parse_progress
+from bridge_hpc.contracts.progress_log import parse_progress
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""The ranks' bytecode cache (bridge_hpc.training.bytecode_cache, ``[job] bytecode_cache``).
+"""The ranks' bytecode cache (bridge_hpc.training.process.bytecode_cache, ``[job] bytecode_cache``).
 
 Each case runs a fresh interpreter, as a rank starts, on a package made here without bytecode
 (standing in for a read-only torch install that came without it): with ``PYTHONDONTWRITEBYTECODE``
@@ -21,11 +21,11 @@ import pytest
 from bridge_test_helpers import TINY
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.launch.jobconfig import load_job_config
+from bridge_hpc.jobfile.jobconfig import load_job_config
 
 PROBE = textwrap.dedent("""
     import subprocess, sys
-    from bridge_hpc.training.bytecode_cache import ensure_bytecode_cache
+    from bridge_hpc.training.process.bytecode_cache import ensure_bytecode_cache
     print("in use:", ensure_bytecode_cache(sys.argv[1], packages=("nobytecode",)))
     import nobytecode.heavy
     child = "import nobytecode.heavy, sys; print('child prefix:', sys.pycache_prefix)"

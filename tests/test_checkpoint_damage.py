@@ -25,10 +25,10 @@ import pytest
 from bridge_test_helpers import descendants, free_port, tiny_checkpoints, tiny_job, tiny_run_dir
 
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.report.progress import parse_events
-from bridge_hpc.training import checkpointing
-from bridge_hpc.training.checkpointing import MANIFEST_FILE, TRACKER, iteration_dir, verify_checkpoint
-from bridge_hpc.training.metrics import read_metrics
+from bridge_hpc.contracts.progress_log import parse_events
+from bridge_hpc.training.checkpoint import checkpointing
+from bridge_hpc.training.checkpoint.checkpointing import MANIFEST_FILE, TRACKER, iteration_dir, verify_checkpoint
+from bridge_hpc.training.engine.metrics import read_metrics
 
 #: Checkpoints at 2, 4 and 6, all kept.
 SETTINGS = ("train.train_iters=6", "checkpoint.save_interval=2", "checkpoint.most_recent_k=-1",
@@ -198,20 +198,6 @@ def test_only_damaged_checkpoints_fail_clearly_and_keep_them(base, tmp_path):
                                                                                  "iter_0000004.damaged"]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 2600 KiB tmpfs: the first checkpoint of the tiny model (about 1.6 MB) fits, a second does not."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
-    try:
-        yield str(mount_point)
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
-
 
 def test_a_full_disk_during_a_save_ends_all_ranks_with_the_cause(straight, small_disk, tmp_path):
     job = tiny_job(tmp_path / "job")
@@ -230,7 +216,7 @@ def test_a_full_disk_during_a_save_ends_all_ranks_with_the_cause(straight, small
     assert sorted(n for n in os.listdir(ckpts) if n.startswith("iter_")) == ["iter_0000002"]
 
     # With space again, the run resumes from it and continues exactly.
-    subprocess.run(["mount", "-o", "remount,size=20m", small_disk], check=True)
+    subprocess.run(["mount", "-o", "remount,size=20m", str(small_disk)], check=True)
     result = _ok(_run(job, *SETTINGS, f'checkpoint.save="{ckpts}"'))
     assert f"loaded checkpoint {iteration_dir(ckpts, 2)} (iteration 2)" in result.stdout
     metrics = read_metrics(os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE))

@@ -1,4 +1,4 @@
-"""The checkpoint read ahead at launch (bridge_hpc.training.checkpoint_read_ahead).
+"""The checkpoint read ahead at launch (bridge_hpc.training.checkpoint.read_ahead).
 
 A real checkpoint of the tiny GPT (one rank, started as srun starts a task) is evicted from the page
 cache (``POSIX_FADV_DONTNEED``, the state a requeued job finds on a new node); the read-ahead then
@@ -21,8 +21,8 @@ import pytest
 from bridge_test_helpers import TINY, direct_rank_env, evict_from_page_cache
 
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.training import checkpoint_read_ahead
-from bridge_hpc.training.checkpoint_read_ahead import checkpoint_files, start_read_ahead, tracked_checkpoint
+from bridge_hpc.training.checkpoint import read_ahead as checkpoint_read_ahead
+from bridge_hpc.training.checkpoint.read_ahead import checkpoint_files, start_read_ahead, tracked_checkpoint
 
 
 def _resident_fraction(path: str) -> float:

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
 
     import torch.distributed as dist
 
-    from bridge_hpc.training.async_checkpoint import AsyncCheckpointWriter, CheckpointWorkerDied, PendingSave
+    from bridge_hpc.training.checkpoint.async_writer import AsyncCheckpointWriter, CheckpointWorkerDied, PendingSave
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%(port)d", rank=0, world_size=1)
     writer = AsyncCheckpointWriter(("SIGUSR1",), on_gpu=False).start()

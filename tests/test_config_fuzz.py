@@ -43,7 +43,7 @@ import toml
 
 from bridge_hpc.cli.submit import main as submit_main
 from bridge_hpc.contracts.text import one_line
-from bridge_hpc.launch.jobconfig import dump_resolved, load_job_config
+from bridge_hpc.jobfile.jobconfig import dump_resolved, load_job_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = 9  # issue 9

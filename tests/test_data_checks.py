@@ -21,8 +21,8 @@ import toml
 from bridge_test_helpers import MINIMAL_TRAINING, submit_cli
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.training import config as training_config
 from bridge_hpc.training.config import ConfigContainer
+from bridge_hpc.training.datasets import config as training_config
 
 BYTE_LEVEL = {"tokenizer_type": "ByteLevelTokenizer"}
 
@@ -385,7 +385,7 @@ def _tokenizer():
 def test_rank_side_reader_refuses_a_lone_surrogate_naming_file_line_and_key(tmp_path):
     """The file may change after submission: the ranks index every record again and refuse it there, as a
     ConfigError (exit 2 on every rank), not the tokenizer's UnicodeEncodeError at the step that reads it."""
-    from bridge_hpc.training.data import FinetuningDataset
+    from bridge_hpc.training.datasets.builders import FinetuningDataset
 
     path = tmp_path / "training.jsonl"
     path.write_text('{"input": "a", "output": "b"}\n\n' + LONE_SURROGATE + "\n")
@@ -398,7 +398,7 @@ def test_rank_side_reader_refuses_a_lone_surrogate_naming_file_line_and_key(tmp_
 
 
 def test_rank_side_reader_refuses_a_record_changed_after_it_was_indexed(tmp_path):
-    from bridge_hpc.training.data import FinetuningDataset
+    from bridge_hpc.training.datasets.builders import FinetuningDataset
 
     path = tmp_path / "training.jsonl"
     _write_jsonl(path, [{"input": "aa", "output": "b"}, {"input": "cc", "output": "d"}])

@@ -1,7 +1,7 @@
 """Indexed data on megatron-core's GPTDataset / BlendedMegatronDatasetBuilder, and Bridge's GPT step and loss.
 
 The corpus is standard-library docstrings (text already on the machine), prepared by
-``bridge_hpc.data.prepare`` with the byte-level tokenizer into two datasets that are blended. Samples are
+``bridge_hpc.prepare.shards`` with the byte-level tokenizer into two datasets that are blended. Samples are
 compared with tokenizing the source text directly, following megatron-core's own document, sample and
 shuffle indices. One test runs this file under torchrun with 2 ranks (gloo) to check that iterators
 stopped at a number of consumed samples and rebuilt resume with bitwise the same batches. Bad input is a
@@ -57,7 +57,7 @@ def _tokenizer():
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Dict[str, List[List[int]]]:
     """Two prepared datasets: prefix -> the token ids (+ EOD) of its documents, from the source text."""
-    from bridge_hpc.data.prepare import prepare_local
+    from bridge_hpc.prepare.shards import prepare_local
 
     folder = tmp_path_factory.mktemp("corpus")
     docs = _docs()
@@ -101,7 +101,7 @@ def _blend(corpus) -> list:
 
 def _built(tmp_path: Path, dataset: dict, world_size: int = 1):
     """(cfg, tokenizer, (train, valid, test)) the way pretrain builds them."""
-    from bridge_hpc.training.data import build_datasets
+    from bridge_hpc.training.datasets.builders import build_datasets
     from bridge_hpc.training.tokenizers import build_tokenizer_for
 
     cfg = ConfigContainer.from_sections(_sections(tmp_path, dataset), source="job.toml")
@@ -206,7 +206,7 @@ def _two_rank_main(workdir: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from bridge_hpc.training.data import build_data_iterator
+    from bridge_hpc.training.datasets.builders import build_data_iterator
 
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
@@ -376,7 +376,8 @@ def test_masked_token_loss_matches_a_hand_computation_with_masked_prompt():
 
 
 def test_forward_step_importable_from_both_paths_and_passes_the_mask():
-    from bridge_hpc.training import gpt, gpt_step, losses
+    from bridge_hpc.training import gpt_step, losses
+    from bridge_hpc.training.engine import model as gpt
     from bridge_hpc.training.state import GlobalState
 
     assert gpt.forward_step is gpt_step.forward_step and gpt.get_batch is gpt_step.get_batch
@@ -400,7 +401,7 @@ def test_sdpa_attention_honours_an_explicit_mask_under_causal_type():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from bridge_hpc.training.gpt import SDPACoreAttention
+    from bridge_hpc.training.engine.model import SDPACoreAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
                                attention_dropout=0.0)
@@ -424,7 +425,7 @@ def test_submission_records_input_paths_absolute_and_the_cache_in_the_run_folder
     from bridge_test_helpers import MINIMAL_TRAINING, submit_cli
 
     from bridge_hpc.contracts.run_folder import DATASET_CACHE_DIR
-    from bridge_hpc.launch.jobconfig import load_job_config
+    from bridge_hpc.jobfile.jobconfig import load_job_config
 
     prefixes = sorted(corpus)
     folder = Path(prefixes[0]).parent

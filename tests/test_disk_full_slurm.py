@@ -15,7 +15,7 @@ from bridge_test_helpers import drive, log_text, sacct_runs, submit
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.slurm.query import job_runs, parse_slurm_duration
-from bridge_hpc.training.checkpointing import iteration_dir, verify_checkpoint
+from bridge_hpc.training.checkpoint.checkpointing import iteration_dir, verify_checkpoint
 
 pytestmark = [pytest.mark.slurm]
 
@@ -24,19 +24,6 @@ pytestmark = [pytest.mark.slurm]
 TIME_LIMIT_S = 600
 ENDS_WITHIN_S = 120
 
-
-@pytest.fixture
-def small_disk(tmp_path):
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_a_full_disk_during_a_save_ends_the_job_with_the_cause_and_keeps_the_last_checkpoint(slurm_cluster, tmp_path,

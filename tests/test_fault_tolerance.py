@@ -1,5 +1,5 @@
 """Fault tolerance (nvidia-resiliency-ext) on CPU: ft_launcher with 2 gloo ranks of a tiny loop
-(tests/data/ft_worker.py) that uses bridge_hpc.training.fault_tolerance.FaultTolerance; and the CPU
+(tests/data/ft_worker.py) that uses bridge_hpc.training.resilience.fault_tolerance.FaultTolerance; and the CPU
 straggler detector (tests/data/straggler_worker.py).
 
 Every process is started in its own session and stopped by its own PID / process group id."""
@@ -156,7 +156,7 @@ def test_shell_join_and_slurm_endpoint():
 
 
 def test_inactive_without_launcher_and_state_round_trip(monkeypatch, tmp_path):
-    from bridge_hpc.training.fault_tolerance import FaultTolerance
+    from bridge_hpc.training.resilience.fault_tolerance import FaultTolerance
 
     monkeypatch.delenv("FT_RANK_MONITOR_IPC_SOCKET", raising=False)
     ft = FaultTolerance(FaultToleranceConfig(enable_ft_package=True, calc_ft_timeouts=True), str(tmp_path))
@@ -266,7 +266,7 @@ def test_steptime_individual_score_is_against_the_usual_step_not_the_luckiest():
     # make every later window of a healthy rank look slow; one slow window alone (a spike) is only
     # suspected; a slow-down that lasts two reports is flagged
     from bridge_hpc.training.config import NVRxStragglerDetectionConfig
-    from bridge_hpc.training.straggler import STEPTIME_CONFIRM_REPORTS, StragglerDetector
+    from bridge_hpc.training.resilience.straggler import STEPTIME_CONFIRM_REPORTS, StragglerDetector
 
     assert STEPTIME_CONFIRM_REPORTS == 2
     det = StragglerDetector(NVRxStragglerDetectionConfig(enabled=True), backend="steptime", interval_steps=4)
@@ -295,7 +295,7 @@ def test_steptime_flags_the_slow_rank_not_the_ranks_waiting_for_it():
     # rank 0's view of 2 ranks (the all_gather scripted): rank 1 becomes 4x slower; rank 0's own
     # steps look 1.5x slower too (its share of the waiting), below the individual threshold alone
     from bridge_hpc.training.config import NVRxStragglerDetectionConfig
-    from bridge_hpc.training.straggler import StragglerDetector
+    from bridge_hpc.training.resilience.straggler import StragglerDetector
 
     det = StragglerDetector(NVRxStragglerDetectionConfig(enabled=True), backend="steptime", interval_steps=1)
     det.setup()

@@ -30,7 +30,7 @@ from bridge_hpc.training.config import (
     FinetuningDatasetConfig,
     TokenizerConfig,
 )
-from bridge_hpc.training.metrics import read_metrics
+from bridge_hpc.training.engine.metrics import read_metrics
 
 #: The tiny GPT of tests/data/tiny.toml, its vocabulary from the byte-level tokenizer (258 -> 384).
 COMMON = """
@@ -286,7 +286,7 @@ def test_bad_finetuning_config_names_the_key(tmp_path, dataset, tokenizer, key, 
     ('{"input": "a", "output": 7}', "dataset.answer_key", "line 3 has field 'output' of type int"),
 ])
 def test_bad_jsonl_line_names_file_and_line(tmp_path, line, key, expect):
-    from bridge_hpc.training.data import FinetuningDataset
+    from bridge_hpc.training.datasets.builders import FinetuningDataset
 
     path = tmp_path / "training.jsonl"
     path.write_text('{"input": "a", "output": "b"}\n\n' + line + "\n")
@@ -304,7 +304,7 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, line, key, expect):
 
 
 def _dataset(tmp_path: Path, records, seq_length: int = 32, **kwargs):
-    from bridge_hpc.training.data import FinetuningDataset
+    from bridge_hpc.training.datasets.builders import FinetuningDataset
 
     path = tmp_path / "training.jsonl"
     _write_jsonl(path, records)
@@ -347,7 +347,7 @@ def test_masked_token_loss_on_a_finetuning_batch_matches_a_hand_computation(tmp_
 
 
 def _iterator(ds, consumed: int, dataloader_type: str):
-    from bridge_hpc.training.data import SampleIterator
+    from bridge_hpc.training.datasets.builders import SampleIterator
 
     return SampleIterator(ds, consumed, 2, 0, 1, DataloaderConfig(dataloader_type=dataloader_type, num_workers=0,
                                                                   pin_memory=False), seed=1, global_batch_size=8)

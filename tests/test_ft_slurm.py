@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from bridge_test_helpers import FAULTY_FORWARD_STEP, drive, job_story, log_text, losses, reference_run, sacct_runs, submit_cli
 
-from bridge_hpc.report.progress import RESTART, parse_progress
+from bridge_hpc.contracts.progress_log import RESTART, parse_progress
 
 pytest.importorskip("nvidia_resiliency_ext.fault_tolerance")
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -10,7 +10,7 @@ import pytest
 from bridge_test_helpers import MINIMAL_TRAINING
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.launch.jobconfig import load_job_config
+from bridge_hpc.jobfile.jobconfig import load_job_config
 from bridge_hpc.launch.render import render_script
 from bridge_hpc.training.config import ConfigContainer, InProcessRestartConfig
 
@@ -62,7 +62,7 @@ def test_job_without_ft_keeps_the_plain_srun(tmp_path):
 
 def test_inprocess_restart_gives_a_clear_message_where_unsupported():
     pytest.importorskip("torch")
-    from bridge_hpc.training.inprocess_restart import maybe_wrap_for_inprocess_restart, unsupported_reason
+    from bridge_hpc.training.resilience.inprocess_restart import maybe_wrap_for_inprocess_restart, unsupported_reason
 
     fn = object()
     assert maybe_wrap_for_inprocess_restart(fn, InProcessRestartConfig(enabled=False)) == (fn, None)
@@ -75,7 +75,7 @@ def test_inprocess_restart_gives_a_clear_message_where_unsupported():
 
 def test_run_restart_count_counts_every_run_of_the_job(tmp_path):
     pytest.importorskip("megatron.core")
-    from bridge_hpc.report.progress import ProgressLog
+    from bridge_hpc.contracts.progress_log import ProgressLog
     from bridge_hpc.training.pretrain import run_restart_count
 
     path = str(tmp_path / "progress.txt")

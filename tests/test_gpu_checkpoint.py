@@ -45,10 +45,10 @@ from bridge_test_helpers import (
 )
 
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.report.progress import CHECKPOINT_SAVE_FAILED, parse_events, parse_progress
-from bridge_hpc.training import checkpointing
-from bridge_hpc.training.checkpointing import find_latest_checkpoint, verify_checkpoint
-from bridge_hpc.training.metrics import read_metrics
+from bridge_hpc.contracts.progress_log import CHECKPOINT_SAVE_FAILED, parse_events, parse_progress
+from bridge_hpc.training.checkpoint import checkpointing
+from bridge_hpc.training.checkpoint.checkpointing import find_latest_checkpoint, verify_checkpoint
+from bridge_hpc.training.engine.metrics import read_metrics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -27,7 +27,7 @@ import torch
 from bridge_test_helpers import direct_rank_env, free_port, kill_tree, tiny_job, tiny_run_dir
 
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.training.metrics import read_metrics
+from bridge_hpc.training.engine.metrics import read_metrics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -143,7 +143,7 @@ def test_a_replayed_steps_loss_is_checked_after_the_replay(one_rank):
     import torch.distributed as dist
 
     from bridge_hpc.training.config import ConfigContainer
-    from bridge_hpc.training.cuda_graphs import FullIterationCudaGraph, run_on_the_capture_stream
+    from bridge_hpc.training.engine.cuda_graphs import FullIterationCudaGraph, run_on_the_capture_stream
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import tensor_parallel

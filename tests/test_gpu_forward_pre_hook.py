@@ -45,7 +45,7 @@ def _run_worker(mode: str, out: Path, timeout: float = 300) -> dict:
 
 
 def test_saves_with_overlapped_param_gather_leave_training_unchanged(tmp_path):
-    from bridge_hpc.report.progress import parse_events
+    from bridge_hpc.contracts.progress_log import parse_events
 
     saving = _run_worker("save", tmp_path / "save")
     reference = _run_worker("nosave", tmp_path / "nosave")
@@ -78,7 +78,8 @@ def test_saves_with_overlapped_param_gather_leave_training_unchanged(tmp_path):
 
 def _worker(mode: str, out: str) -> dict:
     sys.path.insert(0, str(ROOT))
-    from bridge_hpc.training import checkpointing, gpt
+    from bridge_hpc.training.checkpoint import checkpointing
+    from bridge_hpc.training.engine import model as gpt
     from bridge_hpc.training.pretrain import pretrain
     from bridge_hpc.training.run import build_config
 

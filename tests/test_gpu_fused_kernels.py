@@ -1,4 +1,4 @@
-"""The toolkit's fused kernels (``model.fused_kernels``, :mod:`bridge_hpc.training.fused_kernels`) on one
+"""The toolkit's fused kernels (``model.fused_kernels``, :mod:`bridge_hpc.training.engine.fused_kernels`) on one
 GPU; skipped without CUDA.
 
 * Cross entropy: losses and logit gradients against an fp32 reference, with the vocabulary longer than
@@ -26,7 +26,7 @@ import torch
 from bridge_test_helpers import direct_rank_env, free_port, kill_tree, tiny_job, tiny_run_dir
 
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.training.metrics import read_metrics
+from bridge_hpc.training.engine.metrics import read_metrics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -56,7 +56,7 @@ def _losses(job: str) -> dict:
 
 
 def test_cross_entropy_matches_an_fp32_reference():
-    from bridge_hpc.training.fused_kernels import CE_BLOCK, vocab_parallel_cross_entropy
+    from bridge_hpc.training.engine.fused_kernels import CE_BLOCK, vocab_parallel_cross_entropy
 
     torch.manual_seed(0)
     vocab = CE_BLOCK + 1000  # two passes of the kernel's loop, the second one partly masked
@@ -79,7 +79,7 @@ def test_cross_entropy_matches_an_fp32_reference():
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_norms_are_as_close_to_fp32_as_torchs_own(normalization):
-    from bridge_hpc.training.fused_kernels import TritonNorm
+    from bridge_hpc.training.engine.fused_kernels import TritonNorm
 
     class Config:
         params_dtype = torch.bfloat16
@@ -122,7 +122,7 @@ def test_norms_are_as_close_to_fp32_as_torchs_own(normalization):
 
 
 def test_linear_with_its_bias_in_the_matrix_multiply():
-    from bridge_hpc.training.fused_kernels import _LinearWithBias
+    from bridge_hpc.training.engine.fused_kernels import _LinearWithBias
 
     torch.manual_seed(0)
     x = torch.randn(256, 2, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -67,7 +67,7 @@ def _cfg(fused: bool, layers: int = 2, hidden: int = 128, clip_grad: float = 1.0
 
 
 def _build(cfg, seed: int = 0):
-    from bridge_hpc.training.optimizer import setup_optimizer
+    from bridge_hpc.training.engine.optimizer import setup_optimizer
     from bridge_hpc.training.pretrain import set_random_seed, setup_model, setup_scheduler
 
     set_random_seed(seed)
@@ -110,7 +110,7 @@ def test_fused_step_matches_megatron_default_within_rounding(one_gpu):
     """The same Adam math: on the same seeded gradients the two paths' fp32 main params agree to
     rounding (operation order only); in real training (bf16 forward, which amplifies any rounding
     difference step after step) the losses agree to 1e-3."""
-    from bridge_hpc.training.optimizer import FusedStep
+    from bridge_hpc.training.engine.optimizer import FusedStep
 
     runs, trained = {}, {}
     for fused in (False, True):
@@ -181,7 +181,7 @@ def test_fused_step_resumes_bitwise(one_gpu, tmp_path):
 
 def test_print_step_timing(one_gpu):
     """Not a pass/fail figure: ms per optimizer step on a 24 x 512 GPT (about 90 M parameters)."""
-    from bridge_hpc.training.optimizer import FusedStep
+    from bridge_hpc.training.engine.optimizer import FusedStep
 
     results = {}
     for fused in (False, True):

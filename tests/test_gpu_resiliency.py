@@ -30,7 +30,7 @@ def run_worker(mode: str, out: Path, timeout: float = 300) -> dict:
 
 
 def test_nvrx_straggler_backend_reports_kernel_scores(tmp_path):
-    from bridge_hpc.training.straggler import nvrx_straggler_module
+    from bridge_hpc.training.resilience.straggler import nvrx_straggler_module
 
     if nvrx_straggler_module() is None:
         pytest.skip("the installed nvidia-resiliency-ext has no straggler module")
@@ -47,7 +47,7 @@ def test_nvrx_straggler_backend_reports_kernel_scores(tmp_path):
 def test_nvrx_straggler_flags_the_rank_on_a_shared_gpu(tmp_path):
     """2 ranks, one GPU each; a second process keeps GPU 1 busy, so rank 1's kernels run slower. The
     first report must flag rank 1 (relative score) and both ranks must stop at the same iteration."""
-    from bridge_hpc.training.straggler import nvrx_straggler_module
+    from bridge_hpc.training.resilience.straggler import nvrx_straggler_module
 
     if nvrx_straggler_module() is None:
         pytest.skip("the installed nvidia-resiliency-ext has no straggler module")
@@ -84,7 +84,7 @@ def test_nvrx_straggler_flags_the_rank_on_a_shared_gpu(tmp_path):
 
 
 def test_inprocess_restart_resumes_in_the_same_process(tmp_path):
-    from bridge_hpc.training.inprocess_restart import unsupported_reason
+    from bridge_hpc.training.resilience.inprocess_restart import unsupported_reason
 
     reason = unsupported_reason()
     if reason is not None:
@@ -97,7 +97,7 @@ def test_inprocess_restart_resumes_in_the_same_process(tmp_path):
     got, want = losses(faulty), losses(reference)
     assert sorted(got) == list(range(1, 21))
     assert (faulty / "checkpoints" / "iter_0000020").is_dir()
-    from bridge_hpc.report.progress import parse_progress
+    from bridge_hpc.contracts.progress_log import parse_progress
 
     runs = parse_progress(str(faulty / "checkpoints" / "progress.txt"))
     assert len(runs) == 2 and int(runs[1].last("Loaded checkpoint").fields["Iteration"]) == 10

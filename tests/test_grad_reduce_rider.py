@@ -21,8 +21,8 @@ def _model(seed: int) -> torch.nn.Module:
 def _ranks(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from bridge_hpc.training.grad_reduce_rider import GradReduceRider
-    from bridge_hpc.training.utils.train_utils import reduce_loss_dicts_and_flags
+    from bridge_hpc.training.engine.collectives import reduce_loss_dicts_and_flags
+    from bridge_hpc.training.engine.grad_reduce_rider import GradReduceRider
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

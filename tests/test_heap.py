@@ -1,11 +1,11 @@
-"""bridge_hpc.training.heap: what each freeze covers, and that the process gets its collector back."""
+"""bridge_hpc.training.process.heap: what each freeze covers, and that the process gets its collector back."""
 
 import gc
 import weakref
 
 import pytest
 
-from bridge_hpc.training import heap
+from bridge_hpc.training.process import heap
 
 
 class _Cycle:

@@ -20,7 +20,7 @@ import toml
 from bridge_test_helpers import MINIMAL_TRAINING, MINIMAL_TRAINING_TOML, submit_cli
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.launch.jobconfig import load_job_config
+from bridge_hpc.jobfile.jobconfig import load_job_config
 from bridge_hpc.launch.render import render_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,8 +139,8 @@ def test_forward_step_file_is_written_absolute_and_loads_on_the_ranks(tmp_path: 
     assert load_forward_step(cfg.job.forward_step)(None, None, None) == "mine"
     import importlib
 
-    gpt = importlib.import_module("bridge_hpc.training.gpt")  # (it may re-export the step from another module)
-    assert load_forward_step("bridge_hpc.training.gpt:forward_step") is gpt.forward_step
+    gpt = importlib.import_module("bridge_hpc.training.engine.model")  # (it may re-export the step from another module)
+    assert load_forward_step("bridge_hpc.training.engine.model:forward_step") is gpt.forward_step
     with pytest.raises(ConfigError, match="has no function 'other'") as err:
         load_forward_step(f"{tmp_path / 'steps' / 'mine.py'}:other", source="job.toml")
     assert err.value.key == "job.forward_step" and err.value.path == "job.toml"
@@ -236,7 +236,7 @@ def test_secrets_are_named_never_written(tmp_path: Path):
     assert "s3cr3t-value" not in result.stdout
     assert 'export API_KEY="${MY_SECRET_TOKEN}"' in result.stdout
     cfg = load_job_config(tmp_path / "job.toml", cwd=tmp_path)
-    from bridge_hpc.launch.jobconfig import dump_resolved
+    from bridge_hpc.jobfile.jobconfig import dump_resolved
     assert "s3cr3t-value" not in dump_resolved(cfg)
 
 

@@ -1,8 +1,12 @@
-"""The package's sides and their dependency direction, read from the source (no imports run).
+"""The package's floors and their dependency direction, read from the source (no imports run).
 
-cli -> launch / report / local_slurm -> slurm -> contracts, and training -> slurm -> contracts;
-cli -> data -> the torch-free training config and tokenizer builder (bridge-prepare-data);
-contracts imports nothing of ours; the login side imports no torch at module level; no cycles.
+Floors, lowest first: contracts (stdlib only; every side reads its file formats and names) ->
+slurm, jobfile -> the login side (launch, report, local_slurm, prepare, cli) and the rank side
+(training). A module imports only from its own floor or the floors its rules list: contracts and
+jobfile import no side (jobfile reads only the torch-free training configs it validates against);
+the login side never imports torch or the training package, except the torch-free configs and the
+tokenizer builder; training never imports launch, report or cli. No import cycle, counting imports
+inside functions too, and no package module over :data:`MAX_MODULE_LINES` lines.
 """
 
 from __future__ import annotations
@@ -14,24 +18,33 @@ from typing import Dict, Set
 
 PACKAGE = Path(__file__).resolve().parent.parent / "bridge_hpc"
 
-#: side -> the sides it may import (besides itself). launch may read the torch-free training config.
+#: The training modules the login side (and jobfile) may import: torch-free at module level. The
+#: seed config re-exports the sections that live beside their components; each is listed.
+TORCH_FREE_TRAINING = (
+    "bridge_hpc.training", "bridge_hpc.training.config", "bridge_hpc.training.mixed_precision",
+    "bridge_hpc.training.comm_overlap", "bridge_hpc.training.datasets", "bridge_hpc.training.datasets.config",
+    "bridge_hpc.training.engine", "bridge_hpc.training.engine.config", "bridge_hpc.training.resilience",
+    "bridge_hpc.training.resilience.config", "bridge_hpc.training.tokenizers",
+    "bridge_hpc.training.tokenizers.config",
+)
+#: side -> the sides it may import (besides itself); "training" means only TORCH_FREE_TRAINING for
+#: the sides in LOGIN_SIDE and jobfile.
 ALLOWED = {
     "contracts": set(),
     "slurm": {"contracts"},
-    "training": {"contracts", "slurm", "report", "launch"},
-    "launch": {"contracts", "slurm", "training"},
+    "jobfile": {"contracts", "training"},
+    "training": {"contracts", "slurm", "jobfile"},
+    "launch": {"contracts", "slurm", "jobfile", "training"},
     "report": {"contracts"},
     "local_slurm": {"contracts"},
-    "cli": {"contracts", "slurm", "launch", "report", "local_slurm", "data", "training"},
-    "data": {"contracts", "training"},
+    "prepare": {"contracts", "training"},
+    "cli": {"contracts", "slurm", "jobfile", "launch", "report", "local_slurm", "prepare", "training"},
 }
-#: Modules the login node imports; each may import torch only inside functions (the ranks' code).
-TORCH_FREE = ("contracts", "launch", "slurm", "report", "local_slurm", "cli", "data", "training.config",
-              "training.signal_recorder", "training.tokenizers", "training.mixed_precision", "training.comm_overlap")
-
-
-#: The training modules that data preparation (cli, data) may import: torch-free at module level.
-TORCH_FREE_TRAINING = ("bridge_hpc.training.config", "bridge_hpc.training.tokenizers")
+#: Sides that run on the login node (or in a batch script before the ranks): no torch at module level,
+#: and of the training package only TORCH_FREE_TRAINING.
+LOGIN_SIDE = ("contracts", "slurm", "jobfile", "launch", "report", "local_slurm", "prepare", "cli")
+#: No module of the package is longer: a longer one holds several kinds of thing.
+MAX_MODULE_LINES = 1000
 
 
 def module_name(path: Path) -> str:
@@ -76,38 +89,75 @@ def test_each_side_imports_only_what_its_rules_allow():
             theirs = side(dep)
             if theirs and theirs != mine and theirs not in ALLOWED[mine]:
                 wrong.append(f"{module} -> {dep}")
-            if mine == "launch" and theirs == "training" and dep not in ("bridge_hpc.training.config",):
-                wrong.append(f"{module} -> {dep} (the login side reads only the torch-free training config)")
-            if mine in ("cli", "data") and theirs == "training" and dep not in TORCH_FREE_TRAINING:
-                wrong.append(f"{module} -> {dep} (data preparation reads only the torch-free training config "
-                             "and tokenizer builder)")
+            if mine in LOGIN_SIDE and theirs == "training" and dep not in TORCH_FREE_TRAINING:
+                wrong.append(f"{module} -> {dep} (the login side reads only the torch-free training configs and "
+                             "tokenizer builder)")
     assert not wrong, wrong
 
 
-def test_no_import_cycle_at_module_level():
-    deps = graph(top_level_only=True)
+def find_cycle(deps: Dict[str, Set[str]]) -> list:
+    """One import cycle of ``deps`` (module -> modules it imports) as a path, or []."""
     state: Dict[str, int] = {}
 
-    def visit(node: str, stack: list) -> None:
+    def visit(node: str, stack: list) -> list:
         state[node] = 1
-        for nxt in deps.get(node, ()):
+        for nxt in sorted(deps.get(node, ())):
             if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+                return stack[stack.index(nxt):] + [nxt]
             if nxt not in state:
-                visit(nxt, stack + [nxt])
+                found = visit(nxt, stack + [nxt])
+                if found:
+                    return found
         state[node] = 2
+        return []
 
     for node in sorted(deps):
         if node not in state:
-            visit(node, [node])
+            found = visit(node, [node])
+            if found:
+                return found
+    return []
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    cycle = find_cycle(graph(top_level_only=False))
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_rules_fail_on_a_breach():
+    """The checks above can fail: a cycle and a forbidden edge, added to the real graph, are found."""
+    deps = graph(top_level_only=False)
+    assert find_cycle({**deps, "bridge_hpc.contracts.errors": {"bridge_hpc.training.config"}})
+    mine, theirs = "bridge_hpc.launch.render", "bridge_hpc.training.pretrain"
+    assert side(theirs) in ALLOWED[side(mine)] and theirs not in TORCH_FREE_TRAINING  # refused by the login rule
+    assert "training" not in ALLOWED["contracts"] and "launch" not in ALLOWED["training"]
+
+
+def test_no_module_is_a_hub():
+    long = {module_name(p): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def test_training_top_level_holds_the_seed_modules_and_the_subpackages():
+    """Megatron Bridge's module paths at the top of training/, every other kind of thing in a room."""
+    seeds = {"__init__", "config", "pretrain", "finetune", "train", "state", "gpt_step", "losses", "mixed_precision",
+             "comm_overlap", "profiling", "forward_step_func_types", "run"}
+    rooms = {"tokenizers", "utils", "datasets", "checkpoint", "resilience", "engine", "process"}
+    top = PACKAGE / "training"
+    modules = {p.stem for p in top.glob("*.py")}
+    folders = {p.name for p in top.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert modules == seeds and folders == rooms, (modules ^ seeds, folders ^ rooms)
 
 
 def test_login_side_modules_import_no_torch_at_module_level():
+    """The login side and the training modules it reads import torch (megatron, ...) only inside the
+    functions the ranks call."""
     heavy = ("torch", "megatron", "nvidia_resiliency_ext", "numpy")
     wrong = []
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
-        if not any(name == f"bridge_hpc.{p}" or name.startswith(f"bridge_hpc.{p}.") for p in TORCH_FREE):
+        if side(name) not in LOGIN_SIDE and name not in TORCH_FREE_TRAINING:
             continue
         for imported in imports(path, top_level_only=True):
             if imported.split(".")[0] in heavy:

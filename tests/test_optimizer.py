@@ -24,7 +24,7 @@ from bridge_hpc.training.config import (
     OptimizerConfigOverrideProvider,
     OptimizerConfigOverrideProviderContext,
 )
-from bridge_hpc.training.optimizer import TorchOptimizer, param_name, setup_optimizer
+from bridge_hpc.training.engine.optimizer import TorchOptimizer, param_name, setup_optimizer
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from bridge_test_helpers import TINY, direct_rank_env, free_port, run_gloo_ranks
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import GPTModelConfig
-from bridge_hpc.training.data import PositionIterator
-from bridge_hpc.training.parallel import ChunkViews
+from bridge_hpc.training.datasets.builders import PositionIterator
+from bridge_hpc.training.engine.parallel import ChunkViews
 
 
 def test_chunk_views_read_each_micro_batch_once_in_order_for_every_chunk():
@@ -80,7 +80,7 @@ def test_what_only_transformer_engine_does_is_refused_on_a_rank_without_it(sizes
     """transformer_impl = "transformer_engine" passes the login-side check; a rank without Transformer
     Engine (or without CUDA, as here) would build megatron-core's local layers, whose torch LayerNorm
     asserts on a split sequence (a traceback on an H200): it names the key instead."""
-    from bridge_hpc.training.gpt import _layer_spec
+    from bridge_hpc.training.engine.model import _layer_spec
 
     cfg = GPTModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
                          transformer_impl="transformer_engine", **sizes)
@@ -113,7 +113,7 @@ def _two_ranks(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from bridge_hpc.training import parallel
+    from bridge_hpc.training.engine import parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -159,7 +159,7 @@ def test_distributed_optimizer_load_keeps_torch_adams_step():
 
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from bridge_hpc.training.checkpointing import _torch_adam_step_kept
+    from bridge_hpc.training.checkpoint.checkpointing import _torch_adam_step_kept
 
     main, model_param = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
     adam = torch.optim.Adam([main])

@@ -98,7 +98,7 @@ def test_output_equals_direct_tokenization_with_eod_and_manifest(tmp_path, corpu
         assert shard["source"]["size"] == source.stat().st_size
         assert len(shard["source"]["sha256"]) == 64
         files = shard["outputs"]["text"]
-        from bridge_hpc.data.prepare import _sha256_file
+        from bridge_hpc.prepare.shards import _sha256_file
 
         assert files["bin_sha256"] == _sha256_file(Path(files["prefix"] + ".bin"))
         assert files["idx_bytes"] == os.path.getsize(files["prefix"] + ".idx")
@@ -286,7 +286,7 @@ def test_block_writer_is_byte_identical_to_add_document_per_document(tmp_path, d
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-    from bridge_hpc.data.prepare import DatasetWriter, _sha256_file
+    from bridge_hpc.prepare.shards import DatasetWriter, _sha256_file
 
     dtype = getattr(np, dtype_name)
     rng = np.random.default_rng(0)
@@ -317,7 +317,7 @@ def test_shards_cut_in_many_blocks_equal_add_document_per_document(tmp_path, cor
     without a newline are read as lines."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    from bridge_hpc.data import prepare
+    from bridge_hpc.prepare import shards as prepare
 
     monkeypatch.setattr(prepare, "BLOCK_BYTES", 100)
     prefix = tmp_path / "out" / "c"

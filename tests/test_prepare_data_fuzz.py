@@ -38,7 +38,7 @@ from test_prepare_data import byte_level, expected, read_back
 
 from bridge_hpc.cli.prepare_data import main
 from bridge_hpc.contracts.text import one_line
-from bridge_hpc.data import prepare
+from bridge_hpc.prepare import shards as prepare
 
 SEED = 25  # issue 25
 VARIANTS = 600

@@ -23,7 +23,7 @@ from bridge_test_helpers import MINIMAL_TRAINING_TOML, ROOT
 from test_prepare_data import BYTE_LEVEL, byte_level, expected, read_back, run, write_lines
 
 from bridge_hpc.cli.prepare_data import EXIT_INTERRUPTED, main
-from bridge_hpc.data import prepare
+from bridge_hpc.prepare import shards as prepare
 
 ROUNDS = 20
 
@@ -92,7 +92,7 @@ def test_two_concurrent_prepares_on_one_prefix_one_writes_the_other_is_refused(t
 
 def test_a_held_prefix_names_its_holder(tmp_path, capsys):
     """The refusal says who holds the prefix (the lock taken as a local run takes it)."""
-    from bridge_hpc.data.prefix_lock import hold_prefix
+    from bridge_hpc.prepare.prefix_lock import hold_prefix
 
     path = jsonl(tmp_path / "a.jsonl", ["some text"])
     prefix = tmp_path / "o"
@@ -202,7 +202,7 @@ def test_hostile_output_prefix_is_refused_before_anything_is_submitted(tmp_path,
 def test_the_renderer_refuses_a_control_character_whatever_let_it_through(tmp_path):
     """The last guard: a value with a newline never becomes a line of a batch script."""
     from bridge_hpc.contracts.errors import ConfigError
-    from bridge_hpc.launch.jobconfig import load_job_config
+    from bridge_hpc.jobfile.jobconfig import load_job_config
     from bridge_hpc.launch.render import render_prepare_script
 
     job = tmp_path / "job.toml"
@@ -350,7 +350,7 @@ def test_the_printed_dataset_lines_keep_held_out_inputs_out_of_training(tmp_path
     job = tmp_path / "job.toml"
     job.write_text(MINIMAL_TRAINING_TOML + out
                    + '[tokenizer]\ntokenizer_type = "ByteLevelTokenizer"\n')
-    from bridge_hpc.launch.jobconfig import load_job_config
+    from bridge_hpc.jobfile.jobconfig import load_job_config
 
     cfg = load_job_config(job, overrides=["dataset.split=1,0,0"] if "data_path" in keys else [], cwd=tmp_path)
     assert type(cfg.training.dataset).__name__ == "GPTDatasetConfig"

@@ -22,7 +22,8 @@ import toml
 from bridge_test_helpers import MINIMAL_TRAINING_TOML, ROOT
 from test_prepare_data import byte_level, documents, expected, read_back
 
-from bridge_hpc.data import prepare, slurm_plan
+from bridge_hpc.prepare import shards as prepare
+from bridge_hpc.prepare import slurm_plan
 
 pytestmark = pytest.mark.slurm
 

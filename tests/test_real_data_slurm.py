@@ -60,9 +60,9 @@ from bridge_test_helpers import (
     wait_running_past,
 )
 
+from bridge_hpc.contracts.progress_log import ENDING_JOB, LOADED_CHECKPOINT, parse_progress
 from bridge_hpc.contracts.run_folder import DATASET_CACHE_DIR, METRICS_FILE
-from bridge_hpc.report.progress import ENDING_JOB, LOADED_CHECKPOINT, parse_progress
-from bridge_hpc.training.metrics import read_metrics
+from bridge_hpc.training.engine.metrics import read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

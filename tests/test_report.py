@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bridge_hpc.cli.report import main
+from bridge_hpc.contracts.progress_log import ProgressLog, parse_progress, parse_time
 from bridge_hpc.report.goodput import build_report
-from bridge_hpc.report.progress import ProgressLog, parse_progress, parse_time
 from bridge_hpc.report.table import COLUMNS
 
 DATA = Path(__file__).parent / "data" / "progress"
@@ -382,7 +382,7 @@ def test_run_folder_tokens_per_s_devices_and_validation(tmp_path, capsys):
 
 def test_validation_loss_from_metrics_records_first(tmp_path):
     from bridge_hpc.cli.report import load_run_report
-    from bridge_hpc.report.curves import VALIDATION_LOSS
+    from bridge_hpc.contracts.metrics_file import VALIDATION_LOSS
 
     run_dir = write_run_folder(tmp_path / "run")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()[:-1]
@@ -542,7 +542,7 @@ def test_time_without_a_training_step_is_never_training(tmp_path):
 def test_a_lost_starting_job_line_never_joins_two_runs(tmp_path):
     """A damaged ``Starting job`` line: the lines of its run are passed over (and counted), not added to
     the run before, which would count the time between the two as that run's."""
-    from bridge_hpc.report.progress import read_progress
+    from bridge_hpc.contracts.progress_log import read_progress
 
     t0 = parse_time("2026-03-01 00:00:00")
     path = tmp_path / "progress.txt"

@@ -19,6 +19,7 @@ import pytest
 from bridge_test_helpers import CONFIG, ROOT, drive, log_text, losses, submit, submit_cli, wait_running_past
 
 from bridge_hpc.cli.report import load_run_report, main
+from bridge_hpc.contracts.progress_log import parse_progress
 from bridge_hpc.contracts.run_folder import RunFolder
 from bridge_hpc.report.plot import (
     IN_JOB_RESTART,
@@ -28,7 +29,6 @@ from bridge_hpc.report.plot import (
     build_figure,
     save_figure,
 )
-from bridge_hpc.report.progress import parse_progress
 from bridge_hpc.report.units import format_rate
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

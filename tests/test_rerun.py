@@ -1,4 +1,4 @@
-"""Result validation on megatron-core's rerun state machine ([rerun_state_machine], bridge_hpc.training.rerun).
+"""Result validation on megatron-core's rerun state machine ([rerun_state_machine], bridge_hpc.training.resilience.rerun).
 
 Three layers, all on CPU in this process:
 
@@ -24,10 +24,10 @@ from bridge_test_helpers import TINY
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.progress_log import END_REASONS, RESULT_VALIDATION, ProgressLog, parse_progress
 from bridge_hpc.contracts.requeue import read_request
-from bridge_hpc.report.progress import END_REASONS, RESULT_VALIDATION, ProgressLog, parse_progress
-from bridge_hpc.training import exit_policy, rerun
 from bridge_hpc.training.config import RerunStateMachineConfig
+from bridge_hpc.training.resilience import exit_policy, rerun
 from bridge_hpc.training.run import build_config, load_forward_step
 from bridge_hpc.training.state import GlobalState
 
@@ -234,7 +234,7 @@ def _train(tmp_path, name, iters, *overrides):
 
 def test_a_transient_nan_stops_with_the_step_before_saved_and_the_requeued_run_redoes_it(one_rank, tmp_path,
                                                                                         monkeypatch, capsys):
-    from bridge_hpc.training.metrics import read_metrics
+    from bridge_hpc.training.engine.metrics import read_metrics
 
     reference = read_metrics(_train(tmp_path, "reference", 6).logger.metrics_file)
 

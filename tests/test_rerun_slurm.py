@@ -14,7 +14,7 @@ One job (configs/local-tiny.toml with ``[rerun_state_machine] rerun_mode = "vali
 The spiky check compares with the largest of the first 100 losses a rank validated: with 4 micro-batches
 per rank and step (global batch 16) and the first step never validated, steps 2..26 fill that window, so
 the spikes come after it. The spike on rank 1 before the NaN on rank 0 also guards the machine against
-megatron-core's stale record of an earlier failure (bridge_hpc.training.rerun): with it, rank 1 would
+megatron-core's stale record of an earlier failure (bridge_hpc.training.resilience.rerun): with it, rank 1 would
 call the NaN's re-run a transient spike and the job would train on.
 """
 
@@ -28,7 +28,7 @@ import pytest
 from bridge_test_helpers import FAULTY_FORWARD_STEP, drive, log_text, losses, sacct_runs, submit
 
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.report.progress import RESULT_VALIDATION, parse_progress
+from bridge_hpc.contracts.progress_log import RESULT_VALIDATION, parse_progress
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge_hpc.report.progress import parse_progress
+from bridge_hpc.contracts.progress_log import parse_progress
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -195,7 +195,7 @@ def test_job_file_mixed_precision_recipe_and_comm_overlap_reach_the_ranks(tmp_pa
     fields (resolved.toml says what ran) and the ranks' update applies both."""
     import toml
 
-    from bridge_hpc.launch.jobconfig import load_job_config
+    from bridge_hpc.jobfile.jobconfig import load_job_config
 
     job = tmp_path / "job.toml"
     job.write_text(f'extends = "{TINY}"\nmixed_precision = "bf16_mixed"\n\n[optimizer]\nuse_distributed_optimizer = true\n'
@@ -384,8 +384,8 @@ def test_enable_megatron_core_experimental_sets_megatron_cores_flag(single_rank)
 def test_pretrain_goes_through_runtime_config_update(single_rank, tmp_path):
     """Before runtime_config_update, optimizer.use_distributed_optimizer without ddp's was refused;
     now pretrain syncs the two and trains."""
+    from bridge_hpc.training.engine.metrics import read_metrics
     from bridge_hpc.training.gpt_step import forward_step
-    from bridge_hpc.training.metrics import read_metrics
     from bridge_hpc.training.pretrain import pretrain
     from bridge_hpc.training.run import build_config
 
@@ -428,9 +428,9 @@ def test_a_custom_dataset_provider_gets_the_run_sizes_and_tokenizer_and_is_train
     with megatron's sample counts and the run's tokenizer, returns (train, valid, test) with None for a
     split it does not have, and the run trains on exactly its samples, in order."""
     from bridge_hpc.training.config import DatasetBuildContext, DatasetProvider
-    from bridge_hpc.training.data import MockGPTDataset
+    from bridge_hpc.training.datasets.builders import MockGPTDataset
+    from bridge_hpc.training.engine.metrics import read_metrics
     from bridge_hpc.training.gpt_step import forward_step
-    from bridge_hpc.training.metrics import read_metrics
     from bridge_hpc.training.pretrain import pretrain
     from bridge_hpc.training.run import build_config
     from bridge_hpc.training.tokenizers.tokenizer import MegatronTokenizer  # noqa: F401 - the type the page names
@@ -565,7 +565,7 @@ def _short_docs() -> List[str]:
 @pytest.fixture(scope="module")
 def prefix(tmp_path_factory) -> str:
     """One indexed dataset prepared with the byte-level tokenizer (bridge_hpc's prepare step)."""
-    from bridge_hpc.data.prepare import prepare_local
+    from bridge_hpc.prepare.shards import prepare_local
 
     folder = tmp_path_factory.mktemp("fim_corpus")
     (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in _short_docs()))
@@ -625,7 +625,7 @@ def test_fim_without_data_path_reports_the_missing_data_path(tmp_path):
 
 
 def test_job_loader_makes_fim_dataset_prefixes_absolute(tmp_path, prefix):
-    from bridge_hpc.launch.jobconfig import load_job_config
+    from bridge_hpc.jobfile.jobconfig import load_job_config
 
     local = tmp_path / "data"
     local.mkdir()
@@ -648,7 +648,7 @@ def test_job_loader_makes_fim_dataset_prefixes_absolute(tmp_path, prefix):
 
 
 def _built(tmp_path: Path, dataset: dict, specials=FIM_SPECIALS):
-    from bridge_hpc.training.data import build_datasets
+    from bridge_hpc.training.datasets.builders import build_datasets
     from bridge_hpc.training.tokenizers import build_tokenizer_for
 
     cfg = ConfigContainer.from_sections(_sections(tmp_path, dataset, specials), source="job.toml")
@@ -702,7 +702,7 @@ def _check_fim_sample(plain: np.ndarray, fim: np.ndarray, spm: bool) -> int:
 
 @pytest.mark.parametrize("spm", [False, True], ids=["psm", "spm"])
 def test_fim_rate_1_rearranges_every_segment_around_the_sentinels(single_rank, tmp_path, prefix, spm):
-    from bridge_hpc.training.fim import GPTFIMDataset
+    from bridge_hpc.training.datasets.fim import GPTFIMDataset
 
     train = _built(tmp_path, {"data_path": [prefix], "fim_rate": 1.0, "fim_spm_rate": 1.0 if spm else 0.0})
     assert isinstance(train, GPTFIMDataset) and len(train) >= 16
@@ -751,7 +751,7 @@ def test_fim_sentinels_missing_from_the_tokenizer_name_the_key(single_rank, tmp_
 
 
 def _settings(**kw):
-    from bridge_hpc.training.fim import FIMSettings
+    from bridge_hpc.training.datasets.fim import FIMSettings
 
     base = dict(rate=1.0, spm_rate=0.0, prefix_id=PREFIX, middle_id=MIDDLE, suffix_id=SUFFIX, eod_id=EOD)
     return FIMSettings(**{**base, **kw})
@@ -762,7 +762,7 @@ def _text(tokens) -> str:
 
 
 def test_apply_fim_fragments_no_prefix_and_padding():
-    from bridge_hpc.training.fim import apply_fim
+    from bridge_hpc.training.datasets.fim import apply_fim
 
     rng = np.random.default_rng(0)
     nl = ord("\n")

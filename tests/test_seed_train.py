@@ -21,7 +21,7 @@ from bridge_test_helpers import TINY, free_port
 
 torch = pytest.importorskip("torch")
 
-from bridge_hpc.report.progress import ProgressLog, parse_events  # noqa: E402
+from bridge_hpc.contracts.progress_log import ProgressLog, parse_events  # noqa: E402
 from bridge_hpc.training import train  # noqa: E402
 from bridge_hpc.training.state import GlobalState  # noqa: E402
 
@@ -372,7 +372,7 @@ def test_manual_gc_turns_automatic_collection_off_for_the_steps_only(tmp_path, m
 @pytest.mark.parametrize("manual_gc", [True, False])
 def test_the_start_up_heap_is_frozen_for_the_steps_and_their_cycles_are_still_collected(tmp_path, manual_gc, monkeypatch):
     """The objects start-up left (imports, model, optimizer) are out of the collector's walks while the
-    steps run (``gc.freeze``, bridge_hpc.training.heap), so a full collection no longer stalls a rank for
+    steps run (``gc.freeze``, bridge_hpc.training.process.heap), so a full collection no longer stalls a rank for
     tenths of a second; a reference cycle the steps make is still collected; a cycle dropped before
     ``pretrain`` (frozen with the imports, without a walk) is freed by the first full collection after
     training returns, when the heap is unfrozen (the process's first run: a later one collects first,
@@ -380,9 +380,9 @@ def test_the_start_up_heap_is_frozen_for_the_steps_and_their_cycles_are_still_co
     import gc
     import weakref
 
-    from bridge_hpc.training import heap
     from bridge_hpc.training.gpt_step import forward_step
     from bridge_hpc.training.pretrain import pretrain
+    from bridge_hpc.training.process import heap
 
     monkeypatch.setattr(heap, "_runs_started", 0)  # as in a fresh process, whatever ran in this one before
 

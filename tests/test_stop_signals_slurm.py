@@ -19,9 +19,9 @@ import pytest
 from bridge_test_helpers import FAULTY_FORWARD_STEP, log_text, sacct_runs, squeue_state, submit, wait_until_gone
 
 from bridge_hpc.contracts import run_folder
+from bridge_hpc.contracts.progress_log import parse_progress
 from bridge_hpc.contracts.signals import ALLOWED, parse_slurm_signal
-from bridge_hpc.report.progress import parse_progress
-from bridge_hpc.training.checkpointing import complete_iterations
+from bridge_hpc.training.checkpoint.checkpointing import complete_iterations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,7 +104,7 @@ def test_forms_that_cannot_work_are_refused_naming_the_key(tmp_path, form):
 def test_one_definition_reaches_every_consumer(tmp_path, form, ranks, traps):
     """The sbatch line, the traps, the ranks' handlers and the FT launcher's ignore list all come from
     the one parse of [slurm] signal."""
-    from bridge_hpc.launch.jobconfig import load_job_config
+    from bridge_hpc.jobfile.jobconfig import load_job_config
     from bridge_hpc.launch.render import render_script
 
     job = tmp_path / "job.toml"

@@ -32,7 +32,7 @@ from bridge_test_helpers import (
     wait_until_no_job_runs,
 )
 
-from bridge_hpc.report.progress import parse_progress
+from bridge_hpc.contracts.progress_log import parse_progress
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -1,7 +1,7 @@
 """TensorBoard by default: every run of a job adds to one trajectory, however often it is requeued.
 
 Each run of a job writes its own event file in ``RUN/tensorboard`` whose writer purges the earlier files
-from the run's first step on (:mod:`bridge_hpc.training.metrics`). The events are read the ways TensorBoard
+from the run's first step on (:mod:`bridge_hpc.training.engine.metrics`). The events are read the ways TensorBoard
 reads them: its Python reader (``EventAccumulator``, ``--load_fast=false``), a real ``tensorboard`` server
 with its Rust data server (``--load_fast=true``, the default where installed) over HTTP, and the raw event
 files record by record.
@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 from bridge_test_helpers import drive, free_port, log_text, losses, sacct_runs, submit, wait_running_past
 
+from bridge_hpc.contracts.progress_log import parse_progress
 from bridge_hpc.contracts.run_folder import METRICS_FILE, RunFolder
-from bridge_hpc.report.progress import parse_progress
-from bridge_hpc.training.metrics import (
+from bridge_hpc.training.engine.metrics import (
     LOAD_TAG,
     LOST_STEPS_TAG,
     RESTARTS_TAG,
@@ -136,7 +136,7 @@ def assert_strictly_rising(points: Points) -> None:
 #: loss that says which run wrote it, a checkpoint "saved" every 10 steps; then it waits to be killed.
 KILLED_RUN = """
 import sys, time
-from bridge_hpc.training.metrics import MetricsLogger, RunStart
+from bridge_hpc.training.engine.metrics import MetricsLogger, RunStart
 folder, resume, upto = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 m = MetricsLogger(folder + "/metrics.jsonl", 0, 1, folder + "/tensorboard")
 m.open(resume, RunStart(restart_count=0, load_s=None, started_at=time.time()))
@@ -150,7 +150,7 @@ time.sleep(600)
 
 
 def _run_in_process(folder: Path, resume: int, upto: int, run: int) -> None:
-    from bridge_hpc.training.metrics import MetricsLogger, RunStart
+    from bridge_hpc.training.engine.metrics import MetricsLogger, RunStart
 
     m = MetricsLogger(str(folder / METRICS_FILE), 0, 1, RunFolder(str(folder)).tensorboard)
     m.open(resume, RunStart(restart_count=run, load_s=0.25, started_at=time.time() - 1.0))

@@ -1,7 +1,7 @@
 """The real-data demo (``make demo-text``): standard-library docstrings -> prepared datasets -> a Slurm job
 whose validation loss on held-out text falls.
 
-The corpus builder (``python -m bridge_hpc.data.stdlib_corpus``) is run as a user runs it, in a fresh
+The corpus builder (``python -m bridge_hpc.prepare.stdlib_corpus``) is run as a user runs it, in a fresh
 interpreter: its files must be valid jsonl, the same bytes in another process (another hash seed), and
 held-out text must never occur in the training text. The end-to-end test follows the README's
 walkthrough in a scratch folder that stands for the repository root: build the corpus into
@@ -29,7 +29,7 @@ import toml
 from bridge_test_helpers import ROOT, drive, log_text, submit_cli
 
 from bridge_hpc.contracts.run_folder import RunFolder
-from bridge_hpc.data.stdlib_corpus import SFT_FILES, SPLIT_FILES, TEXT_KEY, split_of
+from bridge_hpc.prepare.stdlib_corpus import SFT_FILES, SPLIT_FILES, TEXT_KEY, split_of
 
 TEXT_CONFIG = ROOT / "configs" / "local-tiny-text.toml"
 SFT_CONFIG = ROOT / "configs" / "local-tiny-sft.toml"
@@ -42,7 +42,7 @@ VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+) \| lm loss val
 
 def build_corpus(cwd: Path, *args: str, hash_seed: str = "0") -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONHASHSEED=hash_seed)
-    return subprocess.run([sys.executable, "-m", "bridge_hpc.data.stdlib_corpus", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "bridge_hpc.prepare.stdlib_corpus", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -64,7 +64,7 @@ def single_rank():
 
 
 def _tiny_gpt(**overrides):
-    from bridge_hpc.training.gpt import gpt_model_provider
+    from bridge_hpc.training.engine.model import gpt_model_provider
 
     cfg = GPTModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8,
                          hidden_dropout=0.0, attention_dropout=0.0, **overrides)
@@ -254,7 +254,7 @@ def test_freeze_moe_router(single_rank):
 def test_training_log_reports_on_log_steps(single_rank, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from bridge_hpc.training.metrics import MetricsLogger, RunStart, read_metrics
+    from bridge_hpc.training.engine.metrics import MetricsLogger, RunStart, read_metrics
     from bridge_hpc.training.run import build_config
 
     job = tmp_path / "job.toml"

@@ -127,7 +127,7 @@ def test_run_dir_defaults_and_overrides(tmp_path, monkeypatch):
 
 def _resolved_tensorboard(tmp_path, *overrides):
     """What bridge-submit writes to resolved.toml, and what the ranks build from that file."""
-    from bridge_hpc.launch.jobconfig import dump_resolved, load_job_config
+    from bridge_hpc.jobfile.jobconfig import dump_resolved, load_job_config
 
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)
@@ -180,7 +180,7 @@ def test_a_bad_tensorboard_dir_built_in_python_names_the_key():
 
 
 def test_fusions_reach_megatron_cores_transformer_config():
-    from bridge_hpc.training.gpt import transformer_config
+    from bridge_hpc.training.engine.model import transformer_config
 
     cfg = ConfigContainer.from_sections(sections(model__bias_activation_fusion=True, model__bias_dropout_fusion=True,
                                                  model__cross_entropy_loss_fusion=True), source="job.toml")

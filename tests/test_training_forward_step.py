@@ -18,12 +18,9 @@ import pytest
 import torch
 from bridge_test_helpers import TINY, free_port, single_rank_world
 
+from bridge_hpc.training.engine.collectives import reduce_loss_dicts
 from bridge_hpc.training.state import GlobalState
-from bridge_hpc.training.utils.train_utils import (
-    needs_global_state_injection,
-    prepare_forward_step_func,
-    reduce_loss_dicts,
-)
+from bridge_hpc.training.utils.train_utils import needs_global_state_injection, prepare_forward_step_func
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,7 +33,7 @@ CALLS: list = []
 
 
 def _gpt_step(data_iterator, model):
-    from bridge_hpc.training.gpt import get_batch, masked_next_token_loss
+    from bridge_hpc.training.engine.model import get_batch, masked_next_token_loss
 
     batch = get_batch(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
@@ -180,7 +177,7 @@ def _tiny_config(tmp_path, *overrides):
 ], ids=["two", "three_plan", "three_hint", "four", "by_name", "by_global_name", "string_hint", "functor",
         "plain_functor"])
 def test_every_signature_trains(single_rank, tmp_path, make):
-    from bridge_hpc.training.metrics import read_metrics
+    from bridge_hpc.training.engine.metrics import read_metrics
     from bridge_hpc.training.pretrain import pretrain
 
     cfg = _tiny_config(tmp_path)
@@ -380,7 +377,7 @@ def _two_rank_reduce(rank: int, port: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from bridge_hpc.training.utils.train_utils import reduce_loss_dicts, reduce_loss_dicts_and_flags
+    from bridge_hpc.training.engine.collectives import reduce_loss_dicts, reduce_loss_dicts_and_flags
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     calls = []

@@ -18,10 +18,10 @@ import pytest
 import torch
 from bridge_test_helpers import assert_bitwise_equal, free_port, model_params, tiny_job, tiny_run_dir
 
-from bridge_hpc.report.progress import FIRST_STEP, STARTUP_PHASES, parse_events
-from bridge_hpc.training.checkpointing import TRACKER, find_latest_checkpoint
-from bridge_hpc.training.metrics import read_metrics
-from bridge_hpc.training.startup import parse_phases
+from bridge_hpc.contracts.progress_log import FIRST_STEP, STARTUP_PHASES, parse_events
+from bridge_hpc.training.checkpoint.checkpointing import TRACKER, find_latest_checkpoint
+from bridge_hpc.training.engine.metrics import read_metrics
+from bridge_hpc.training.process.startup import parse_phases
 
 
 def _torchrun(job: str, *overrides: str) -> list:

@@ -3,15 +3,15 @@
 The flags are those of Megatron-LM's ``tools/preprocess_data.py`` that users already know (``--input``,
 ``--output-prefix``, ``--tokenizer-type``, ``--tokenizer-model``, ``--json-keys``, ``--append-eod``,
 ``--workers``); ``--input`` takes several files or globs. Runs here with ``--workers`` processes; the
-work itself is :mod:`bridge_hpc.data.prepare`. Bad input: one message naming the file (and line or key),
+work itself is :mod:`bridge_hpc.prepare.shards`. Bad input: one message naming the file (and line or key),
 exit status 2, no traceback.
 
 With ``--slurm JOB.toml`` it submits instead: an sbatch array job with one task per input file, then a
 final step that depends on it (``afterany``, so that it runs even when a task failed and can say which),
 both rendered from the job config's profile, partition, ``[setup]``, ``[env]`` and ``[container]``
 (:func:`bridge_hpc.launch.render.render_prepare_script`). The plan, the scripts and the logs live in
-``<output-prefix>.slurm/`` (:mod:`bridge_hpc.data.slurm_plan`), with ``jobs.jsonl``: while a job listed
-there is unfinished, the prefix is in use (:mod:`bridge_hpc.data.prefix_lock`). The batch scripts run
+``<output-prefix>.slurm/`` (:mod:`bridge_hpc.prepare.slurm_plan`), with ``jobs.jsonl``: while a job listed
+there is unfinished, the prefix is in use (:mod:`bridge_hpc.prepare.prefix_lock`). The batch scripts run
 this same module as ``--slurm-step shard|finish PLAN``: the array task's index comes from
 :func:`bridge_hpc.slurm.job_environment.array_task_index`.
 
@@ -34,7 +34,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
 from bridge_hpc.contracts.run_folder import RunFolder
 from bridge_hpc.contracts.text import has_control_chars, one_line
-from bridge_hpc.data import prefix_lock, prepare, slurm_plan
+from bridge_hpc.prepare import prefix_lock, slurm_plan
+from bridge_hpc.prepare import shards as prepare
 from bridge_hpc.slurm.job_environment import array_task_index
 from bridge_hpc.slurm.query import unfinished_jobs
 from bridge_hpc.training.config import TokenizerConfig
@@ -190,7 +191,7 @@ def submit_slurm(args: argparse.Namespace, tokenizer_cfg: TokenizerConfig, keys:
     keeps the prefix in use until they end. With ``--wait``: block until both jobs end, then print
     the snippet (status 0), or each unfinished shard's task, state and error line (status 1).
     """
-    from bridge_hpc.launch.jobconfig import check_secrets_present, load_job_config
+    from bridge_hpc.jobfile.jobconfig import check_secrets_present, load_job_config
     from bridge_hpc.launch.render import render_prepare_script
     from bridge_hpc.launch.submit import TemplateExecutor, record_jobs
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import List, Optional, TextIO
 
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
-from bridge_hpc.launch.jobconfig import JobConfig, check_secrets_present, load_job_config
+from bridge_hpc.jobfile.jobconfig import JobConfig, check_secrets_present, load_job_config
 from bridge_hpc.launch.render import render_script
 
 

@@ -1,5 +1,5 @@
 """``[job] bytecode_cache``: its values, checked on the login node (``bridge-submit``) and acted on by
-every rank before it imports torch (:mod:`bridge_hpc.training.bytecode_cache`)."""
+every rank before it imports torch (:mod:`bridge_hpc.training.process.bytecode_cache`)."""
 
 from __future__ import annotations
 

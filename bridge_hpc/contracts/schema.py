@@ -1,6 +1,6 @@
 """Typed TOML tables: build a dataclass from a table, or say exactly which key is wrong and why.
 
-Shared by the launcher's sections (``bridge_hpc.launch.jobconfig``) and the training sections
+Shared by the launcher's sections (``bridge_hpc.jobfile.jobconfig``) and the training sections
 (``bridge_hpc.training.config``), so both answer bad input the same way. No torch here.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Literal, Sequence, Tuple, Union
 
 from bridge_hpc.contracts.errors import ConfigError
 
-#: A job file's own sections for the launcher (bridge_hpc.launch.jobconfig types them); every other
+#: A job file's own sections for the launcher (bridge_hpc.jobfile.jobconfig types them); every other
 #: section belongs to the ranks' training config (bridge_hpc.training.config.SECTIONS), which skips these.
 LAUNCHER_SECTIONS = ("job", "slurm", "env", "container", "setup", "cluster")
 
@@ -89,3 +89,19 @@ def build_dataclass(cls: type, section: str, body: Any, error: Callable[[str, st
         if required and f.name not in body:
             raise error(f"{section}.{f.name}", f"is required in [{section}] ({type_name(hints[f.name])})")
     return cls(**body)
+
+
+def check(condition: bool, key: str, message: str) -> None:
+    """Raise :class:`ConfigError` naming ``key`` unless ``condition``: every section's ``finalize``
+    checks its fields with this."""
+    if not condition:
+        raise ConfigError(message, key=key)
+
+
+class DeferredPostInit:
+    """Bridge's configs that derive from megatron-core's (DDP, optimizer, GPT dataset) skip its
+    ``__post_init__`` at construction, so fields can still be changed; ``finalize()`` fills the
+    derived fields and checks them. The same holds here."""
+
+    def __post_init__(self) -> None:
+        """Computes nothing: see ``finalize``."""

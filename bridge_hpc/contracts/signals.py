@@ -7,7 +7,7 @@ Slurm warns a job before its time limit with ``#SBATCH --signal=[{R|B}:]SIG[@sec
 - every rank's handler (``train.exit_signal``, filled from here at submission);
 - nvidia-resiliency-ext's ``ft_launcher``, which must survive the warning signal
   (``bridge_hpc.launch.ft_launch``);
-- the DataLoader workers, which leave the stop signals to their rank (``training.data``).
+- the DataLoader workers, which leave the stop signals to their rank (``training.datasets.builders``).
 
 All of them take their list from :class:`StopSignal` (``rank_signals``). The ranks handle exactly the
 configured signal plus SIGTERM. The ``B:`` form makes Slurm signal only the batch shell, which by
@@ -29,6 +29,9 @@ TERMINATE = "TERM"
 #: Signals a job may choose: each one has a handler on the ranks and is tested end to end. KILL and
 #: STOP cannot be handled, CONT is Slurm's own resume signal, and the rest have other meanings.
 ALLOWED = ("USR1", "USR2", "TERM", "INT", "HUP")
+#: The signals nvidia-resiliency-ext's ft_launcher handles itself (it forwards them to the ranks): the
+#: fault-tolerance launcher wrapper must leave them to it rather than ignore them.
+FT_LAUNCHER_FORWARDS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 _FORM = re.compile(r"(?:(?P<flags>[RB]{1,2}):)?(?P<sig>[A-Z0-9]+)(?:@(?P<secs>[0-9]{1,7}))?")
 

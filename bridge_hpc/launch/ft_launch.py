@@ -21,7 +21,7 @@ which is also what makes the launcher accept the FT configuration without a YAML
 
 In section mode the launcher is given heartbeat timeouts too (0.4.1 cannot take 'null' for them);
 the ranks switch those off on their monitor when they choose sections
-(:meth:`bridge_hpc.training.fault_tolerance.FaultTolerance.setup`), since a monitor that never sees a
+(:meth:`bridge_hpc.training.resilience.fault_tolerance.FaultTolerance.setup`), since a monitor that never sees a
 heartbeat would otherwise kill its rank ``initial_heartbeat`` seconds after start.
 
 No torch (the training config module is torch-free): imported by the login-node renderer.
@@ -242,7 +242,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0].startswith(IGNORE_OPTION + "="):
         names = [n for n in args.pop(0).split("=", 1)[1].split(",") if n]
-        signals.ignore(n for n in names if n not in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"))
+        signals.ignore(n for n in names if n not in signals.FT_LAUNCHER_FORWARDS)
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as launcher_main
 
     sys.argv = ["ft_launcher", *args]

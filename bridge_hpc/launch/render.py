@@ -26,7 +26,7 @@ from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
 from bridge_hpc.contracts.requeue import REQUEUE_FILE_ENV
 from bridge_hpc.contracts.text import has_control_chars
-from bridge_hpc.launch.jobconfig import JobConfig
+from bridge_hpc.jobfile.jobconfig import JobConfig
 from bridge_hpc.slurm.query import STOP_CAUSE_COMMAND
 
 _PLAIN = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")

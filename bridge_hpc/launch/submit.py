@@ -22,7 +22,7 @@ import submitit
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.launch.jobconfig import JobConfig, check_secrets_present, dump_resolved, parse_toml
+from bridge_hpc.jobfile.jobconfig import JobConfig, check_secrets_present, dump_resolved, parse_toml
 from bridge_hpc.launch.render import render_script
 from bridge_hpc.slurm.query import unfinished_jobs
 

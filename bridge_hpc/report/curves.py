@@ -1,6 +1,6 @@
 """A run folder's training curves: loss and tokens/s per step, and the validation loss.
 
-- ``metrics.jsonl`` (rank 0, :mod:`bridge_hpc.training.metrics`) holds one record per step of the run's
+- ``metrics.jsonl`` (rank 0, :mod:`bridge_hpc.training.engine.metrics`) holds one record per step of the run's
   one trajectory: a resume drops the records past the step it resumed from, so steps never repeat.
   Each record has ``step``, ``loss``, ``tokens_per_s`` and ``step_time_s`` (the optimizer step alone,
   without evaluation, checkpoint saves or start-up).
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Set
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.metrics_file import LOSS, STEP, TOKENS_PER_S, VALIDATION_LOSS
 
 #: The key of a metrics.jsonl record that holds the validation ("lm loss") evaluated at that step.
-VALIDATION_LOSS = "val_loss"
 #: Megatron's evaluation line, as the ranks print it (rank prefixes such as ``0: `` before it).
 VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+)")
 
@@ -103,10 +103,10 @@ def read_curves(metrics_path: str, job_logs: Iterable[str] = ()) -> Optional[Tra
                 record = json.loads(line.decode("utf-8"))
             except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
                 record = None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
+        if not isinstance(record, dict) or not isinstance(record.get(STEP), int) or isinstance(record[STEP], bool):
             skipped.append(number)
             continue
-        by_step[record["step"]] = record  # a reader's view: the last record of a step wins
+        by_step[record[STEP]] = record  # a reader's view: the last record of a step wins
 
     curves = TrainingCurves(metrics_path, skipped=skipped, lines=count)
     for step in sorted(by_step):
@@ -114,12 +114,12 @@ def read_curves(metrics_path: str, job_logs: Iterable[str] = ()) -> Optional[Tra
         validation = _number(record.get(VALIDATION_LOSS))
         if validation is not None:
             curves.validation[step] = validation
-        loss = _number(record.get("loss"))
+        loss = _number(record.get(LOSS))
         if loss is None:
             continue
         curves.steps.append(step)
         curves.losses.append(loss)
-        curves.tokens_per_s.append(_number(record.get("tokens_per_s")))
+        curves.tokens_per_s.append(_number(record.get(TOKENS_PER_S)))
         curves.step_time_s.append(_number(record.get("step_time_s")))
     if curves.validation:
         curves.validation_sources = [metrics_path]

@@ -35,8 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from bridge_hpc.report.curves import TrainingCurves
-from bridge_hpc.report.progress import (
+from bridge_hpc.contracts.progress_log import (
     CAUSE,
     CUMULATIVE_THROUGHPUT,
     ENDING_JOB,
@@ -55,6 +54,7 @@ from bridge_hpc.report.progress import (
     STEPS_LOST,
     Run,
 )
+from bridge_hpc.report.curves import TrainingCurves
 
 UNKNOWN = "?"
 CPU, GPU = "cpu", "gpu"

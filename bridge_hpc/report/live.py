@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Deque, List, Optional, TextIO
 
+from bridge_hpc.contracts.metrics_file import LOSS, STEP, STEP_TIME_S, TOKENS_PER_S
+
 #: How many recent steps the rate, step time and ETA are taken over.
 RECENT_STEPS = 20
 #: Seconds between two plain lines that only report progress (a state change prints at once).
@@ -101,8 +103,8 @@ class MetricsTail:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                if self.records and record["step"] <= self.records[-1]["step"]:
+            if isinstance(record, dict) and isinstance(record.get(STEP), int):
+                if self.records and record[STEP] <= self.records[-1][STEP]:
                     self.records.clear()  # a resumed attempt went back to its checkpoint's step
                 self.records.append(record)
 
@@ -112,11 +114,11 @@ def add_training_figures(status: LiveStatus, records: List[dict]) -> None:
     if not records:
         return
     last = records[-1]
-    status.step = last["step"]
-    status.loss = last.get("loss")
-    rates = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
+    status.step = last[STEP]
+    status.loss = last.get(LOSS)
+    rates = [r[TOKENS_PER_S] for r in records if r.get(TOKENS_PER_S)]
     status.tokens_per_s = statistics.median(rates) if rates else None
-    times = [r["step_time_s"] for r in records if r.get("step_time_s")]
+    times = [r[STEP_TIME_S] for r in records if r.get(STEP_TIME_S)]
     if times and status.train_iters is not None:
         status.eta_s = max(0, status.train_iters - status.step) * statistics.median(times)
 

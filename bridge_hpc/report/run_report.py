@@ -26,9 +26,9 @@ from typing import List, Optional, Sequence
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.progress_log import read_progress
 from bridge_hpc.report.curves import TrainingCurves, read_curves
 from bridge_hpc.report.goodput import Report, build_report, metrics_only_report
-from bridge_hpc.report.progress import read_progress
 from bridge_hpc.report.run_paths import RunPaths, read_run_paths
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Dict, List, Sequence
 
+from bridge_hpc.contracts.progress_log import format_time
 from bridge_hpc.contracts.text import one_line
 from bridge_hpc.report.goodput import UNKNOWN, RunRow
-from bridge_hpc.report.progress import format_time
 from bridge_hpc.report.run_report import RunReport
 from bridge_hpc.report.units import format_rate
 

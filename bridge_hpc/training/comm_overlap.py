@@ -5,7 +5,7 @@ written into ``[ddp]`` by :meth:`CommOverlapConfig.setup` (megatron-core DDP on 
 ignores them). As in Bridge, they are only applied with the distributed optimizer, default to on
 when the data-parallel size is above 1, and a value the user sets wins. The pipeline ones,
 ``overlap_p2p_comm``, ``batch_p2p_comm`` and ``align_param_gather``, go to megatron-core's schedule
-hooks with pipeline parallelism (:func:`bridge_hpc.training.parallel.install_schedule_hooks`; Bridge's
+hooks with pipeline parallelism (:func:`bridge_hpc.training.engine.parallel.install_schedule_hooks`; Bridge's
 defaults: overlapped point-to-point and aligned all-gathers with virtual stages, batched without).
 
 No effect here, said once as a warning by :meth:`setup` when set: ``tp_comm_overlap`` (and its

@@ -1,7 +1,7 @@
 """``finetune(config, forward_step_func)``: Megatron Bridge's fine-tuning entry point.
 
 Fine-tuning is pretraining that starts from other weights, so this is :func:`pretrain` after one
-check, as in Bridge. The starting point comes from :func:`bridge_hpc.training.checkpointing.load_checkpoint`:
+check, as in Bridge. The starting point comes from :func:`bridge_hpc.training.checkpoint.checkpointing.load_checkpoint`:
 a run whose ``checkpoint.load`` holds a checkpoint of its own resumes from it exactly (iteration,
 optimizer, scheduler, RNG and data position), as a preempted pretraining run does; otherwise only the
 model weights are read from ``checkpoint.pretrained_checkpoint`` (a run folder's checkpoints or one
@@ -14,7 +14,7 @@ import os
 from typing import Callable
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.training import checkpointing
+from bridge_hpc.training.checkpoint import checkpointing
 from bridge_hpc.training.config import CheckpointConfig, ConfigContainer
 from bridge_hpc.training.pretrain import pretrain
 

@@ -4,7 +4,7 @@ It serves mock data and megatron-core's ``GPTDataset`` alike. A batch holds ``to
 ``loss_mask`` and ``position_ids``; samples from indexed data with ``reset_attention_mask`` (or with
 ``skip_getting_attention_mask_from_dataset = false``) also carry megatron's ``attention_mask``
 (``[b, 1, s, s]``, True = masked out), which then goes to the model; without it the attention is
-plain causal. A blend adds ``dataset_id``, which the step does not need. ``bridge_hpc.training.gpt``
+plain causal. A blend adds ``dataset_id``, which the step does not need. ``bridge_hpc.training.engine.model``
 re-exports these names, their import path before this module existed.
 """
 
@@ -16,8 +16,8 @@ from typing import Dict, Iterable
 import torch
 from megatron.core import parallel_state
 
+from bridge_hpc.training.engine.parallel import broadcast_batch_within_tp
 from bridge_hpc.training.losses import masked_token_loss
-from bridge_hpc.training.parallel import broadcast_batch_within_tp
 from bridge_hpc.training.state import GlobalState
 
 

@@ -25,24 +25,28 @@ from megatron.core.config import set_experimental_flag
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.report.progress import ProgressLog, longest_recent_save_s
+from bridge_hpc.contracts.progress_log import ProgressLog, longest_recent_save_s
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training import async_checkpoint, checkpointing, cuda_graphs, fused_kernels, heap, parallel, rerun
+from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
+from bridge_hpc.training.checkpoint import checkpointing
 from bridge_hpc.training.config import (
     ConfigContainer,
     DistributedDataParallelConfig,
     DistributedInitConfig,
     runtime_config_update,
 )
-from bridge_hpc.training.data import build_data_iterator, build_datasets
-from bridge_hpc.training.fault_tolerance import FaultTolerance
-from bridge_hpc.training.gpt import gpt_model_provider
-from bridge_hpc.training.grad_reduce_rider import GradReduceRider
-from bridge_hpc.training.metrics import RunStart
-from bridge_hpc.training.optimizer import TorchOptimizer, setup_optimizer  # noqa: F401  (TorchOptimizer: old import path)
-from bridge_hpc.training.startup import StartupPhases
+from bridge_hpc.training.datasets.builders import build_data_iterator, build_datasets
+from bridge_hpc.training.engine import cuda_graphs, fused_kernels, parallel
+from bridge_hpc.training.engine.grad_reduce_rider import GradReduceRider
+from bridge_hpc.training.engine.metrics import RunStart
+from bridge_hpc.training.engine.model import gpt_model_provider
+from bridge_hpc.training.engine.optimizer import TorchOptimizer, setup_optimizer  # noqa: F401  (TorchOptimizer: old import path)
+from bridge_hpc.training.process import heap
+from bridge_hpc.training.process.startup import StartupPhases
+from bridge_hpc.training.resilience import rerun
+from bridge_hpc.training.resilience.fault_tolerance import FaultTolerance
+from bridge_hpc.training.resilience.straggler import StragglerDetector
 from bridge_hpc.training.state import GlobalState, StopSignalRecorder
-from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.tokenizers import build_tokenizer_for
 from bridge_hpc.training.train import evaluate_and_print_results, train
 from bridge_hpc.training.utils.train_utils import start_memory_history_recording
@@ -62,7 +66,7 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
     if config.inprocess_restart is not None and config.inprocess_restart.enabled:
         # Raises a ConfigError naming inprocess_restart.enabled where the installed
         # nvidia-resiliency-ext cannot do it (e.g. 0.4.1 on CPU: see inprocess_restart.py).
-        from bridge_hpc.training.inprocess_restart import maybe_wrap_for_inprocess_restart
+        from bridge_hpc.training.resilience.inprocess_restart import maybe_wrap_for_inprocess_restart
 
         wrapped, store = maybe_wrap_for_inprocess_restart(_pretrain, config.inprocess_restart)
         wrapped(state, forward_step_func, store=store)
@@ -92,7 +96,7 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
         state.signal_handler = StopSignalRecorder(cfg.train.exit_signal).__enter__()
     checkpointing_context: dict = {}
     try:
-        # Out of the cycle collector's walks (bridge_hpc.training.heap): the imports now, what set-up
+        # Out of the cycle collector's walks (bridge_hpc.training.process.heap): the imports now, what set-up
         # makes when the steps start.
         with heap.run_frozen():
             _setup_and_train(state, forward_step_func, checkpointing_context)
@@ -307,7 +311,7 @@ def run_restart_count(progress_path: str, job_id: Optional[str], slurm_restarts:
     goes 0, 1, 2, ... over every run of a job however it was restarted."""
     count = int(slurm_restarts) + int(in_job_restarts)
     if job_id and os.path.exists(progress_path):
-        from bridge_hpc.report.progress import STARTING_JOB, parse_events
+        from bridge_hpc.contracts.progress_log import STARTING_JOB, parse_events
 
         earlier = sum(1 for e in parse_events(progress_path) if e.name == STARTING_JOB and e.job_id == str(job_id))
         count = max(count, earlier)

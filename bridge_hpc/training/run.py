@@ -2,7 +2,7 @@
 
 Every rank of a job runs this: the batch script starts it on the run folder's resolved.toml (paths
 absolute, ``train.exit_signal`` from ``[slurm] signal``), and it works the same on a job file under
-``torchrun``. The job is resolved by :func:`bridge_hpc.launch.jobconfig.load_job_config`, the same
+``torchrun``. The job is resolved by :func:`bridge_hpc.jobfile.jobconfig.load_job_config`, the same
 function ``bridge-submit`` ran, which builds and checks the training
 :class:`~bridge_hpc.training.config.ConfigContainer` once; then the entry point ``[job] entry`` names
 (``"pretrain"``, the default, or ``"finetune"``: :func:`bridge_hpc.training.finetune.finetune`) trains
@@ -28,12 +28,12 @@ from typing import Callable, List, Optional
 
 from bridge_hpc.contracts import signals
 from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
-from bridge_hpc.launch.jobconfig import load_job_config
+from bridge_hpc.jobfile.jobconfig import load_job_config
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training.bytecode_cache import ensure_bytecode_cache
-from bridge_hpc.training.checkpoint_read_ahead import start_read_ahead
+from bridge_hpc.training.checkpoint.read_ahead import start_read_ahead
 from bridge_hpc.training.config import ConfigContainer
-from bridge_hpc.training.signal_recorder import StopSignalRecorder
+from bridge_hpc.training.process.bytecode_cache import ensure_bytecode_cache
+from bridge_hpc.training.process.signal_recorder import StopSignalRecorder
 
 #: Exit status of a rank that failed for any reason other than bad input.
 EXIT_FAILED = 1

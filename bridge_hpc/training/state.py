@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from bridge_hpc.training.config import ConfigContainer
-from bridge_hpc.training.signal_recorder import StopSignalRecorder
-from bridge_hpc.training.startup import StartupPhases
+from bridge_hpc.training.process.signal_recorder import StopSignalRecorder
+from bridge_hpc.training.process.startup import StartupPhases
 
 
 @dataclass
@@ -123,7 +123,7 @@ class GlobalState:
 
     The TensorBoard writer exists only on the last rank (as in Bridge), so ranks that never log never
     import tensorboard, and only from ``metrics.open()`` on: it must know the step the run resumes at
-    (see :mod:`bridge_hpc.training.metrics`).
+    (see :mod:`bridge_hpc.training.engine.metrics`).
     """
 
     def __init__(self) -> None:
@@ -133,7 +133,7 @@ class GlobalState:
         self._metrics = None
         self.signal_handler: Optional[StopSignalRecorder] = None
         self.exit_reasons: List[str] = []
-        #: ``bridge_hpc.report.progress.ProgressLog`` on rank 0 when ``logger.log_progress`` is on, else None.
+        #: ``bridge_hpc.contracts.progress_log.ProgressLog`` on rank 0 when ``logger.log_progress`` is on, else None.
         self.progress = None
         self.start_time = time.time()
         self.rank = 0
@@ -192,9 +192,9 @@ class GlobalState:
 
     @property
     def metrics(self):
-        """The run's :class:`~bridge_hpc.training.metrics.MetricsLogger` (JSON lines + TensorBoard)."""
+        """The run's :class:`~bridge_hpc.training.engine.metrics.MetricsLogger` (JSON lines + TensorBoard)."""
         if self._metrics is None:
-            from bridge_hpc.training.metrics import MetricsLogger
+            from bridge_hpc.training.engine.metrics import MetricsLogger
 
             log = self.cfg.logger
             self._metrics = MetricsLogger(log.metrics_file, self.rank, self.world_size, log.tensorboard_dir,

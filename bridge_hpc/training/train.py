@@ -2,7 +2,7 @@
 
 Read top to bottom: one step (zero grads, forward/backward over the micro-batches, optimizer and
 scheduler step, loss reduction), then bookkeeping (counters, evaluation, the step log), then
-:func:`checkpoint_and_decide_exit` (:mod:`bridge_hpc.training.exit_policy`), the single place that
+:func:`checkpoint_and_decide_exit` (:mod:`bridge_hpc.training.resilience.exit_policy`), the single place that
 decides about saving and stopping.
 The same code runs on CPU (torch DDP + torch optimizer) and GPU (megatron-core DDP + optimizer);
 the few differences sit in :func:`zero_grads` and :func:`finalize_grads`.
@@ -24,37 +24,43 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-from bridge_hpc.training import bytecode_cache, heap, parallel, rerun
-from bridge_hpc.training.cuda_graphs import FullIterationCudaGraph
+from bridge_hpc.training.engine import parallel
+from bridge_hpc.training.engine.collectives import (
+    comm_device,
+    reduce_loss_dicts_and_flags,
+    start_reduce_loss_dicts_and_flags,
+)
+from bridge_hpc.training.engine.cuda_graphs import FullIterationCudaGraph
 
-# Bridge's names in bridge.training.train. They live with the save path they serve (exit_policy
-# imports nothing from this module, which imports it).
-from bridge_hpc.training.exit_policy import (  # noqa: F401
-    any_rank,
-    checkpoint_and_decide_exit,
-    compute_throughputs_and_append_to_progress_log,
+# Bridge's names in bridge.training.train. They live with what they serve: the DDP hooks with the
+# engine, the save path with the exit policy (which imports nothing from this module).
+from bridge_hpc.training.engine.ddp_hooks import (  # noqa: F401
     disable_forward_pre_hook,
     enable_forward_pre_hook,
     forward_pre_hooks_off,
+    should_disable_forward_pre_hook,
+)
+from bridge_hpc.training.engine.grad_reduce_rider import GradReduceRider
+from bridge_hpc.training.engine.optimizer import installed_fused_step
+from bridge_hpc.training.process import bytecode_cache, heap
+from bridge_hpc.training.resilience import rerun
+from bridge_hpc.training.resilience.exit_policy import (  # noqa: F401
+    any_rank,
+    checkpoint_and_decide_exit,
+    compute_throughputs_and_append_to_progress_log,
     get_start_time_from_progress_log,
     local_observations,
     save_checkpoint_and_time,
-    should_disable_forward_pre_hook,
     signal_seen,
 )
-from bridge_hpc.training.fault_tolerance import FaultTolerance
-from bridge_hpc.training.grad_reduce_rider import GradReduceRider
-from bridge_hpc.training.optimizer import installed_fused_step
+from bridge_hpc.training.resilience.fault_tolerance import FaultTolerance
+from bridge_hpc.training.resilience.straggler import StragglerDetector
 from bridge_hpc.training.state import GlobalState
-from bridge_hpc.training.straggler import StragglerDetector
 from bridge_hpc.training.utils.train_utils import (
-    comm_device,
     logical_and_across_model_parallel_group,
     num_floating_point_operations,
     prepare_forward_step_func,
-    reduce_loss_dicts_and_flags,
     reduce_max_stat_across_model_parallel_group,
-    start_reduce_loss_dicts_and_flags,
     training_log,
 )
 
@@ -96,9 +102,9 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
     the number of micro-batches; with ``collect_non_loss_data`` it is called as
     ``loss_func(output, non_loss_data=True)`` and whatever it returns is collected. Gradients are
     synchronized only on the last micro-batch (``no_sync`` before). ``validate_loss`` gets each
-    micro-batch's loss as the loss function returned it (:func:`bridge_hpc.training.rerun.validate_loss`).
+    micro-batch's loss as the loss function returned it (:func:`bridge_hpc.training.resilience.rerun.validate_loss`).
     ``before_grad_sync`` gets every micro-batch's report just before the last backward, the one that
-    synchronizes the gradients (:class:`~bridge_hpc.training.grad_reduce_rider.GradReduceRider`).
+    synchronizes the gradients (:class:`~bridge_hpc.training.engine.grad_reduce_rider.GradReduceRider`).
     """
     chunk = model[0]
     store: List[Any] = []
@@ -146,7 +152,7 @@ def run_microbatches(forward_step_func: Callable, data_iterator, model: List[tor
                      validate_loss: Optional[Callable[[torch.Tensor], None]] = None,
                      before_grad_sync: Optional[Callable[[List[Any]], None]] = None) -> List[Any]:
     """One global batch's micro-batches: :func:`forward_backward`, or with pipeline parallelism
-    megatron-core's pipeline schedule (:func:`bridge_hpc.training.parallel.pipelined_forward_backward`),
+    megatron-core's pipeline schedule (:func:`bridge_hpc.training.engine.parallel.pipelined_forward_backward`),
     whose reports only the last stage has."""
     num_microbatches = get_num_microbatches(global_state)
     if parallel.pipeline_size() > 1:
@@ -203,7 +209,7 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     (:func:`prepare_forward_step_func`). An optimizer step that reports failure (fp16 overflow,
     non-finite gradients) is a skipped iteration: the scheduler does not advance.
 
-    megatron-core's rerun state machine (:mod:`bridge_hpc.training.rerun`) decides how often the
+    megatron-core's rerun state machine (:mod:`bridge_hpc.training.resilience.rerun`) decides how often the
     forward/backward runs: again on the same micro-batches (``data_iterator`` a ``RerunDataIterator``)
     when a loss failed validation. When it says stop, the step is abandoned before the optimizer step.
     """
@@ -373,7 +379,7 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
           valid_data_iterator, global_state: GlobalState, checkpointing_context: Dict[str, Any],
           process_non_loss_data_func: Optional[Callable] = None, non_loss_data_func: Optional[Callable] = None) -> None:
     """Train from ``global_state.train_state.step`` until an exit reason
-    (:func:`bridge_hpc.training.exit_policy.exit_reasons`)."""
+    (:func:`bridge_hpc.training.resilience.exit_policy.exit_reasons`)."""
     cfg, ts = global_state.cfg, global_state.train_state
     forward_step_func = prepare_forward_step_func(forward_step_func, global_state)
     for chunk in model:

@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from bridge_hpc.training import checkpointing
-from bridge_hpc.training.gpt import forward_step as gpt_forward_step
+from bridge_hpc.training.checkpoint import checkpointing
+from bridge_hpc.training.engine.model import forward_step as gpt_forward_step
 
 if float(os.environ.get("TEST_SAVE_DELAY", "0") or 0) > 0:
     _real_save = checkpointing.save_checkpoint

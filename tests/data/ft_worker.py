@@ -1,7 +1,7 @@
 """A tiny stand-in for the training loop, for tests/test_fault_tolerance.py and the FT benchmark.
 
 Started by ft_launcher (or torchrun) with gloo ranks on CPU. It drives
-``bridge_hpc.training.fault_tolerance.FaultTolerance`` exactly as the loop is meant to, and writes:
+``bridge_hpc.training.resilience.fault_tolerance.FaultTolerance`` exactly as the loop is meant to, and writes:
 
   <out>/steps_rank<r>.txt     one line per finished step: "<restart> <iteration> <epoch time>"
   <out>/start_rank<r>.jsonl   one JSON line per process start: restart count, start time, resumed
@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from bridge_hpc.training.config import FaultToleranceConfig  # noqa: E402
-from bridge_hpc.training.fault_tolerance import FaultTolerance  # noqa: E402
+from bridge_hpc.training.resilience.fault_tolerance import FaultTolerance  # noqa: E402
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ def straggler(out):
     import torch.distributed as dist
 
     from bridge_hpc.training.config import NVRxStragglerDetectionConfig
-    from bridge_hpc.training.straggler import StragglerDetector
+    from bridge_hpc.training.resilience.straggler import StragglerDetector
 
     dist.init_process_group("nccl")
     torch.cuda.set_device(0)
@@ -54,7 +54,7 @@ def straggler_pair(out):
     import torch.distributed as dist
 
     from bridge_hpc.training.config import NVRxStragglerDetectionConfig
-    from bridge_hpc.training.straggler import StragglerDetector
+    from bridge_hpc.training.resilience.straggler import StragglerDetector
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
@@ -97,7 +97,7 @@ def gpu_hog(out):
 
 
 def train(out, fault):
-    from bridge_hpc.training import gpt
+    from bridge_hpc.training.engine import model as gpt
     from bridge_hpc.training.pretrain import pretrain
     from bridge_hpc.training.run import build_config
 

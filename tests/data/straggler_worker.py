@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from bridge_hpc.training.config import NVRxStragglerDetectionConfig  # noqa: E402
-from bridge_hpc.training.straggler import StragglerDetector  # noqa: E402
+from bridge_hpc.training.resilience.straggler import StragglerDetector  # noqa: E402
 
 
 def main() -> None:

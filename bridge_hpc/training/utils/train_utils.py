@@ -1,6 +1,8 @@
-"""Helpers the loop calls: forward-step state injection, loss reduction, FLOPs, the step log and its
-reports (memory, throughput, runtime, gradient and parameter norms), the model-parallel collectives
-behind them, and model hooks (value head, frozen MoE router) for external trainers.
+"""Helpers the loop calls: forward-step state injection, FLOPs, the step log and its reports (memory,
+throughput, runtime, gradient and parameter norms) and the model-parallel collectives behind them;
+at the end, in a section of its own, the model hooks (value head, frozen MoE router) that Bridge's
+page documents for external trainers and the loop never calls. The loop's own loss reduction is
+:mod:`bridge_hpc.training.engine.collectives`.
 
 The names, signatures and behaviour are those of Megatron Bridge's
 ``megatron.bridge.training.utils.train_utils``, so code written against Bridge works unchanged.
@@ -25,7 +27,7 @@ import os
 import time
 from collections import defaultdict
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -34,7 +36,9 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 
+from bridge_hpc.contracts import metrics_file
 from bridge_hpc.training.config import ProfilingConfig, TrainingConfig
+from bridge_hpc.training.engine.collectives import comm_device
 from bridge_hpc.training.state import GlobalState, TrainState
 
 logger = logging.getLogger(__name__)
@@ -92,151 +96,6 @@ def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState) -
 
 
 # ---------------------------------------------------------------------------------------------
-# Loss reduction
-# ---------------------------------------------------------------------------------------------
-
-
-def comm_device() -> torch.device:
-    """Where tensors for collectives must live: the current GPU under nccl, else the CPU."""
-    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def reduce_loss_dicts(loss_dicts: List[Dict[str, torch.Tensor]], group=None) -> Dict[str, torch.Tensor]:
-    """Reduce the per-microbatch report dicts of one global batch to one value per key.
-
-    As in Megatron Bridge: a 2-element value ``[loss_sum, num_tokens]`` is summed over
-    microbatches and data-parallel ranks, then divided (a per-token mean over the global batch);
-    a 1-element value is averaged over microbatches and then over data-parallel ranks.
-    """
-    return reduce_loss_dicts_and_flags(loss_dicts, group)[0]
-
-
-def reduce_loss_dicts_and_flags(loss_dicts: List[Dict[str, torch.Tensor]], group=None,
-                                flags: Optional[Dict[str, bool]] = None
-                                ) -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
-    """:func:`reduce_loss_dicts`, and the logical OR of each of ``flags`` over all ranks, in ONE
-    all-reduce (SUM) where ``group`` spans the world: every key's values and the flags packed in one
-    tensor. Why: the loop needs both every step (the loss to log, the stop observations to agree
-    on), and on gloo each small all-reduce cost about 1.5 ms of a 45 ms CPU step, most of it CPU
-    time. Keys are packed in sorted order, so every rank issues the same collective. Returns
-    ``(reduced, agreed flags or None)``."""
-    return start_reduce_loss_dicts_and_flags(loss_dicts, group, flags)()
-
-
-class PackedReports:
-    """One global batch's loss reports (and optionally the ranks' stop observations) packed in ONE
-    float tensor, so that one SUM all-reduce serves both, and read back from the reduced tensor.
-
-    Keys are packed in sorted order, so every rank builds the same layout. A 2-element report
-    ``[loss_sum, num_tokens]`` is summed over micro-batches (then over ranks, then divided: a
-    per-token mean); a 1-element report is averaged over micro-batches (then over ranks). The flags
-    ride along only when the data-parallel group is the world (``flags_ride``); a flag is agreed when
-    any rank raised it (a SUM above 0). :func:`start_reduce_loss_dicts_and_flags` all-reduces
-    :attr:`tensor` by itself; :class:`bridge_hpc.training.grad_reduce_rider.GradReduceRider` appends
-    it to the data-parallel gradient all-reduce instead."""
-
-    def __init__(self, loss_dicts: List[Dict[str, torch.Tensor]], flags: Optional[Dict[str, bool]],
-                 dp_size: int, world: int, device: torch.device):
-        self.keys = sorted(loss_dicts[0].keys()) if loss_dicts else []
-        self.dp_size = dp_size
-        self.flags = flags
-        parts, self.kinds = [], []
-        for key in self.keys:
-            values = [torch.as_tensor(d[key]).detach().float().view(-1).to(device) for d in loss_dicts]
-            if values[0].numel() == 2:
-                parts.append(torch.vstack(values).sum(dim=0))
-            elif values[0].numel() == 1:
-                parts.append(torch.cat(values).mean().view(1))
-            else:
-                raise ValueError(f"loss report '{key}' must have 1 or 2 elements, got shape {tuple(values[0].shape)}")
-            self.kinds.append(values[0].numel())
-        self.flag_names = list(flags) if flags is not None else []
-        self.flags_ride = bool(self.flag_names) and dp_size == world
-        if self.flags_ride:
-            parts.append(torch.tensor([1.0 if flags[k] else 0.0 for k in self.flag_names], device=device))
-        self.tensor: Optional[torch.Tensor] = torch.cat(parts) if parts else None
-
-    def unpack(self, reduced: Optional[torch.Tensor],
-               separate_flags: Optional[torch.Tensor] = None) -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
-        """``(reduced report per key, agreed flags or None)`` from :attr:`tensor` after its SUM over the
-        data-parallel group (``reduced``); ``separate_flags``: the flags' own MAX all-reduce when they
-        did not ride along (None on a single rank: this rank's flags stand)."""
-        out: Dict[str, torch.Tensor] = {}
-        offset = 0
-        for key, kind in zip(self.keys, self.kinds):
-            if kind == 2:
-                total = reduced[offset:offset + 2]
-                out[key] = total[0] / total[1].clamp(min=1)
-            else:
-                out[key] = reduced[offset] / self.dp_size if self.dp_size > 1 else reduced[offset]
-            offset += kind
-        agreed = None
-        if self.flags is not None:
-            if self.flags_ride:
-                agreed = {k: v > 0 for k, v in zip(self.flag_names, reduced[offset:].tolist())}
-            elif separate_flags is not None:
-                agreed = {k: bool(v) for k, v in zip(self.flag_names, separate_flags.tolist())}
-            else:
-                agreed = dict(self.flags)
-        return out, agreed
-
-
-def start_reduce_loss_dicts_and_flags(loss_dicts: List[Dict[str, torch.Tensor]], group=None,
-                                      flags: Optional[Dict[str, bool]] = None
-                                      ) -> Callable[[], Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]]:
-    """:func:`reduce_loss_dicts_and_flags` in two halves: this one packs (:class:`PackedReports`) and
-    issues the all-reduce (asynchronously) and returns the function that waits for it and reads the
-    result. The loop issues it before the optimizer step and reads it after: on GPUs the read then
-    finds it done and what the loop does between steps overlaps the optimizer's kernels instead of
-    following a drained GPU."""
-    dp_size = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    device = comm_device()
-    packed = PackedReports(loss_dicts, flags, dp_size, world, device)
-    works = []
-    if packed.tensor is not None and dp_size > 1:
-        works.append(torch.distributed.all_reduce(packed.tensor, group=group, async_op=True))
-    separate = None
-    if flags is not None and not packed.flags_ride and world > 1:
-        # the data-parallel group is not the world: the flags need their own collective
-        separate = torch.tensor([1 if flags[k] else 0 for k in packed.flag_names], dtype=torch.int32, device=device)
-        works.append(torch.distributed.all_reduce(separate, op=torch.distributed.ReduceOp.MAX, async_op=True))
-
-    if device.type != "cuda" or packed.tensor is None:
-        def finish() -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
-            for work in works:
-                work.wait()
-            return packed.unpack(packed.tensor, separate)
-
-        return finish
-    # On GPUs the loop reads the losses and the flags on the host every step, and a plain read would
-    # wait for everything queued before it, the optimizer step included, leaving the GPU idle while the
-    # host then prepares the next step. The copy to host is queued now, right behind the collectives
-    # (the stream, not the host, waits for them), and ``finish`` waits for that copy only: the reports
-    # it returns are host tensors.
-    for work in works:
-        work.wait()
-    host_tensor = _copy_to_host_async(packed.tensor)
-    host_separate = _copy_to_host_async(separate) if separate is not None else None
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def finish_from_host() -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]:
-        copied.synchronize()
-        return packed.unpack(host_tensor, host_separate)
-
-    return finish_from_host
-
-
-def _copy_to_host_async(tensor: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
-
-
-# ---------------------------------------------------------------------------------------------
 # Throughput bookkeeping
 # ---------------------------------------------------------------------------------------------
 
@@ -257,138 +116,6 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
     dense = 6 * tokens * (layers * dense_per_layer + h * m.vocab_size)
     attention = 6 * tokens * layers * s * q  # QK^T and AV, fwd+bwd, causal half of 2·2·s·q each
     return float(dense + attention)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model hooks: a value head, a frozen MoE router
-# ---------------------------------------------------------------------------------------------
-
-
-class LinearForLastLayer(nn.Linear):
-    """Final replicated projection head compatible with Megatron output-layer calls.
-
-    megatron-core's ``GPTModel`` calls its output layer as ``output_layer(hidden, weight=...,
-    runtime_gather_output=...)`` and unpacks ``(logits, bias)``; this head accepts (and ignores) those
-    arguments so it can replace ``output_layer`` as a value/reward head: a plain replicated linear
-    projection without bias, computed in fp32. With sequence parallelism the activations arrive split
-    along the sequence, so the output is gathered back to the full sequence.
-    """
-
-    def __init__(self, input_size: int, output_size: int, sequence_parallel: bool) -> None:
-        """Initialize a replicated final projection.
-
-        Args:
-            input_size: Hidden dimension of the transformer output.
-            output_size: Output dimension of the value/reward head.
-            sequence_parallel: Whether to gather sequence-parallel activations.
-        """
-        super().__init__(in_features=input_size, out_features=output_size, bias=False)
-        self.sequence_parallel = sequence_parallel
-        if sequence_parallel:
-            # megatron-core's DDP all-reduces the gradients of parameters marked so over the TP group.
-            self.weight.sequence_parallel = True
-
-    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                runtime_gather_output: Optional[bool] = None) -> tuple[torch.Tensor, None]:
-        """Run the final projection and return Megatron-style ``(output, bias)``."""
-        del weight, runtime_gather_output
-        logits = super().forward(input_).float()
-        if self.sequence_parallel:
-            logits = tensor_parallel.gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=False)
-        return logits, None
-
-
-def create_value_head_hook(hidden_size: int, sequence_parallel: bool, output_size: int = 1) -> ModelHook:
-    """Create a pre-wrap hook that replaces the final pipeline stage output head.
-
-    The hook sets ``output_layer`` of each chunk that holds the last pipeline stage (per virtual
-    stage with interleaved pipelines) to a :class:`LinearForLastLayer`, so the model returns
-    ``[batch, seq, output_size]`` values instead of vocabulary logits. Apply it before the model is
-    wrapped for data parallelism (the wrapper registers the parameters it reduces).
-
-    Args:
-        hidden_size: Hidden dimension of the transformer output.
-        sequence_parallel: Whether the model uses sequence parallelism.
-        output_size: Number of outputs produced by the final head.
-
-    Returns:
-        A model hook suitable for external trainer provider construction.
-
-    (Bridge also registers the head with its Hugging Face conversion mappings; this toolkit has no
-    such conversion, so there is nothing to register.)
-    """
-
-    def hook(model: Union[ModelList, MegatronModule]) -> ModelList:
-        model_chunks = _ensure_model_list(model)
-        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1 and vp_size is not None:
-            post_process = [parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-                            for vp in range(vp_size)]
-        else:
-            post_process = [parallel_state.is_pipeline_last_stage()]
-        if len(post_process) != len(model_chunks):
-            raise ValueError("Model list length and pipeline post-process list length must match. "
-                             f"Got {len(model_chunks)} model chunks and {len(post_process)} post-process flags.")
-        for chunk, is_last in zip(model_chunks, post_process):
-            if is_last:
-                chunk.output_layer = LinearForLastLayer(input_size=hidden_size, output_size=output_size,
-                                                        sequence_parallel=sequence_parallel)
-        return model_chunks
-
-    return hook
-
-
-def make_value_model(hidden_size: int, sequence_parallel: bool) -> ModelHook:
-    """Create a value-head hook compatible with existing external trainer code (one output)."""
-    return create_value_head_hook(hidden_size=hidden_size, sequence_parallel=sequence_parallel)
-
-
-def freeze_moe_router(model: Union[ModelList, MegatronModule]) -> ModelList:
-    """Freeze MoE router and shared-expert gate parameters in model chunks.
-
-    For every ``decoder.layers[i].mlp``: the router's ``weight`` and ``bias`` and the shared experts'
-    ``gate_weight`` and ``gate_bias``, where present, get ``requires_grad = False``. A dense layer
-    (no router) and a model without a decoder are left as they are. Chunks already wrapped (DDP,
-    Float16Module) are looked into through ``.module`` (Bridge applies it before wrapping); note that
-    a wrapper built before the freeze still holds gradient buffers for these parameters.
-
-    Args:
-        model: Single Megatron module or list of virtual-pipeline model chunks.
-
-    Returns:
-        The normalized model chunk list with router parameters frozen in place.
-    """
-    model_chunks = _ensure_model_list(model)
-    for chunk in model_chunks:
-        inner = chunk
-        while not hasattr(inner, "decoder") and isinstance(getattr(inner, "module", None), nn.Module):
-            inner = inner.module
-        layers = getattr(getattr(inner, "decoder", None), "layers", None)
-        if layers is None:
-            continue
-        for layer in layers:
-            mlp = getattr(layer, "mlp", None)
-            if mlp is None:
-                continue
-            router = getattr(mlp, "router", None)
-            if router is not None:
-                _freeze_parameter_if_present(router, "weight")
-                _freeze_parameter_if_present(router, "bias")
-            shared_experts = getattr(mlp, "shared_experts", None)
-            if shared_experts is not None:
-                _freeze_parameter_if_present(shared_experts, "gate_weight")
-                _freeze_parameter_if_present(shared_experts, "gate_bias")
-    return model_chunks
-
-
-def _ensure_model_list(model: Union[ModelList, MegatronModule]) -> ModelList:
-    return model if isinstance(model, list) else [model]
-
-
-def _freeze_parameter_if_present(module: object, name: str) -> None:
-    parameter = getattr(module, name, None)
-    if isinstance(parameter, torch.Tensor):
-        parameter.requires_grad = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -938,19 +665,19 @@ def training_log(loss_dict: Dict[str, torch.Tensor], learning_rate: Optional[flo
     """
     cfg, ts = global_state.cfg, global_state.train_state
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    record: Dict[str, Any] = {"step": ts.step}
+    record: Dict[str, Any] = {metrics_file.STEP: ts.step}
     for key, value in loss_dict.items():
-        record["loss" if key == "lm loss" else key] = float(value)
-    if "loss" not in record and loss_dict:
-        record["loss"] = float(next(iter(loss_dict.values())))
-    record.update(
-        lr=learning_rate,
-        grad_norm=None if grad_norm is None else float(grad_norm),
-        tokens_per_s=tokens / step_time_s if step_time_s > 0 else None,
-        step_time_s=step_time_s,
-        consumed_samples=ts.consumed_train_samples,
-        skipped=skipped_iter,
-    )
+        record[metrics_file.LOSS if key == "lm loss" else key] = float(value)
+    if metrics_file.LOSS not in record and loss_dict:
+        record[metrics_file.LOSS] = float(next(iter(loss_dict.values())))
+    record.update({
+        metrics_file.LR: learning_rate,
+        metrics_file.GRAD_NORM: None if grad_norm is None else float(grad_norm),
+        metrics_file.TOKENS_PER_S: tokens / step_time_s if step_time_s > 0 else None,
+        metrics_file.STEP_TIME_S: step_time_s,
+        metrics_file.CONSUMED_SAMPLES: ts.consumed_train_samples,
+        metrics_file.SKIPPED: skipped_iter,
+    })
     if num_zeros_in_grad is not None:
         record["num_zeros_in_grad"] = int(num_zeros_in_grad)
     log_step = ts.step % cfg.logger.log_interval == 0
@@ -988,3 +715,136 @@ def training_log(loss_dict: Dict[str, torch.Tensor], learning_rate: Optional[flo
         if ts.step > global_state.run_start_step + 1:
             report_memory_flag = False
     return report_memory_flag
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron Bridge compatibility: model hooks (a value head, a frozen MoE router) for external
+# trainers. The loop never calls them; they are here because Bridge's page documents them.
+# ---------------------------------------------------------------------------------------------
+
+
+class LinearForLastLayer(nn.Linear):
+    """Final replicated projection head compatible with Megatron output-layer calls.
+
+    megatron-core's ``GPTModel`` calls its output layer as ``output_layer(hidden, weight=...,
+    runtime_gather_output=...)`` and unpacks ``(logits, bias)``; this head accepts (and ignores) those
+    arguments so it can replace ``output_layer`` as a value/reward head: a plain replicated linear
+    projection without bias, computed in fp32. With sequence parallelism the activations arrive split
+    along the sequence, so the output is gathered back to the full sequence.
+    """
+
+    def __init__(self, input_size: int, output_size: int, sequence_parallel: bool) -> None:
+        """Initialize a replicated final projection.
+
+        Args:
+            input_size: Hidden dimension of the transformer output.
+            output_size: Output dimension of the value/reward head.
+            sequence_parallel: Whether to gather sequence-parallel activations.
+        """
+        super().__init__(in_features=input_size, out_features=output_size, bias=False)
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            # megatron-core's DDP all-reduces the gradients of parameters marked so over the TP group.
+            self.weight.sequence_parallel = True
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None) -> tuple[torch.Tensor, None]:
+        """Run the final projection and return Megatron-style ``(output, bias)``."""
+        del weight, runtime_gather_output
+        logits = super().forward(input_).float()
+        if self.sequence_parallel:
+            logits = tensor_parallel.gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=False)
+        return logits, None
+
+
+def create_value_head_hook(hidden_size: int, sequence_parallel: bool, output_size: int = 1) -> ModelHook:
+    """Create a pre-wrap hook that replaces the final pipeline stage output head.
+
+    The hook sets ``output_layer`` of each chunk that holds the last pipeline stage (per virtual
+    stage with interleaved pipelines) to a :class:`LinearForLastLayer`, so the model returns
+    ``[batch, seq, output_size]`` values instead of vocabulary logits. Apply it before the model is
+    wrapped for data parallelism (the wrapper registers the parameters it reduces).
+
+    Args:
+        hidden_size: Hidden dimension of the transformer output.
+        sequence_parallel: Whether the model uses sequence parallelism.
+        output_size: Number of outputs produced by the final head.
+
+    Returns:
+        A model hook suitable for external trainer provider construction.
+
+    (Bridge also registers the head with its Hugging Face conversion mappings; this toolkit has no
+    such conversion, so there is nothing to register.)
+    """
+
+    def hook(model: Union[ModelList, MegatronModule]) -> ModelList:
+        model_chunks = _ensure_model_list(model)
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1 and vp_size is not None:
+            post_process = [parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+                            for vp in range(vp_size)]
+        else:
+            post_process = [parallel_state.is_pipeline_last_stage()]
+        if len(post_process) != len(model_chunks):
+            raise ValueError("Model list length and pipeline post-process list length must match. "
+                             f"Got {len(model_chunks)} model chunks and {len(post_process)} post-process flags.")
+        for chunk, is_last in zip(model_chunks, post_process):
+            if is_last:
+                chunk.output_layer = LinearForLastLayer(input_size=hidden_size, output_size=output_size,
+                                                        sequence_parallel=sequence_parallel)
+        return model_chunks
+
+    return hook
+
+
+def make_value_model(hidden_size: int, sequence_parallel: bool) -> ModelHook:
+    """Create a value-head hook compatible with existing external trainer code (one output)."""
+    return create_value_head_hook(hidden_size=hidden_size, sequence_parallel=sequence_parallel)
+
+
+def freeze_moe_router(model: Union[ModelList, MegatronModule]) -> ModelList:
+    """Freeze MoE router and shared-expert gate parameters in model chunks.
+
+    For every ``decoder.layers[i].mlp``: the router's ``weight`` and ``bias`` and the shared experts'
+    ``gate_weight`` and ``gate_bias``, where present, get ``requires_grad = False``. A dense layer
+    (no router) and a model without a decoder are left as they are. Chunks already wrapped (DDP,
+    Float16Module) are looked into through ``.module`` (Bridge applies it before wrapping); note that
+    a wrapper built before the freeze still holds gradient buffers for these parameters.
+
+    Args:
+        model: Single Megatron module or list of virtual-pipeline model chunks.
+
+    Returns:
+        The normalized model chunk list with router parameters frozen in place.
+    """
+    model_chunks = _ensure_model_list(model)
+    for chunk in model_chunks:
+        inner = chunk
+        while not hasattr(inner, "decoder") and isinstance(getattr(inner, "module", None), nn.Module):
+            inner = inner.module
+        layers = getattr(getattr(inner, "decoder", None), "layers", None)
+        if layers is None:
+            continue
+        for layer in layers:
+            mlp = getattr(layer, "mlp", None)
+            if mlp is None:
+                continue
+            router = getattr(mlp, "router", None)
+            if router is not None:
+                _freeze_parameter_if_present(router, "weight")
+                _freeze_parameter_if_present(router, "bias")
+            shared_experts = getattr(mlp, "shared_experts", None)
+            if shared_experts is not None:
+                _freeze_parameter_if_present(shared_experts, "gate_weight")
+                _freeze_parameter_if_present(shared_experts, "gate_bias")
+    return model_chunks
+
+
+def _ensure_model_list(model: Union[ModelList, MegatronModule]) -> ModelList:
+    return model if isinstance(model, list) else [model]
+
+
+def _freeze_parameter_if_present(module: object, name: str) -> None:
+    parameter = getattr(module, name, None)
+    if isinstance(parameter, torch.Tensor):
+        parameter.requires_grad = False

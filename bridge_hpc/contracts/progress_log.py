@@ -29,7 +29,7 @@ SAVED_CHECKPOINT = "Saved checkpoint"
 SAVING_ASYNC = "Saving async checkpoint"
 LOADED_CHECKPOINT = "Loaded checkpoint"
 FIRST_STEP = "First step"
-#: The ``First step`` field listing where the start-up went (bridge_hpc.training.startup).
+#: The ``First step`` field listing where the start-up went (bridge_hpc.training.process.startup).
 STARTUP_PHASES = "Start-up phases"
 ENDING_JOB = "Ending job"
 RESTART = "Restart"
@@ -63,7 +63,7 @@ RESTART_COUNT = "Restart count"
 #: H100 80GB HBM3") or "cpu". Megatron's "# GPUs" counts ranks whatever they run on; this says on what.
 DEVICE = "Device"
 
-#: Why a run ended. The last four come from result validation (:mod:`bridge_hpc.training.rerun`): a
+#: Why a run ended. The last four come from result validation (:mod:`bridge_hpc.training.resilience.rerun`): a
 #: NaN / Inf loss (or another fatal check) that its step's re-run reproduced, which stops the job for
 #: good; and ``transient_fault``, a fatal result the re-run did not reproduce (suspect hardware), after
 #: which the job is requeued to redo the step.
@@ -349,7 +349,7 @@ class ProgressLog:
     def first_step(self, iteration: int, phases: Optional[str] = None) -> float:
         """The first training step of this run is done; logs and returns the start-up seconds
         (process start to now: launch, load, compilation, the first step itself). ``phases``: where
-        they went (:meth:`bridge_hpc.training.startup.StartupPhases.describe`), logged as the field
+        they went (:meth:`bridge_hpc.training.process.startup.StartupPhases.describe`), logged as the field
         ``Start-up phases``."""
         now = self.clock()
         startup = now - self._started()

@@ -4,7 +4,7 @@ A requeued run pays its start-up on every preemption (issue: at most 15 s lost p
 all), so the one figure "Start-up seconds" of the progress log is not enough to act on: rank 0 also
 logs the phases (launch and imports, process group, set-up, model, optimizer, checkpoint load, data,
 first step) and the progress log's ``First step`` line carries them
-(:data:`bridge_hpc.report.progress.STARTUP_PHASES`), where ``benchmarks/preemption.py`` reads them.
+(:data:`bridge_hpc.contracts.progress_log.STARTUP_PHASES`), where ``benchmarks/preemption.py`` reads them.
 """
 
 from __future__ import annotations

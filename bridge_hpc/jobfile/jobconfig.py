@@ -39,10 +39,6 @@ from bridge_hpc.training.config import (
     recipe_fields,
 )
 
-# The launcher's sections; every other known section (bridge_hpc.training.config.SECTIONS, named
-# after Megatron Bridge's ConfigContainer fields) is carried to the ranks.
-TOP_LEVEL_KEYS = ("extends",)
-
 # Every pattern below is applied with fullmatch: ``$`` would also match before a final newline, and a
 # name ending in a newline would end an ``#SBATCH`` line and start a shell line.
 _TIME_RE = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<h>[0-9]{1,3}):(?P<m>[0-9]{2}):(?P<s>[0-9]{2})")
@@ -106,7 +102,7 @@ class JobSection:
     # Where the ranks keep compiled modules when the installed torch / megatron-core have none and
     # Python would not write them (read-only install, PYTHONDONTWRITEBYTECODE): "auto"
     # ($XDG_CACHE_HOME/bridge_hpc/pycache), "off", or an absolute folder. See
-    # bridge_hpc.training.bytecode_cache.
+    # bridge_hpc.training.process.bytecode_cache.
     bytecode_cache: str = "auto"
 
 
@@ -532,7 +528,8 @@ def _build_env(data: Any, where: _Where) -> List[EnvVar]:
     return out
 
 
-def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> None:
+def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> signals.StopSignal:
+    """Check the [slurm] section against itself and the cluster profile; the parsed stop signal."""
     try:
         limit = parse_time_limit(s.time)
     except ValueError:
@@ -581,6 +578,7 @@ def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> None:
             raise where.error("cluster.max_time", f"expected HH:MM:SS or D-HH:MM:SS, got {c.max_time!r}") from None
         if limit > max_s:
             raise where.error("slurm.time", f"{s.time} exceeds the cluster's maximum {c.max_time}")
+    return stop
 
 
 #: Slurm keeps counts in 32 bits (and the batch script compares restarts in bash arithmetic).
@@ -645,8 +643,7 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     if container is not None and not container.image:
         raise where.error("container.image", "a [container] section needs an image")
     env = _build_env(doc.get("env", {}), where)
-    _validate_slurm(slurm, cluster, where)
-    stop_signal = signals.parse_slurm_signal(slurm.signal)
+    stop_signal = _validate_slurm(slurm, cluster, where)
 
     base = cwd or Path.cwd()
     try:

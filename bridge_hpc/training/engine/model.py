@@ -122,7 +122,7 @@ def _block_spec(cfg: GPTModelConfig, config: TransformerConfig, vp_stage: Option
         return layer
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from bridge_hpc.training.fused_kernels import BiasInGemmColumnParallelLinear, TritonNorm
+    from bridge_hpc.training.engine.fused_kernels import BiasInGemmColumnParallelLinear, TritonNorm
 
     layer.submodules.input_layernorm = TritonNorm
     layer.submodules.pre_mlp_layernorm = TritonNorm
@@ -140,7 +140,7 @@ class TritonLossGPTModel(GPTModel):
     logits in, [b, s] losses out)."""
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        from bridge_hpc.training.fused_kernels import vocab_parallel_cross_entropy
+        from bridge_hpc.training.engine.fused_kernels import vocab_parallel_cross_entropy
 
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp)
         return loss.transpose(0, 1).contiguous()

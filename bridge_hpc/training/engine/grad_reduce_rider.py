@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from bridge_hpc.training.utils.train_utils import PackedReports
+from bridge_hpc.training.engine.collectives import PackedReports
 
 #: The riders installed, by the DDP module whose gradients they ride on.
 _RIDERS: "weakref.WeakKeyDictionary[torch.nn.Module, GradReduceRider]" = weakref.WeakKeyDictionary()

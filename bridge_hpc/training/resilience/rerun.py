@@ -26,7 +26,7 @@ RNG states of the step's start and the same micro-batches. A result the re-run r
 
 Each re-run is reported on rank 0 (a stdout line and a ``Result validation`` line in the progress
 log: step, check, diagnosis, ranks, action). The stop itself is an exit reason
-(:func:`stop_reason`) that :func:`bridge_hpc.training.exit_policy.checkpoint_and_decide_exit`, the one
+(:func:`stop_reason`) that :func:`bridge_hpc.training.resilience.exit_policy.checkpoint_and_decide_exit`, the one
 place that saves and stops, acts on.
 
 Where this differs from Megatron: after a deterministic fatal result Megatron saves and exits with
@@ -74,8 +74,8 @@ from megatron.core.rerun_state_machine import (
 )
 
 from bridge_hpc.training.config import RerunStateMachineConfig
+from bridge_hpc.training.engine.collectives import comm_device
 from bridge_hpc.training.state import GlobalState
-from bridge_hpc.training.utils.train_utils import comm_device
 
 __all__ = ["RerunDataIterator", "BridgeRerunStateMachine", "init_rerun_state", "destroy_rerun_state",
            "validate_loss", "report_rerun", "stop_reason", "position_of"]
@@ -94,7 +94,7 @@ DIAGNOSES = ("deterministic", "transient")
 _DIAGNOSIS = {RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE: "deterministic",
               RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE: "transient"}
 
-#: Exit reasons (the vocabulary of :func:`bridge_hpc.training.exit_policy.exit_reasons`) of a run that a
+#: Exit reasons (the vocabulary of :func:`bridge_hpc.training.resilience.exit_policy.exit_reasons`) of a run that a
 #: failed result validation stops. Deterministic ones are final; the transient one requeues.
 EXIT_NAN_LOSS = "NaN loss"
 EXIT_INF_LOSS = "Inf loss"

@@ -18,7 +18,7 @@ the file name without ``.jsonl``/``.json``/``.gz``) and json key ``text``:
 - ``out/corpus.manifest.json`` — every shard's record plus the settings and totals.
 
 One writer per prefix: every writer holds ``<output-prefix>.lock``
-(:mod:`bridge_hpc.data.prefix_lock`) before it reads a record. A shard is written under temporary
+(:mod:`bridge_hpc.prepare.prefix_lock`) before it reads a record. A shard is written under temporary
 names private to its writer (host, pid), read back and checked against the checksums computed while
 writing, and only then renamed into place; the record comes last. A re-run keeps a shard only when
 its record matches the source (path, size and modification time; or, when the time differs or the
@@ -57,7 +57,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Text
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.text import has_control_chars
-from bridge_hpc.data.prefix_lock import hold_prefix
+from bridge_hpc.prepare.prefix_lock import hold_prefix
 from bridge_hpc.training.config import TokenizerConfig
 from bridge_hpc.training.tokenizers import build_tokenizer
 
@@ -753,7 +753,7 @@ def prepare_shard(input_path: Path, output_prefix: str, tokenizer_cfg: Tokenizer
                   progress: Optional[Progress] = None) -> ShardRecord:
     """Tokenize one jsonl (or jsonl.gz) file into one indexed dataset per json key; return its record.
 
-    The caller holds the prefix (:func:`bridge_hpc.data.prefix_lock.hold_prefix`). ``tokenizer_cfg``
+    The caller holds the prefix (:func:`bridge_hpc.prepare.prefix_lock.hold_prefix`). ``tokenizer_cfg``
     must be finalized. The files are written under temporary names private to this process, read
     back and checked against the sha256 computed as they were written, renamed into place, and only
     then is the record written (:func:`record_path`): an interrupted or failed run leaves no file
@@ -927,7 +927,7 @@ def prepare_local(inputs: Sequence[str], output_prefix: str, tokenizer_cfg: Toke
                   ) -> List[ShardRecord]:
     """Prepare every input file on this machine, keeping shards that check out; then write the manifest.
 
-    The prefix is held exclusively for the whole run (:func:`~bridge_hpc.data.prefix_lock.hold_prefix`,
+    The prefix is held exclusively for the whole run (:func:`~bridge_hpc.prepare.prefix_lock.hold_prefix`,
     refused while ``unfinished_jobs()`` names a --slurm job of it). Every shard is checked
     (:func:`check_shard`; every byte with ``verify``) before any work starts, so a prefix that would
     overwrite shards of other input is refused before anything is written.

@@ -1,5 +1,5 @@
 """What runs in the processes behind ``checkpoint.async_save`` (see
-:mod:`bridge_hpc.training.async_checkpoint`), and how the rank starts them.
+:mod:`bridge_hpc.training.checkpoint.async_writer`), and how the rank starts them.
 
 Stdlib only on purpose: a spawned process imports the module of every function it is given to run,
 and the write-results Manager runs :func:`end_with_parent` before it answers the rank that waits for

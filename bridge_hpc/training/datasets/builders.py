@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -31,12 +31,14 @@ from bridge_hpc.training.config import (
     GPTDatasetConfig,
     GPTFIMDatasetConfig,
     JsonlProblem,
+    MockGPTDatasetConfig,
     parse_jsonl_record,
     read_index_header,
 )
 
 __all__ = ["MockGPTDataset", "FinetuningDataset", "DatasetProvider", "DatasetBuildContext", "SampleIterator",
-           "build_data_iterator", "build_datasets", "build_gpt_datasets", "build_finetuning_datasets",
+           "build_data_iterator", "build_datasets", "build_mock_datasets", "build_gpt_datasets",
+           "build_finetuning_datasets", "BUILDERS",
            "check_token_ids", "index_jsonl"]
 
 #: In ``path_to_cache``: the largest token id of each ``.bin`` already scanned, keyed by path, size and
@@ -232,15 +234,36 @@ def build_data_iterator(dataset: Optional[Dataset], consumed_samples: int, micro
                           stop_signals, global_batch_size)
 
 
-def build_datasets(provider: DatasetProvider, cfg, tokenizer: Optional[Any] = None) -> tuple:
-    """Ask the dataset provider for ``(train, valid, test)`` sized for the whole run.
+def build_mock_datasets(config: MockGPTDatasetConfig, context: DatasetBuildContext) -> tuple:
+    """``(train, valid, test)`` of :class:`MockGPTDataset`, each sized as the context asks (None for 0)."""
+
+    def split(name: str, n: int) -> Optional[MockGPTDataset]:
+        if n <= 0:
+            return None
+        return MockGPTDataset(n, config.seq_length, config.vocab_size, config.random_seed, name)
+
+    return split("train", context.train_samples), split("valid", context.valid_samples), split(
+        "test", context.test_samples)
+
+
+def build_datasets(dataset: Union[DatasetProvider, DataloaderConfig], cfg, tokenizer: Optional[Any] = None) -> tuple:
+    """``(train, valid, test)`` for ``cfg.dataset`` sized for the whole run: a user's
+    :class:`DatasetProvider` builds its own; a built-in config type is built by the function
+    :data:`BUILDERS` maps it to (the most derived match).
 
     ``tokenizer``: the run's, from :func:`bridge_hpc.training.tokenizers.build_tokenizer_for` (which
     indexed data needs). A collective when torch.distributed is up: every rank must call it.
     """
     train_samples, valid_samples, test_samples = cfg.split_samples()
-    return provider.build_datasets(DatasetBuildContext(train_samples, valid_samples, test_samples,
-                                                       tokenizer=tokenizer, vocab_size=cfg.model.vocab_size))
+    context = DatasetBuildContext(train_samples, valid_samples, test_samples, tokenizer=tokenizer,
+                                  vocab_size=cfg.model.vocab_size)
+    if isinstance(dataset, DatasetProvider):
+        return dataset.build_datasets(context)
+    builder = next((BUILDERS[t] for t in type(dataset).__mro__ if t in BUILDERS), None)
+    if builder is None:
+        raise ConfigError(f"{type(dataset).__name__} is neither a built-in dataset config nor a DatasetProvider "
+                          "(implement build_datasets)", key="dataset")
+    return builder(dataset, context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +278,7 @@ def build_gpt_datasets(config: GPTDatasetConfig, context: DatasetBuildContext) -
     ids are checked against the model's vocabulary (:func:`check_token_ids`), then megatron-core's
     builder runs on every rank: with torch.distributed up it builds each dataset on rank 0 first
     (writing the index cache), waits at a barrier, and the other ranks then load those indices. A
-    :class:`GPTFIMDatasetConfig` builds :class:`bridge_hpc.training.fim.GPTFIMDataset` instead, its
+    :class:`GPTFIMDatasetConfig` builds :class:`bridge_hpc.training.datasets.fim.GPTFIMDataset` instead, its
     sentinel tokens resolved against the tokenizer first.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -269,7 +292,7 @@ def build_gpt_datasets(config: GPTDatasetConfig, context: DatasetBuildContext) -
         check_token_ids(config.prefixes(), context.vocab_size, config.path_to_cache)
     dataset_class, config_class, extra = GPTDataset, MCoreGPTDatasetConfig, {}
     if isinstance(config, GPTFIMDatasetConfig):
-        from bridge_hpc.training.fim import GPTFIMDataset, MCoreGPTFIMDatasetConfig, fim_settings
+        from bridge_hpc.training.datasets.fim import GPTFIMDataset, MCoreGPTFIMDatasetConfig, fim_settings
 
         dataset_class, config_class = GPTFIMDataset, MCoreGPTFIMDatasetConfig
         extra = {"fim": fim_settings(config, context.tokenizer)}
@@ -526,3 +549,13 @@ def build_finetuning_datasets(config: FinetuningDatasetConfig, context: DatasetB
     train_samples = config.max_train_samples or context.train_samples
     return (split("train", context.train_samples, train_samples, config.seed),
             split("valid", context.valid_samples), split("test", context.test_samples))
+
+
+#: Each built-in dataset config type -> the function that builds its datasets on the ranks. The
+#: configs stay torch-free and never import a builder; :func:`build_datasets` looks the type up here
+#: (FIM data is indexed data: :func:`build_gpt_datasets` reads its ``fim_*`` fields).
+BUILDERS: Dict[type, Callable[[Any, DatasetBuildContext], tuple]] = {
+    MockGPTDatasetConfig: build_mock_datasets,
+    GPTDatasetConfig: build_gpt_datasets,
+    FinetuningDatasetConfig: build_finetuning_datasets,
+}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.report.curves import VALIDATION_LOSS
+from bridge_hpc.contracts.metrics_file import STEP, VALIDATION_LOSS
 
 #: metrics.jsonl key -> TensorBoard tag. Other keys (further losses of the loss function) keep their name;
 #: so do the reports of ``train_utils.training_log`` on log steps, whose keys are Megatron Bridge's tags
@@ -136,7 +136,7 @@ class MetricsLogger:
 
         An evaluation of the same step (:meth:`validation`) joins the record as :data:`VALIDATION_LOSS`:
         one record per step, so readers that key records by step see the step once."""
-        if self._validation is not None and self._validation[0] == record["step"]:
+        if self._validation is not None and self._validation[0] == record[STEP]:
             record = {**record, VALIDATION_LOSS: self._validation[1]}
             self._validation = None
         if self._file is not None:
@@ -144,13 +144,13 @@ class MetricsLogger:
             self._file.flush()
         if self.writer is None:
             return
-        step = record["step"]
+        step = record[STEP]
         if self._startup_from is not None:
             self._add({STARTUP_TAG: time.time() - self._startup_from}, step)
             self._startup_from = None
         if step % self._tb_interval == 0:
             self._add({TENSORBOARD_TAGS.get(key, key): value for key, value in record.items()
-                       if key not in ("step", VALIDATION_LOSS) and value is not None and not isinstance(value, bool)},
+                       if key not in (STEP, VALIDATION_LOSS) and value is not None and not isinstance(value, bool)},
                       step)
 
     def log_scalars(self, values: Dict[str, float], step: int) -> None:
@@ -218,10 +218,10 @@ def _truncate_after(path: str, step: int) -> Optional[int]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if record.get("step", 0) <= step:
+        if record.get(STEP, 0) <= step:
             kept.append(line if line.endswith("\n") else line + "\n")
         else:
-            dropped.add(record["step"])
+            dropped.add(record[STEP])
     if len(kept) == len(lines) and all(line.endswith("\n") for line in lines):
         return 0
     tmp = path + ".tmp"
@@ -240,5 +240,5 @@ def read_metrics(path: str) -> Dict[int, Dict[str, Any]]:
         for line in f:
             if line.strip():
                 record = json.loads(line)
-                out[record["step"]] = record
+                out[record[STEP]] = record
     return out

@@ -11,7 +11,7 @@ Everything here is megatron-core's own machinery, wired the way Megatron-LM wire
   :func:`bridge_hpc.training.train.forward_backward` runs, unchanged;
 - gradients are finished by ``finalize_model_grads`` (data-parallel reduce, tied embeddings across
   stages, sequence-parallel norms across the tensor-parallel group); the gradient norm and clipping
-  run over the optimizer's model-parallel statistics group (:mod:`bridge_hpc.training.optimizer`);
+  run over the optimizer's model-parallel statistics group (:mod:`bridge_hpc.training.engine.optimizer`);
 - a micro-batch is read once per tensor-parallel group and broadcast within it, then cut into this
   rank's part of the sequence under context parallelism (:func:`broadcast_batch_within_tp`,
   :func:`bridge_hpc.training.gpt_step.get_batch`);

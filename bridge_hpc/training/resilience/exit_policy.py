@@ -19,12 +19,12 @@ Slurm's end time. The expected save is this run's last save, else the longest sa
 that the progress log records, else a guess.
 
 With ``checkpoint.async_save`` the interval saves are written in the background
-(:mod:`bridge_hpc.training.async_checkpoint`): after every step the ranks check, without waiting,
+(:mod:`bridge_hpc.training.checkpoint.async_writer`): after every step the ranks check, without waiting,
 whether the one in flight is written, and finalize it then (tracker, ``Saved checkpoint`` line). Any
 exit first waits for it, then saves synchronously, then requeues. A failed background save is
 reported (stderr, and a ``Checkpoint save failed`` line in the progress log) and training goes on: the
 next interval save retries. After ``checkpoint.async_save_max_failures`` failures in a row the run
-stops with :class:`~bridge_hpc.training.checkpointing.CheckpointSaveError`.
+stops with :class:`~bridge_hpc.training.checkpoint.checkpointing.CheckpointSaveError`.
 """
 
 from __future__ import annotations
@@ -38,21 +38,24 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from bridge_hpc.contracts import progress_log as progress_log
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.requeue import request_requeue
-from bridge_hpc.report import progress as progress_log
 from bridge_hpc.slurm import query
 from bridge_hpc.slurm.job_environment import JobEnvironment
-from bridge_hpc.training import async_checkpoint, checkpointing, rerun
-from bridge_hpc.training.checkpointing import CheckpointSaveError
+from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
+from bridge_hpc.training.checkpoint import checkpointing
+from bridge_hpc.training.checkpoint.checkpointing import CheckpointSaveError
 from bridge_hpc.training.config import ConfigContainer
+from bridge_hpc.training.engine.collectives import comm_device
+from bridge_hpc.training.engine.ddp_hooks import forward_pre_hooks_off
+from bridge_hpc.training.resilience import rerun
 from bridge_hpc.training.state import GlobalState
-from bridge_hpc.training.utils.train_utils import comm_device
 
 #: Exit reason -> the progress log's ``Ending job`` reason; the first that holds is reported (work
 #: done outranks the rest: nothing is left to requeue for).
 PROGRESS_REASONS = {"train_iters reached": "done",
-                    # a step that failed result validation (bridge_hpc.training.rerun): it did not count
+                    # a step that failed result validation (bridge_hpc.training.resilience.rerun): it did not count
                     rerun.EXIT_NAN_LOSS: "nan_loss", rerun.EXIT_INF_LOSS: "inf_loss",
                     rerun.EXIT_INVALID_RESULT: "invalid_result", rerun.EXIT_TRANSIENT_FAULT: "transient_fault",
                     "straggler": "straggler", "signal received": "signal", "time limit": "time_limit",
@@ -74,73 +77,6 @@ TIME_LIMIT_WARNING_WINDOW_S = 300.0
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward pre-hooks (megatron-core DDP with overlapped parameter all-gather)
-# ---------------------------------------------------------------------------------------------
-
-
-def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_optimizer: bool,
-                                    overlap_param_gather: bool) -> bool:
-    """Whether checkpoint saves must turn megatron-core DDP's forward pre-hooks off (Bridge's rule).
-
-    With the distributed optimizer and ``overlap_param_gather``, ``optimizer.step()`` updates only
-    this rank's shard of the parameters; the all-gather that brings the other shards is started by
-    forward pre-hooks during the next forward. Between the step and that forward the model's
-    parameters are stale outside the local shard, and a save would write them.
-    :func:`disable_forward_pre_hook` with ``param_sync=True`` finishes the all-gather first.
-    Megatron FSDP gathers parameters its own way, so the rule does not apply to it (this toolkit
-    has no FSDP: callers pass False).
-    """
-    return not use_megatron_fsdp and use_distributed_optimizer and overlap_param_gather
-
-
-def enable_forward_pre_hook(model: List[Any]) -> None:
-    """Register megatron-core DDP's forward pre-hooks again on every model chunk (after
-    :func:`disable_forward_pre_hook`). Raises TypeError for a chunk that is not megatron-core DDP."""
-    for chunk in _megatron_ddp_chunks(model):
-        chunk.enable_forward_pre_hook()
-
-
-def disable_forward_pre_hook(model: List[Any], param_sync: bool = True) -> None:
-    """Remove megatron-core DDP's forward pre-hooks from every model chunk; with ``param_sync`` first
-    run the parameter all-gather synchronously, so that every chunk holds its current parameters.
-    Raises TypeError for a chunk that is not megatron-core DDP."""
-    for chunk in _megatron_ddp_chunks(model):
-        chunk.disable_forward_pre_hook(param_sync=param_sync)
-
-
-def _megatron_ddp_chunks(model: List[Any]) -> List[Any]:
-    from megatron.core.distributed import DistributedDataParallel
-
-    for chunk in model:
-        if not isinstance(chunk, DistributedDataParallel):
-            raise TypeError(f"forward pre-hooks exist only on megatron-core DistributedDataParallel chunks (the GPU "
-                            f"path); got {type(chunk).__module__}.{type(chunk).__qualname__}")
-    return list(model)
-
-
-@contextlib.contextmanager
-def forward_pre_hooks_off(state: GlobalState, model: List[Any]):
-    """Parameters all-gathered and forward pre-hooks off inside, on again after, when
-    :func:`should_disable_forward_pre_hook` holds for ``ddp.use_distributed_optimizer`` and
-    ``ddp.overlap_param_gather`` (exactly when megatron-core DDP registers the hooks). Nothing to do
-    on CPU: there the chunks are torch DDP, which ignores both settings and has no such hooks."""
-    d = state.cfg.ddp
-    toggle = should_disable_forward_pre_hook(False, d.use_distributed_optimizer, d.overlap_param_gather)
-    if toggle:
-        from megatron.core.distributed import DistributedDataParallel
-
-        toggle = all(isinstance(chunk, DistributedDataParallel) for chunk in model)
-    if not toggle:
-        yield
-        return
-    disable_forward_pre_hook(model, param_sync=True)
-    try:
-        yield
-    finally:
-        enable_forward_pre_hook(model)
-
-
-# ---------------------------------------------------------------------------------------------
 # The progress log's baseline and the save line (Megatron Bridge's names)
 # ---------------------------------------------------------------------------------------------
 
@@ -152,7 +88,7 @@ def get_start_time_from_progress_log(cfg: ConfigContainer) -> Tuple[datetime.dat
     Reads ``<checkpoint.save>/progress.txt``; "earliest" counts from the last line written with another
     world size (a run at another size restarts the search). The world size is torch.distributed's,
     else the launcher's (``WORLD_SIZE`` / ``SLURM_NTASKS``). The rule itself is
-    :func:`bridge_hpc.report.progress.cumulative_baseline`, which the progress log's writer uses too.
+    :func:`bridge_hpc.contracts.progress_log.cumulative_baseline`, which the progress log's writer uses too.
     Raises ValueError when ``checkpoint.save`` is unset or the log has no ``Starting job`` line of this
     world size, FileNotFoundError when there is no log.
     """
@@ -176,7 +112,7 @@ def compute_throughputs_and_append_to_progress_log(state: GlobalState,
     Job throughput counts from this run's process start and the FLOPs of the checkpoint it loaded;
     cumulative throughput from the baseline of :func:`get_start_time_from_progress_log`, read once
     when the run's ``Starting job`` line was written (the file changes only by this writer meanwhile).
-    The computation and the line's format are :meth:`bridge_hpc.report.progress.ProgressLog.saved_checkpoint`.
+    The computation and the line's format are :meth:`bridge_hpc.contracts.progress_log.ProgressLog.saved_checkpoint`.
     A no-op where there is no progress log (``logger.log_progress`` off, no ``checkpoint.save``, or
     not rank 0). Unlike Bridge, a save with ``checkpoint.async_save`` is logged when it is durable (by
     :func:`maybe_finalize_async_save`), as ``Saved checkpoint``; this function logs synchronous saves.
@@ -213,7 +149,7 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     if state.straggler_detector is not None:
         state.straggler_detector.restart_window()  # the steps right after a save are not judged
     checkpointing_context["last_saved_step"] = state.train_state.step
-    checkpointing_context["last_save_time_s"] = state.last_save_s = timer.elapsed(reset=True)
+    state.last_save_s = timer.elapsed(reset=True)
     state.metrics.log_checkpoint_saved(state.train_state.step, state.last_save_s)
     compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
 
@@ -264,7 +200,6 @@ def maybe_finalize_async_save(state: GlobalState, checkpointing_context: Dict[st
     if finished is None:
         return
     checkpointing_context["last_saved_step"] = finished.iteration
-    checkpointing_context["last_save_time_s"] = finished.blocking_s
     checkpointing_context[FAILED_SAVES] = 0
     # The time-limit rule's expected save: the exit save is synchronous, and a background write
     # (slowed by training beside it) takes at least as long.
@@ -379,7 +314,7 @@ def local_observations(state: GlobalState) -> Dict[str, bool]:
     acting, so that every rank stops at the same step. ``train_step`` takes them once a step and agrees
     on them in the collective that reduces the step's loss: its own all-reduce after the backward, or
     on CPU ranks the gradient all-reduce of the last backward (taken just before it:
-    :mod:`bridge_hpc.training.grad_reduce_rider`)."""
+    :mod:`bridge_hpc.training.engine.grad_reduce_rider`)."""
     t = state.cfg.train
     return {
         "signal received": signal_seen(state),

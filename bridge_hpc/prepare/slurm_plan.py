@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Sequence, TextIO, Tuple
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.run_folder import RunFolder
-from bridge_hpc.data import prepare
-from bridge_hpc.data.prefix_lock import hold_prefix
+from bridge_hpc.prepare import shards as prepare
+from bridge_hpc.prepare.prefix_lock import hold_prefix
 from bridge_hpc.training.config import TokenizerConfig
 
 #: The Slurm folder is ``<output-prefix>`` + this suffix: beside the data it makes, so that two

@@ -18,7 +18,7 @@ class StopSignalRecorder:
 
     The handler does nothing but set a flag: anything more (collectives, I/O, locks) inside a
     signal handler can deadlock. It distributes nothing itself: after each step the exit policy
-    all-reduces the flag (:func:`bridge_hpc.training.exit_policy.exit_reasons`), so every rank sees it
+    all-reduces the flag (:func:`bridge_hpc.training.resilience.exit_policy.exit_reasons`), so every rank sees it
     at the same iteration and they all stop, save and exit together. ``signals`` are Python names
     (``train.exit_signal``, from :mod:`bridge_hpc.contracts.signals`).
     """

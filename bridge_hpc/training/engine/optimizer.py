@@ -5,7 +5,8 @@ torch optimizer behind :class:`TorchOptimizer` on CPU. Both take their parameter
 description, :meth:`OptimizerConfigOverrideProvider.build_config_overrides`: megatron-core's
 ``dict[ParamKey, ParamGroupOverride]``, passed as ``config_overrides`` on GPU and grouped the same way
 (megatron-core's own ``ParamKey.matches`` and ``combine_param_group_overrides``) on CPU. The default
-provider (:func:`default_config_overrides`) gives biases and 1-D parameters no weight decay, as Megatron
+provider (:func:`~bridge_hpc.training.engine.config.default_config_overrides`, torch-free, beside the
+``[optimizer]`` section) gives biases and 1-D parameters no weight decay, as Megatron
 Bridge does, then applies the ``[[optimizer.overrides]]`` tables of the job file.
 
 Why a step of our own (``optimizer.fused_step``, on by default). Without Apex or Transformer Engine,
@@ -43,7 +44,6 @@ gradient norm: 1.1 ms instead of 3.7 ms per step for the tiny GPT of ``configs/l
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
 import types
@@ -51,13 +51,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import (
     ConfigContainer,
     OptimizerConfig,
     OptimizerConfigOverrideProvider,
     OptimizerConfigOverrideProviderContext,
 )
+from bridge_hpc.training.engine.config import default_config_overrides, param_name
 
 logger = logging.getLogger(__name__)
 
@@ -127,65 +127,6 @@ def megatron_optimizer_config(o: OptimizerConfig):
 # ---------------------------------------------------------------------------------------------
 # Per-parameter overrides
 # ---------------------------------------------------------------------------------------------
-
-
-def param_name(name: str) -> str:
-    """A parameter's name as the model names it: without the data-parallel wrappers' ``module.``
-    prefixes (torch DDP adds one, megatron's DDP around ``Float16Module`` two), so one TOML pattern
-    means the same parameter on CPU and GPU."""
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
-
-
-def default_config_overrides(context: OptimizerConfigOverrideProviderContext) -> Optional[Dict[Any, Any]]:
-    """Megatron Bridge's default rule plus the ``[[optimizer.overrides]]`` tables, resolved per
-    parameter name (later tables win) and handed to megatron-core as one ``ParamKey`` of exact names
-    per distinct result, so megatron never has to combine overlapping keys (it refuses conflicting
-    values). ``lr_mult`` becomes ``max_lr``/``min_lr`` (what megatron's scheduler reads) and stays in
-    the group too: the distributed optimizer tells saved groups apart by ``(wd_mult, lr_mult, ...)``.
-
-    Raises ConfigError naming ``optimizer.overrides[i].params`` when a table matches no parameter
-    (a typo would otherwise change nothing, silently).
-    """
-    from megatron.core.optimizer import ParamKey
-
-    o = context.optimizer_config
-    chunks = context.model if isinstance(context.model, (list, tuple)) else [context.model]
-    names_by_override: Dict[tuple, List[str]] = {}
-    matched = [False] * len(o.overrides)
-    seen: List[str] = []
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            if not param.requires_grad:
-                continue
-            short = param_name(name)
-            seen.append(short)
-            override: Dict[str, float] = {}
-            if name.endswith(".bias") or param.ndim == 1:
-                override["wd_mult"] = 0.0
-            for i, table in enumerate(o.overrides):
-                if any(fnmatch.fnmatchcase(short, pattern) for pattern in table.params):
-                    matched[i] = True
-                    override.update(_resolved_settings(table.settings(), o))
-            if override:
-                names_by_override.setdefault(tuple(sorted(override.items())), []).append(name)
-    for i, hit in enumerate(matched):
-        if not hit:
-            examples = ", ".join(seen[:3] + (["..."] if len(seen) > 3 else []))
-            raise ConfigError(f"{o.overrides[i].params} match no parameter of the model (names look like: {examples})",
-                              key=f"optimizer.overrides[{i}].params")
-    return {ParamKey(name=tuple(names)): dict(items) for items, names in names_by_override.items()} or None
-
-
-def _resolved_settings(settings: Dict[str, float], o: OptimizerConfig) -> Dict[str, float]:
-    out = dict(settings)
-    if "lr_mult" in out:
-        out["max_lr"] = o.lr * out["lr_mult"]
-        out["min_lr"] = o.min_lr * out["lr_mult"]
-    elif "max_lr" in out:
-        out["lr_mult"] = out["max_lr"] / o.lr
-    return out
 
 
 def torch_param_groups(model: Sequence[torch.nn.Module], o: OptimizerConfig,

@@ -1,6 +1,6 @@
 """Checkpoint saves written in the background (``checkpoint.async_save = true``).
 
-A save runs the protocol of :mod:`bridge_hpc.training.checkpointing` in three parts:
+A save runs the protocol of :mod:`bridge_hpc.training.checkpoint.checkpointing` in three parts:
 
 1. **Start** (blocks training briefly; collective). Plan the model and optimizer write (the plan is
    cached while the state's structure stays the same), take a snapshot of the tensors, and write the
@@ -13,23 +13,23 @@ A save runs the protocol of :mod:`bridge_hpc.training.checkpointing` in three pa
 2. **Write** (background). The worker writes and fsyncs this rank's shards; training goes on.
 3. **Finalize** (collective). Once every rank's worker reports its write done, the ranks agree on
    the outcome. On success the DCP ``.metadata`` is written and the save is committed exactly as a
-   synchronous one (:func:`~bridge_hpc.training.checkpointing.commit_save`: ``train_state.pt`` and the
+   synchronous one (:func:`~bridge_hpc.training.checkpoint.checkpointing.commit_save`: ``train_state.pt`` and the
    manifest last, rename, tracker; old checkpoints removed only then). Until then the tracker names
    the previous checkpoint, so a kill at any instant leaves the last finalized checkpoint loadable.
 
 At most one save is in flight. The loop checks after every step whether it is done, without waiting
 (one small all-reduce while a save is in flight); before a new save, and before any exit, it waits
-for it (:mod:`bridge_hpc.training.exit_policy`).
+for it (:mod:`bridge_hpc.training.resilience.exit_policy`).
 
 Failures: a worker that died or a write that failed (a full disk, an I/O error) on any rank fails the
-save on every rank together: :class:`~bridge_hpc.training.checkpointing.CheckpointSaveError` naming
+save on every rank together: :class:`~bridge_hpc.training.checkpoint.checkpointing.CheckpointSaveError` naming
 the rank and the cause, the ``.tmp`` folder removed, the tracker untouched. A dead worker is replaced
 for the next save. What the loop does then is the exit policy's rule.
 
 The worker leaves the stop signals (``train.exit_signal``) to its rank, as the loader workers do:
 Slurm signals every process of a step, and a worker dying of SIGUSR1 would fail the save that the
 exit is waiting for. It dies with its rank (``PR_SET_PDEATHSIG``) and shows as ``bridge-ckpt`` in
-``ps`` (:mod:`bridge_hpc.training.checkpoint_worker`).
+``ps`` (:mod:`bridge_hpc.training.checkpoint.worker`).
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ import torch
 import torch.distributed as dist
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.training import checkpointing
-from bridge_hpc.training.checkpoint_worker import end_with_parent, prepare_worker, stage_once, stop_signals_blocked
-from bridge_hpc.training.checkpointing import CheckpointSaveError, SaveInProgress
+from bridge_hpc.training.checkpoint import checkpointing
+from bridge_hpc.training.checkpoint.checkpointing import CheckpointSaveError, SaveInProgress
+from bridge_hpc.training.checkpoint.worker import end_with_parent, prepare_worker, stage_once, stop_signals_blocked
+from bridge_hpc.training.engine.collectives import comm_device
 from bridge_hpc.training.state import GlobalState
-from bridge_hpc.training.utils.train_utils import comm_device
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class AsyncCheckpointWriter:
     def warm_up_staging(self, tensors: List[torch.Tensor]) -> None:
         """GPU runs, once, after the first step (when the optimizer's state exists): have the worker
         stage ``tensors``, every tensor a save writes (:func:`checkpointing.megatron_save_tensors`), in
-        the background (:func:`~bridge_hpc.training.checkpoint_worker.stage_once`), so that the first
+        the background (:func:`~bridge_hpc.training.checkpoint.worker.stage_once`), so that the first
         save's blocking part costs what a later one does. Returns at once; a save asked for before it
         is over waits for it (the worker takes requests in order). Later calls do nothing."""
         if self._staging_warmed or not self.on_gpu:

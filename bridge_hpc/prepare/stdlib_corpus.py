@@ -1,6 +1,6 @@
 """The standard library's docstrings as a jsonl corpus: real English text that every machine with Python has.
 
-``python -m bridge_hpc.data.stdlib_corpus OUT_DIR`` writes ``OUT_DIR/train.jsonl`` and
+``python -m bridge_hpc.prepare.stdlib_corpus OUT_DIR`` writes ``OUT_DIR/train.jsonl`` and
 ``OUT_DIR/valid.jsonl``, one ``{"text": ...}`` document per docstring, for ``bridge-prepare-data``. It
 exists so that the real-data demo (``configs/local-tiny-text.toml``, ``make demo-text``) trains on text
 without downloading anything. With ``--sft`` it writes fine-tuning data instead, in Megatron Bridge's
@@ -261,7 +261,7 @@ def summary_table(totals: Dict[str, SplitTotals]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bridge_hpc.data.stdlib_corpus", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bridge_hpc.prepare.stdlib_corpus", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder for train.jsonl and valid.jsonl")
     p.add_argument("--sft", action="store_true",
                    help="write fine-tuning pairs instead: training.jsonl and validation.jsonl of "

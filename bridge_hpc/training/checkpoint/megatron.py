@@ -1,0 +1,419 @@
+"""The model and optimizer back ends of a checkpoint, and every adapter to megatron-core's internals.
+
+On CUDA the model and optimizer go through megatron-core's ``dist_checkpointing`` (its sharded state
+dicts, its save and load strategies); without CUDA through ``torch.distributed.checkpoint``. Where this
+toolkit reaches into megatron-core (the in-process write results instead of a spawned Manager, the
+parallel reader, the empty distributed-optimizer state, the kept Adam step) it does so here, in one
+file, written against megatron-core 0.16-0.19 (the versions the tests run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch.futures import Future
+
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.training.checkpoint.layout import RUN_CONFIG_FILE, _one_line, _rank, _space_error
+
+logger = logging.getLogger(__name__)
+# ---------------------------------------------------------------------------------------------
+# Model and optimizer back ends
+# ---------------------------------------------------------------------------------------------
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _uses_megatron_dist(model) -> bool:
+    return torch.cuda.is_available() and hasattr(_unwrap(model[0]), "sharded_state_dict") and not isinstance(
+        model[0], torch.nn.parallel.DistributedDataParallel)
+
+
+def _without_empty_extra_state(model_sd: Dict[str, Any]) -> Dict[str, Any]:
+    """megatron-core's linear layers report ``_extra_state = None`` (a Transformer Engine slot);
+    DCP cannot store None, and there is nothing to store."""
+    return {key: value for key, value in model_sd.items() if value is not None}
+
+
+def _dcp_writer(path: str):
+    """DCP's file writer, with a full disk reported as an OSError naming the file. DCP gathers a
+    rank's write error to every rank by pickling it, which drops the chained OSError that torch's zip
+    writer raises its "unexpected pos" RuntimeError from; an OSError's errno and filename survive."""
+    import torch.distributed.checkpoint as dcp
+
+    class _Writer(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            try:
+                return super().write_data(plan, planner)
+            except Exception as exc:
+                raise _naming_file(exc, _newest(glob.glob(os.path.join(path, f"__{_rank()}_*.distcp"))) or path) from exc
+
+        def finish(self, metadata, results):
+            try:
+                return super().finish(metadata, results)
+            except Exception as exc:
+                raise _naming_file(exc, os.path.join(path, ".metadata")) from exc
+
+    return _Writer(path, sync_files=True)
+
+
+def _newest(paths: List[str]) -> Optional[str]:
+    existing = [p for p in paths if os.path.exists(p)]
+    return max(existing, key=os.path.getmtime) if existing else None
+
+
+def _naming_file(exc: BaseException, path: str) -> BaseException:
+    space = _space_error(exc)
+    if space is None:
+        return exc
+    return OSError(space.errno, os.strerror(space.errno), space.filename or path)
+
+
+#: Threads that read a checkpoint being loaded (each its share of the items, balanced by bytes):
+#: one reader alternates reading, unpickling and copying into the model, leaving the disk idle.
+LOAD_READ_THREADS = 4
+
+
+@contextlib.contextmanager
+def _in_process_write_results() -> Iterator[None]:
+    """A synchronous megatron-core save collects its write results in-process.
+
+    megatron-core's ``FileSystemWriterAsync`` gathers the results of its write processes in a queue
+    of a ``multiprocessing`` Manager started with *spawn* at the first save of the process (its
+    ``_get_write_results_queue``): the child re-imports torch and megatron, 8.6-21 s on an H100
+    host, all of it inside the first save. A synchronous save runs the write in this process, where
+    a plain queue does. Where an asynchronous writer started its Manager queue already (at start-up,
+    :mod:`bridge_hpc.training.checkpoint.async_writer`), that one is used; versions without the module
+    global are left alone."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is not None:
+        yield
+        return
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = None
+
+
+def _parallel_reader(base: type) -> type:
+    """``base`` (a DCP ``FileSystemReader``) reading the items of a load in :data:`LOAD_READ_THREADS`
+    threads. Each thread runs ``base.read_data`` on its share of the plan (items balanced by bytes,
+    in file order), so the reading itself stays torch's; file reads, unpickling and the copies into
+    the model release the GIL."""
+
+    class _ParallelReader(base):
+        def read_data(self, plan, planner):
+            items = list(plan.items)
+            count = min(LOAD_READ_THREADS, len(items))
+            if count <= 1:
+                return super().read_data(plan, planner)
+            info = self.storage_data
+            groups: List[list] = [[] for _ in range(count)]
+            sizes = [0] * count
+            for item in sorted(items, key=lambda i: -info[i.storage_index].length):
+                k = sizes.index(min(sizes))
+                groups[k].append(item)
+                sizes[k] += info[item.storage_index].length
+            read = super().read_data
+            with ThreadPoolExecutor(count, thread_name_prefix="ckpt-read") as pool:
+                futures = [pool.submit(read, dataclasses.replace(plan, items=sorted(
+                    group, key=lambda i: (info[i.storage_index].relative_path, info[i.storage_index].offset))),
+                    planner) for group in groups]
+                for future in futures:
+                    future.result().wait()  # raises the first failed read's error here
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    _ParallelReader.__name__ = _ParallelReader.__qualname__ = f"Parallel{base.__name__}"
+    return _ParallelReader
+
+
+def _megatron_load_strategy():
+    """megatron-core's torch_dist load, its file reads in :data:`LOAD_READ_THREADS` threads, and
+    with several data-parallel ranks fully parallel (``FullyParallelLoadStrategyWrapper``: each rank
+    reads a share of the replicated tensors and they exchange them, instead of every rank reading
+    everything)."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    class _ParallelReadsLoad(mcore_torch.TorchDistLoadShardedStrategy):
+        def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+            # The strategy builds its reader inside load() through this module function (0.16-0.19);
+            # it is swapped for the call only. Without it, torch's one-thread reader is used.
+            # (0.19 adds arguments, e.g. async_strategy: passed on as given.)
+            make_reader = getattr(mcore_torch, "_get_filesystem_reader", None)
+            if make_reader is None:
+                return super().load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+
+            def parallel(checkpoint_dir, *args, **kwargs):
+                reader = make_reader(checkpoint_dir, *args, **kwargs)
+                reader.__class__ = _parallel_reader(type(reader))
+                return reader
+
+            mcore_torch._get_filesystem_reader = parallel
+            try:
+                return super().load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            finally:
+                mcore_torch._get_filesystem_reader = make_reader
+
+    strategy = _ParallelReadsLoad()
+    if parallel_state.get_data_parallel_world_size() > 1:
+        strategy = FullyParallelLoadStrategyWrapper(strategy, parallel_state.get_data_parallel_group())
+    return strategy
+
+
+#: How megatron-core's distributed optimizer lays out its state in a checkpoint, by
+#: ``checkpoint.dist_ckpt_optim_fully_reshardable``. Off: each rank's buffers as they are (parallel
+#: save and load without gathers; reshardable across data parallelism only), as Megatron-LM does by
+#: default. On: ``fully_reshardable``, loadable at any tensor/pipeline/data-parallel layout.
+#: megatron-core's own default, ``fully_sharded_model_space``, is deprecated and fails to save in
+#: 0.19 (``ShardedTensor.flattened_range is not supported``).
+DISTRIB_OPTIM_SHARDING_TYPES = {False: "dp_reshardable", True: "fully_reshardable"}
+
+
+def _is_distributed_optimizer(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict, is_loading: bool = False,
+                                 fully_reshardable: bool = False):
+    """The megatron-core optimizer's sharded state dict, in the layout of
+    :data:`DISTRIB_OPTIM_SHARDING_TYPES` where it is the distributed optimizer (the others are keyed
+    by parameter and load at any layout)."""
+    if _is_distributed_optimizer(optimizer):
+        sharding = DISTRIB_OPTIM_SHARDING_TYPES[bool(fully_reshardable)]
+        return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                            metadata={"distrib_optim_sharding_type": sharding})
+    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading)
+
+
+def _init_empty_distributed_optimizer_state(optimizer) -> list:
+    """Give a fresh distributed optimizer's inner torch Adam placeholder state while the state dict
+    to load into is built: megatron-core's ``DistributedOptimizer.state_dict`` reads every parameter's
+    ``step`` without Apex or Transformer Engine and asserts they agree, and a fresh optimizer has
+    none. Zeros, as torch's Adam makes them at its first step. Returns the state dicts it filled,
+    which the caller empties again before ``load_state_dict``: megatron allocates an empty
+    optimizer's state there itself (and does not expect it filled)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    filled = []
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(inner, DistributedOptimizer) or len(inner.optimizer.state) > 0:
+            continue
+        torch_opt = inner.optimizer
+        filled.append(torch_opt.state)
+        for group in torch_opt.param_groups:
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for p in group["params"]:
+                state = torch_opt.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return filled
+
+
+@contextlib.contextmanager
+def _torch_adam_step_kept(optimizer) -> Iterator[None]:
+    """While a distributed optimizer loads its parameter state: megatron-core's
+    ``_set_main_param_and_optimizer_states`` copies into every tensor of a parameter's torch Adam
+    state, ``step`` included, from loaded tensors that never hold ``step`` (it comes from the
+    parameter groups, set just before), and fails with KeyError 'step' without Apex/TE. Here a state
+    tensor missing from the loaded ones is copied onto itself: ``step`` keeps the groups' value."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = [inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+               if isinstance(inner, DistributedOptimizer) and not inner.config.use_precision_aware_optimizer]
+    for inner in patched:
+        def set_states(model_param, tensors, __inner=inner, __set=inner._set_main_param_and_optimizer_states):
+            group_index, group_order = __inner.model_param_group_index_map[model_param]
+            main_param = __inner.optimizer.param_groups[group_index]["params"][group_order]
+            current = __inner.optimizer.state[main_param]
+            return __set(model_param, {**{k: v for k, v in current.items() if isinstance(v, torch.Tensor)}, **tensors})
+
+        inner._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        for inner in patched:
+            del inner._set_main_param_and_optimizer_states  # the class's method again
+
+
+def model_sharded_state_dict(model) -> dict:
+    """The model's sharded state dict: ``{"model": ...}``, or with virtual pipeline stages
+    ``{"model0": ..., "model1": ...}``, one per chunk (Megatron-LM's keys). Tensor keys are global
+    (layer numbers counted over the whole model), so the state loads at another layout."""
+    if len(model) == 1:
+        return {"model": _unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def megatron_sharded_state(model, optimizer, save_optim: bool, fully_reshardable: bool = False) -> dict:
+    """What a megatron-core (GPU) save writes: the model's sharded state dict, and the optimizer's."""
+    sharded = model_sharded_state_dict(model)
+    if save_optim:
+        sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(sharded),
+                                                            fully_reshardable=fully_reshardable)
+    return sharded
+
+
+def megatron_save_tensors(model, optimizer, save_optim: bool, fully_reshardable: bool = False) -> List[torch.Tensor]:
+    """Every GPU tensor a megatron-core save writes, i.e. copies to host memory first."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    sharded = megatron_sharded_state(model, optimizer, save_optim, fully_reshardable)
+    return [v.data.detach() for v in nested_values(sharded)
+            if isinstance(v, ShardedTensor) and isinstance(v.data, torch.Tensor) and v.data.is_cuda]
+
+
+def warm_up_host_buffers(tensors: List[torch.Tensor]) -> threading.Thread:
+    """Pin host memory for a copy of each of ``tensors`` and give it back to torch's caching host
+    allocator, in a background thread; returns the thread (a save waits for it: ``join``).
+
+    Why: a synchronous save copies every tensor to pinned host memory (megatron-core's
+    ``preload_tensors``), and the first save of a process pins all of it first: 2.66 s of an 8.15 s
+    save of the 370 M GPT's 5.2 GB on an H100, 0.1 s in later saves, which reuse the cached blocks
+    (benchmarks/checkpoint.py). An exit save is often a rank's first synchronous save, inside Slurm's
+    grace time. The blocks pinned here have the sizes the save asks for, so its copies find them
+    cached. The rank holds that much pinned host memory from then on, as after its first save."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    device = torch.cuda.current_device()
+
+    def pin() -> None:
+        torch.cuda.set_device(device)  # a new thread's device is 0: no context on another rank's GPU
+        started = time.perf_counter()
+        try:
+            blocks = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in sizes]
+        except RuntimeError as err:  # host memory short: the save pins what it needs itself, as before
+            logger.warning("could not pin %.2f GB of host memory ahead of synchronous saves (%s); the first "
+                           "such save pins it itself", sum(sizes) / 1e9, _one_line(str(err)))
+            return
+        del blocks
+        logger.info("pinned %.2f GB of host memory for synchronous saves in %.2fs", sum(sizes) / 1e9,
+                    time.perf_counter() - started)
+
+    thread = threading.Thread(target=pin, name="bridge-pin-host", daemon=True)
+    thread.start()
+    return thread
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedParallelism:
+    """How a checkpoint was laid out, from its ``run_config.json``: the model-parallel sizes
+    (:func:`bridge_hpc.training.engine.parallel.model_parallel_sizes`'s keys) and whether the distributed
+    optimizer's state was saved ``fully_reshardable``."""
+
+    sizes: Dict[str, int]
+    fully_reshardable: bool
+
+
+def saved_parallelism(path: str) -> Optional[SavedParallelism]:
+    """:class:`SavedParallelism` of the checkpoint at ``path``; None where its config cannot be read."""
+    try:
+        with open(os.path.join(path, RUN_CONFIG_FILE)) as f:
+            saved = json.load(f)
+        m, c = saved.get("model", {}), saved.get("checkpoint", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    return SavedParallelism(
+        sizes={"tp": m.get("tensor_model_parallel_size", 1), "pp": m.get("pipeline_model_parallel_size", 1),
+               "cp": m.get("context_parallel_size", 1)},
+        fully_reshardable=bool(c.get("dist_ckpt_optim_fully_reshardable", False)))
+
+
+def check_optimizer_layout(path: str, saved: Optional[SavedParallelism], now: Dict[str, int], optimizer,
+                           load_optim: bool) -> None:
+    """Raises ConfigError, before anything is loaded, where the distributed optimizer's state in the
+    checkpoint at ``path`` cannot load at this run's model-parallel sizes ``now``: saved per rank
+    (``dp_reshardable``) at other tensor/pipeline/context-parallel sizes."""
+    if (load_optim and saved is not None and not saved.fully_reshardable and saved.sizes != now
+            and _is_distributed_optimizer(optimizer)):
+        raise ConfigError(
+            f"{path} holds the distributed optimizer's state per rank (dp_reshardable), saved at tensor/pipeline/"
+            f"context-parallel sizes {saved.sizes['tp']}/{saved.sizes['pp']}/{saved.sizes['cp']}; this run is "
+            f"{now['tp']}/{now['pp']}/{now['cp']}. Resume at the saved sizes, load the weights only "
+            "(checkpoint.load_optim = false), or save with checkpoint.dist_ckpt_optim_fully_reshardable = true",
+            key="checkpoint.load_optim")
+
+
+def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool, writers: int,
+                              fully_reshardable: bool = False) -> None:
+    if _uses_megatron_dist(model):
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        sharded = megatron_sharded_state(model, optimizer, save_optim, fully_reshardable)
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=writers)
+        with _in_process_write_results():
+            dist_checkpointing.save(sharded, path, sharded_strategy=strategy)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model[0], optimizer.optimizer)
+    state = {"model": _without_empty_extra_state(model_sd)}
+    if save_optim:
+        state["optimizer"] = optim_sd
+    dcp.save(state, storage_writer=_dcp_writer(path))
+
+
+def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool, fully_reshardable: bool = False) -> None:
+    if _uses_megatron_dist(model):
+        from megatron.core import dist_checkpointing
+
+        sharded = model_sharded_state_dict(model)
+        if load_optim:
+            placeholders = _init_empty_distributed_optimizer_state(optimizer)
+            sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(sharded), is_loading=True,
+                                                                fully_reshardable=fully_reshardable)
+            for state in placeholders:  # megatron's load_state_dict allocates the state of an empty optimizer
+                state.clear()
+        loaded = dist_checkpointing.load(sharded, path, sharded_strategy=_megatron_load_strategy())
+        if len(model) == 1:
+            _unwrap(model[0]).load_state_dict(loaded["model"])
+        else:
+            for i, chunk in enumerate(model):
+                _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+        if load_optim:
+            with _torch_adam_step_kept(optimizer):
+                optimizer.load_state_dict(loaded["optimizer"])
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+
+    if load_optim:
+        model_sd, optim_sd = get_state_dict(model[0], optimizer.optimizer)
+    else:
+        # Not get_state_dict: it initializes an empty optimizer state by running a step with zero
+        # gradients, after which Adam's first real update of a fresh optimizer is scaled as its second.
+        model_sd, optim_sd = get_model_state_dict(model[0]), None
+    state = {"model": _without_empty_extra_state(model_sd)}
+    if load_optim:
+        state["optimizer"] = optim_sd
+    dcp.load(state, storage_reader=_parallel_reader(dcp.FileSystemReader)(path))
+    state["model"].update({key: None for key, value in model_sd.items() if value is None})
+    _unwrap(model[0]).load_state_dict(state["model"], strict=True)
+    if load_optim:
+        set_state_dict(model[0], optimizer.optimizer, model_state_dict={}, optim_state_dict=state["optimizer"])

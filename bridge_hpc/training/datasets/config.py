@@ -1,0 +1,823 @@
+"""The ``[dataset]`` section's configs: torch-free dataclasses with Megatron Bridge's names, re-exported
+by :mod:`bridge_hpc.training.config` (Bridge's path for them), and the checks the login node runs on
+the data they name (blends, ``.idx`` headers, fine-tuning records).
+
+The configs never import a builder: :data:`bridge_hpc.training.datasets.builders.BUILDERS` maps each
+built-in config type to the function that builds its datasets on the ranks, and a user's own
+:class:`DatasetProvider` builds its own (``build_datasets``)."""
+
+from __future__ import annotations
+
+import abc
+import array
+import json
+import logging
+import math
+import os
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Literal, NamedTuple, Optional, Tuple, Union
+
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.schema import DeferredPostInit, did_you_mean
+from bridge_hpc.contracts.schema import check as _check
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DatasetBuildContext:
+    """What the trainer tells a :class:`DatasetProvider`: how many samples each split must supply."""
+
+    train_samples: int
+    valid_samples: int
+    test_samples: int
+    tokenizer: Optional[Any] = None
+    pg_collection: Optional[Any] = None
+    #: The model's vocabulary size: token ids in the data must be below it.
+    vocab_size: Optional[int] = None
+
+
+@dataclass
+class DataloaderConfig:
+    """DataLoader settings shared by every dataset config (Bridge's names).
+
+    ``dataloader_type``: ``"single"`` loads one micro-batch at a time; ``"batch"`` loads each rank's
+    share of a whole global batch at once and splits it into micro-batches, so that a dataset with
+    its own ``collate_fn`` (fine-tuning: :class:`FinetuningDatasetConfig`) pads every micro-batch of a
+    step to one length. Both read the same samples in the same order.
+    """
+
+    dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = "single"
+    num_workers: int = 2
+    data_sharding: bool = True
+    pin_memory: bool = True
+    drop_last: bool = True
+    persistent_workers: bool = True
+    #: Bridge's, for Hugging Face dataset paths. Data here comes from local files only, which run no
+    #: code, so there is nothing to trust: ``true`` is refused rather than ignored.
+    trust_remote_code: Optional[bool] = None
+
+    def finalize(self) -> None:
+        _check(self.num_workers >= 0, "dataset.num_workers", "must be >= 0")
+        _check(not self.trust_remote_code, "dataset.trust_remote_code",
+               "must not be true: data is read from local files only (no Hugging Face paths), which run no code")
+        if self.num_workers == 0:
+            self.persistent_workers = False
+
+
+@dataclass
+class DatasetProvider(DataloaderConfig, abc.ABC):
+    """Hook for custom data: subclass, implement :meth:`build_datasets`, put it in ``cfg.dataset``.
+
+    The built-in configs (:class:`MockGPTDatasetConfig`, :class:`GPTDatasetConfig`,
+    :class:`FinetuningDatasetConfig`) are not providers, as in Megatron Bridge: their datasets are built
+    by the function :data:`bridge_hpc.training.datasets.builders.BUILDERS` maps their type to.
+
+    Datasets must be map-style (``__len__`` and ``__getitem__``) and deterministic in the index:
+    the trainer samples them in order from the number of consumed samples, which is what makes the
+    data position part of every checkpoint and resume exact. Samples are dicts of tensors, the
+    shape the forward-step function expects (for :func:`bridge_hpc.training.gpt_step.forward_step`:
+    ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, optionally ``attention_mask``).
+    """
+
+    @abc.abstractmethod
+    def build_datasets(self, context: DatasetBuildContext) -> Tuple[Optional[Any], Optional[Any], Optional[Any]]:
+        """Return ``(train, valid, test)``; any may be None."""
+
+
+@dataclass
+class MockGPTDatasetConfig(DataloaderConfig):
+    """Synthetic, learnable token sequences: each sample is fully determined by ``(random_seed, split, index)``.
+
+    ``vocab_size = None`` takes the model's vocabulary size.
+    """
+
+    seq_length: int = 32
+    random_seed: int = 1234
+    vocab_size: Optional[int] = None
+
+    def finalize(self) -> None:
+        super().finalize()
+        _check(self.seq_length > 0, "dataset.seq_length", "must be > 0")
+
+
+
+#: The ``[dataset]`` keys that name indexed datasets; any of them selects :class:`GPTDatasetConfig`.
+GPT_DATASET_PATH_KEYS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+#: Megatron-LM's ``--split`` default, used when ``data_path`` is given without ``split``.
+DEFAULT_SPLIT = "969,30,1"
+
+#: A blend as megatron-core takes it: dataset prefixes and their weights (None: by size).
+Blend = Tuple[List[str], Optional[List[float]]]
+
+#: megatron-core's indexed-dataset ``DType`` codes -> (name, bytes per token); floats are not token ids.
+_INDEX_DTYPES = {1: ("uint8", 1), 2: ("int8", 1), 3: ("int16", 2), 4: ("int32", 4), 5: ("int64", 8),
+                 8: ("uint16", 2)}
+_INDEX_MAGIC = b"MMIDIDX\x00\x00"
+#: magic (9) + version (8) + dtype code (1) + sequence count (8) + document count (8)
+_INDEX_HEADER_BYTES = 34
+
+
+@dataclass(frozen=True)
+class IndexedDatasetHeader:
+    """What an ``.idx`` file says about its ``.bin``: read with ``struct``, no numpy or torch."""
+
+    prefix: str
+    dtype: str
+    itemsize: int
+    sequence_count: int
+    document_count: int
+    bin_bytes: int
+
+
+def _blend_items(value: Union[str, List[Union[str, float]]]) -> List[Union[str, float]]:
+    """A ``data_path`` value as a list: a string is split on whitespace (Megatron-LM's form)."""
+    return value.split() if isinstance(value, str) else list(value)
+
+
+def _as_weight(item: Union[str, float]) -> Optional[float]:
+    """``item`` as a number, or None when it is not one (a prefix). An integer too large for a float
+    (a config built in Python) is infinite, which :func:`parse_blend` then refuses as a weight."""
+    try:
+        return float(item)
+    except OverflowError:
+        return float("inf")
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_blend(value: Union[str, List[Union[str, float]]], key: str) -> Blend:
+    """``data_path`` (or a per-split path) -> ``(prefixes, weights)``, Megatron-LM's ``--data-path`` rules.
+
+    ``["a", "b"]`` is two datasets weighted by their size (weights None); ``["0.7", "a", "0.3", "b"]``
+    (or ``"0.7 a 0.3 b"``) weights them explicitly: when the first item is a number, every other item
+    is a weight, and each must be a finite positive number. megatron-core divides the weights by their
+    float64 sum on every rank (``normalize``): a sum that overflows to inf makes every share 0, which
+    fails its assertion that the shares add up to 1 (a bare AssertionError after the queue), and a
+    weight tiny next to the others gets a share of 0, a dataset asked for nothing. So the sum must stay
+    at most half the float64 range (no order of adding can then overflow) and every share must be a
+    normal positive float64 (a margin over 0 for rounding differences between this sum and numpy's).
+    Prefixes are returned as given (made absolute by
+    :meth:`GPTDatasetConfig.finalize`). A malformed list raises ConfigError naming ``key``.
+    """
+    items = _blend_items(value)
+    _check(len(items) > 0, key, "is empty: give one or more dataset prefixes")
+    if _as_weight(items[0]) is None:
+        bad = [item for item in items if not isinstance(item, str) or not item]
+        _check(not bad, key, f"expected dataset prefixes, got {bad[0]!r} (weights go before every prefix: "
+                              "['0.7', 'a', '0.3', 'b'])" if bad else "")
+        return [str(item) for item in items], None
+    _check(len(items) % 2 == 0, key, f"a weighted blend alternates weight and prefix, got {len(items)} items: "
+                                     f"{items!r}")
+    prefixes, weights = [], []
+    for weight, prefix in zip(items[0::2], items[1::2]):
+        number = _as_weight(weight)
+        _check(number is not None, key, f"blend weight {weight!r} is not a number (expected weight, prefix, "
+                                        "weight, prefix, ...)")
+        _check(math.isfinite(number) and number > 0, key,
+               f"blend weight {weight!r} must be a positive number (finite, above 0)")
+        _check(isinstance(prefix, str) and prefix != "" and _as_weight(prefix) is None, key,
+               f"expected a dataset prefix after weight {weight!r}, got {prefix!r}")
+        prefixes.append(prefix)
+        weights.append(number)
+    total = sum(weights)
+    _check(total <= sys.float_info.max / 2, key,
+           ("the blend weights add up to more than a float64 holds" if math.isinf(total) else
+            f"the blend weights add up to {total:g}, too close to the float64 limit ({sys.float_info.max:g})")
+           + ": megatron-core divides them by their sum; scale them down (only their ratios matter)")
+    for weight, number in zip(items[0::2], weights):
+        _check(number / total >= sys.float_info.min, key,
+               f"blend weight {weight!r} is too small next to their sum {total:g}: its share {number / total:g} "
+               "is not a normal positive float64; raise it or drop its dataset")
+    return prefixes, weights
+
+
+def parse_split(split: str, key: str = "dataset.split") -> List[float]:
+    """``"969,30,1"`` -> the train/valid/test fractions; up to three non-negative numbers with a positive sum.
+
+    Stricter than megatron-core's own parser, which picks numbers out of any text and would turn
+    ``"90;x"`` or ``"0,0,0"`` into an assertion or a division by zero on every rank.
+    """
+    parts = [p.strip() for p in str(split).split(",")]
+    _check(1 <= len(parts) <= 3, key, f"expected up to three comma-separated weights (train,valid,test) like "
+                                      f"'{DEFAULT_SPLIT}', got {split!r}")
+    numbers = []
+    for part in parts:
+        number = _as_weight(part) if part else None
+        _check(number is not None and number >= 0 and number != float("inf"), key,
+               f"{part!r} is not a non-negative number (expected weights like '{DEFAULT_SPLIT}', got {split!r})")
+        numbers.append(number)
+    total = sum(numbers)
+    _check(total > 0, key, f"the weights add up to 0; expected e.g. '{DEFAULT_SPLIT}', got {split!r}")
+    return [n / total for n in numbers] + [0.0] * (3 - len(numbers))
+
+
+def read_index_header(prefix: str, key: str) -> IndexedDatasetHeader:
+    """Check ``prefix.idx`` / ``prefix.bin`` in O(1) reads; raise ConfigError naming the file and ``key``.
+
+    The ``.idx`` header gives the token dtype and the sequence and document counts, which fix the
+    ``.idx`` size (lengths int32, pointers int64 per sequence, int64 per document boundary). The
+    pointers are the running sum of the sequence lengths times the item size, so the last pointer plus
+    the last length times the item size is what the ``.bin`` size must be: a truncated file, or an
+    ``.idx`` paired with a ``.bin`` of another dtype or dataset, fails here instead of as a numpy error
+    (or silently wrong tokens) on every rank. So does a dataset of empty documents only (an empty
+    ``.bin``, which megatron-core's memory map cannot open: "cannot mmap an empty file").
+    """
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    for path in (idx, bin_):
+        _check(os.path.isfile(path), key, f"{path} is missing (expected {prefix}.bin and .idx, as written by "
+                                          "bridge-prepare-data)")
+    idx_bytes, bin_bytes = os.path.getsize(idx), os.path.getsize(bin_)
+    with open(idx, "rb") as f:
+        head = f.read(_INDEX_HEADER_BYTES)
+        _check(len(head) == _INDEX_HEADER_BYTES, key, f"{idx} is truncated ({idx_bytes} bytes, shorter than the "
+                                                     "index header)")
+        magic, version, code, n, d = struct.unpack("<9sQBQQ", head)
+        _check(magic == _INDEX_MAGIC, key, f"{idx} is not a megatron-core index file (bad magic bytes)")
+        _check(version == 1, key, f"{idx} has index version {version}; this reader knows version 1")
+        _check(code in _INDEX_DTYPES, key, f"{idx} has dtype code {code}, which is not an integer token dtype")
+        dtype, itemsize = _INDEX_DTYPES[code]
+        _check(n > 0 and d >= 2, key, f"{idx} holds no documents")
+        expected = _INDEX_HEADER_BYTES + 12 * n + 8 * d
+        # A multimodal index has one more byte per sequence (its modes), which a GPT dataset ignores.
+        _check(idx_bytes >= expected, key, f"{idx} is truncated: {idx_bytes} bytes, its header "
+                                           f"({n} sequences, {d - 1} documents) needs {expected}")
+        _check(idx_bytes in (expected, expected + n), key,
+               f"{idx} has {idx_bytes} bytes, its header ({n} sequences, {d - 1} documents) says {expected}")
+        f.seek(_INDEX_HEADER_BYTES + 4 * (n - 1))
+        (last_length,) = struct.unpack("<i", f.read(4))
+        f.seek(_INDEX_HEADER_BYTES + 4 * n + 8 * (n - 1))
+        (last_pointer,) = struct.unpack("<q", f.read(8))
+        f.seek(_INDEX_HEADER_BYTES + 12 * n + 8 * (d - 1))
+        (last_boundary,) = struct.unpack("<q", f.read(8))
+    _check(last_boundary == n, key, f"{idx} is inconsistent: its last document ends at sequence {last_boundary}, "
+                                    f"not at its sequence count {n}")
+    want = last_pointer + last_length * itemsize
+    _check(bin_bytes == want, key,
+           f"{bin_} has {bin_bytes} bytes but {idx} describes {want} ({n} sequences of {dtype}): "
+           + ("the .bin is truncated, or " if bin_bytes < want else "")
+           + "the .idx and .bin disagree (dtype or dataset)")
+    # megatron-core memory-maps the .bin on every rank, and an empty file cannot be mapped.
+    _check(bin_bytes > 0, key, f"{bin_} holds no tokens (every document is empty): prepare the data again from "
+                               "a corpus with text in it")
+    return IndexedDatasetHeader(prefix, dtype, itemsize, n, d - 1, bin_bytes)
+
+
+def _bin_offset(header: IndexedDatasetHeader, sequence: int) -> int:
+    """Where sequence ``sequence`` of ``header``'s dataset starts in its ``.bin`` (its size for the
+    sequence count): one read of the ``.idx``'s pointers (all of which ``bridge-submit --verify-data``
+    checks: :func:`verify_index`)."""
+    if sequence >= header.sequence_count:
+        return header.bin_bytes
+    with open(header.prefix + ".idx", "rb") as f:
+        f.seek(_INDEX_HEADER_BYTES + 4 * header.sequence_count + 8 * sequence)
+        return struct.unpack("<q", f.read(8))[0]
+
+
+#: ``progress(file, bytes done, bytes in all)``: how the checks of every record (``bridge-submit
+#: --verify-data``) report on long files.
+Progress = Callable[[str, int, int], None]
+#: Entries per read when :func:`verify_index` walks an ``.idx``: 12 MiB of lengths and pointers at a time.
+_VERIFY_CHUNK = 1 << 20
+
+
+def _int_array(code: str, data: bytes) -> array.array:
+    """Little-endian integers (megatron-core's ``.idx`` on x86 and ARM) as an ``array`` of ``code``."""
+    out = array.array(code)
+    out.frombytes(data)
+    if sys.byteorder == "big":
+        out.byteswap()
+    return out
+
+
+def verify_index(prefix: str, key: str, progress: Optional[Progress] = None) -> int:
+    """Check every entry of ``prefix.idx``, not only the last ones that :func:`read_index_header` reads.
+
+    For ``bridge-submit --verify-data``: each sequence's length must be >= 0 and its pointer where the
+    sequence before it ends, and the document boundaries must run from 0 up to the sequence count
+    without going back. A damaged entry in the middle of an ``.idx`` would otherwise make megatron-core
+    read the wrong tokens, or past the end of the ``.bin``, on the ranks, without an error. One pass
+    over the ``.idx`` in chunks, with ``array`` (no numpy on the login node); the ``.bin`` is not read.
+    Returns the sequence count; raises ConfigError naming the file, the entry and ``key``.
+    """
+    header = read_index_header(prefix, key)
+    n, d = header.sequence_count, header.document_count + 1
+    idx, total = prefix + ".idx", _INDEX_HEADER_BYTES + 12 * n + 8 * d
+    expected = 0
+    try:
+        with open(idx, "rb") as f:
+            for first in range(0, n, _VERIFY_CHUNK):
+                count = min(_VERIFY_CHUNK, n - first)
+                f.seek(_INDEX_HEADER_BYTES + 4 * first)
+                lengths = _int_array("i", f.read(4 * count))
+                f.seek(_INDEX_HEADER_BYTES + 4 * n + 8 * first)
+                pointers = _int_array("q", f.read(8 * count))
+                for i, (length, pointer) in enumerate(zip(lengths, pointers), first):
+                    if length < 0 or pointer != expected:  # (no message built per entry: this loop is the cost)
+                        raise ConfigError(f"{idx} is damaged: sequence {i} " + (
+                            f"has length {length}" if length < 0 else
+                            f"starts at byte {pointer} of the .bin, but the sequences before it end at byte {expected}"),
+                            key=key)
+                    expected = pointer + length * header.itemsize
+                if progress is not None:
+                    progress(idx, _INDEX_HEADER_BYTES + 12 * (first + count), total)
+            previous = 0
+            for first in range(0, d, _VERIFY_CHUNK):
+                count = min(_VERIFY_CHUNK, d - first)
+                f.seek(_INDEX_HEADER_BYTES + 12 * n + 8 * first)
+                for j, boundary in enumerate(_int_array("q", f.read(8 * count)), first):
+                    if not (boundary == 0 if j == 0 else previous <= boundary <= n):
+                        raise ConfigError(f"{idx} is damaged: document {j} starts at sequence {boundary}, expected "
+                                          + ("0" if j == 0 else f"{previous} to {n} (where document {j - 1} starts, "
+                                                                "up to the sequence count)"), key=key)
+                    previous = boundary
+                if progress is not None:
+                    progress(idx, _INDEX_HEADER_BYTES + 12 * n + 8 * (first + count), total)
+    except OSError as err:
+        raise ConfigError(f"{idx} cannot be read: {err.strerror or err}", key=key) from None
+    return n
+
+
+def dataset_config_class(body: Dict[str, Any]) -> type:
+    """The dataset config a ``[dataset]`` table selects: fine-tuning data when it names a ``dataset_root``
+    (indexed-data keys beside it are then unknown keys), indexed data when it names any prefixes, else
+    mock data. Indexed data with any ``fim_*`` key is fill-in-the-middle data (:class:`GPTFIMDatasetConfig`);
+    a ``fim_*`` key without prefixes selects it too, so that the missing ``data_path`` is what is reported."""
+    if body.get("dataset_root") is not None:
+        return FinetuningDatasetConfig
+    if any(str(k).startswith("fim_") for k in body):
+        return GPTFIMDatasetConfig
+    return GPTDatasetConfig if any(body.get(k) is not None for k in GPT_DATASET_PATH_KEYS) else MockGPTDatasetConfig
+
+
+def absolute_dataset_paths(body: Dict[str, Any], base: str) -> Dict[str, Any]:
+    """A copy of a ``[dataset]`` table with every dataset prefix made absolute against ``base``.
+
+    For the launcher: relative prefixes mean the folder bridge-submit runs in, and resolved.toml must hold
+    them absolute. Weights stay as they are; a value that does not parse is left for
+    :meth:`GPTDatasetConfig.finalize` to report. (``path_to_cache`` is a run-folder path: the launcher
+    resolves it against the run folder, like ``checkpoint.save``.)
+    """
+    out = dict(body)
+    for key in GPT_DATASET_PATH_KEYS:
+        value = body.get(key)
+        if not isinstance(value, (str, list)):
+            continue
+        items = _blend_items(value)
+        weighted = bool(items) and _as_weight(items[0]) is not None
+        out[key] = [os.path.join(base, os.path.expanduser(item))
+                    if isinstance(item, str) and (not weighted or i % 2 == 1) and _as_weight(item) is None
+                    else item for i, item in enumerate(items)]
+    return out
+
+
+@dataclass
+class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
+    """Megatron indexed datasets (``.bin``/``.idx``) read by megatron-core's ``GPTDataset``, blended and
+    split by its ``BlendedMegatronDatasetBuilder``: Megatron Bridge's ``GPTDatasetConfig``.
+
+    Bridge's class inherits megatron-core's ``GPTDatasetConfig``, whose module imports torch; this one
+    has the same field names (``seq_length`` is Bridge's alias of ``sequence_length``) so the login
+    node can check a job without torch, and :func:`bridge_hpc.training.datasets.builders.build_gpt_datasets` builds
+    megatron-core's config from it on the ranks. As in Bridge, ``finalize()`` is deferred and turns the
+    CLI-friendly ``data_path`` into megatron-core's ``blend``:
+
+    - ``data_path``: prefixes (``["a", "b"]``, weighted by size) or a weighted blend
+      (``["0.7", "a", "0.3", "b"]``), split into train/valid/test by ``split`` (default
+      ``"969,30,1"``, Megatron-LM's);
+    - or ``train_data_path`` / ``valid_data_path`` / ``test_data_path``, each its own blend
+      (megatron-core's ``blend_per_split``), without ``split``.
+
+    ``path_to_cache`` holds megatron-core's index cache (document, sample and shuffle indices, blend
+    indices), built by rank 0 and then read by the other ranks; ``bridge-submit`` puts it in the run
+    folder. ``seq_length = None`` takes ``model.seq_length``. ``skip_getting_attention_mask_from_dataset``
+    (Bridge's, default true) leaves the causal mask to the attention kernel; ``reset_attention_mask``
+    needs the dataset's per-document mask and so always gets it.
+    """
+
+    random_seed: int = 1234
+    seq_length: Optional[int] = None
+    data_path: Optional[Union[str, List[Union[str, float]]]] = None
+    train_data_path: Optional[Union[str, List[Union[str, float]]]] = None
+    valid_data_path: Optional[Union[str, List[Union[str, float]]]] = None
+    test_data_path: Optional[Union[str, List[Union[str, float]]]] = None
+    split: Optional[str] = None
+    path_to_cache: Optional[str] = None
+    mmap_bin_files: bool = True
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    skip_getting_attention_mask_from_dataset: bool = True
+    num_dataset_builder_threads: int = 1
+    mid_level_dataset_surplus: float = 0.005
+    blend: Optional[Blend] = field(default=None, init=False)
+    blend_per_split: Optional[List[Optional[Blend]]] = field(default=None, init=False)
+
+    def finalize(self) -> None:
+        super().finalize()
+        per_split = {k: getattr(self, k) for k in GPT_DATASET_PATH_KEYS[1:] if getattr(self, k) is not None}
+        _check(self.data_path is not None or per_split, "dataset.data_path",
+               "must be set (or train_data_path / valid_data_path / test_data_path)")
+        _check(self.data_path is None or not per_split, f"dataset.{next(iter(per_split), 'train_data_path')}",
+               "use either dataset.data_path (with dataset.split) or per-split paths, not both")
+        if self.data_path is not None:
+            if self.split is None:
+                self.split = DEFAULT_SPLIT
+            self.blend = self._checked_blend(self.data_path, "dataset.data_path")
+            self._check_split_documents()
+        else:
+            _check(self.split is None, "dataset.split",
+                   "is for dataset.data_path; per-split paths are not split again (remove it)")
+            self.blend_per_split = [
+                self._checked_blend(value, f"dataset.{key}") if value is not None else None
+                for key, value in ((k, getattr(self, k)) for k in GPT_DATASET_PATH_KEYS[1:])
+            ]
+        if self.path_to_cache is not None:
+            self.path_to_cache = os.path.abspath(os.path.expanduser(self.path_to_cache))
+        _check(self.seq_length is None or self.seq_length > 0, "dataset.seq_length", "must be > 0")
+        _check(self.num_dataset_builder_threads >= 1, "dataset.num_dataset_builder_threads", "must be >= 1")
+        _check(self.mid_level_dataset_surplus >= 0, "dataset.mid_level_dataset_surplus", "must be >= 0")
+
+    @staticmethod
+    def _checked_blend(value: Union[str, List[Union[str, float]]], key: str) -> Blend:
+        prefixes, weights = parse_blend(value, key)
+        prefixes = [os.path.abspath(os.path.expanduser(p)) for p in prefixes]
+        for prefix in prefixes:
+            read_index_header(prefix, key)
+        return prefixes, weights
+
+    def _check_split_documents(self) -> None:
+        """Every split that ``split`` gives a share must get at least one document of every dataset.
+
+        megatron-core splits each dataset by document with ``round(fraction * documents)``; a split
+        left with no document, or with empty documents only (no tokens), makes its GPTDataset loop
+        forever looking for tokens, on every rank. So a dataset of few documents with a small valid or
+        test share is refused here, naming both; the token count of a split takes two reads of the
+        ``.idx`` (where its first and its last document start in the ``.bin``).
+        """
+        fractions = parse_split(self.split)
+        bounds, start = [], 0.0
+        for fraction in fractions:
+            bounds.append((start, start + fraction) if fraction > 0 else None)
+            start += fraction
+        for prefix in self.blend[0]:
+            header = read_index_header(prefix, "dataset.data_path")
+            documents = header.sequence_count
+            for name, bound in zip(("train", "valid", "test"), bounds):
+                if bound is not None:
+                    first, end = round(bound[0] * documents), round(bound[1] * documents)
+                    _check(end > first, "dataset.split",
+                           f"{self.split!r} gives the {name} split none of the {documents} documents of {prefix} "
+                           f"(megatron-core splits by document); give it more documents or set its share to 0")
+                    _check(_bin_offset(header, end) > _bin_offset(header, first), "dataset.split",
+                           f"{self.split!r} gives the {name} split documents {first} to {end - 1} of {prefix}, "
+                           "and every one of them is empty (no tokens); give it other documents or set its "
+                           "share to 0")
+
+    @property
+    def create_attention_mask(self) -> bool:
+        """Whether samples carry megatron's attention mask: only when it says more than "causal"."""
+        return self.reset_attention_mask or not self.skip_getting_attention_mask_from_dataset
+
+    def prefixes(self) -> List[Tuple[str, str]]:
+        """``(prefix, key)`` of every dataset the config reads, in order, each once."""
+        out: List[Tuple[str, str]] = []
+        named = [("dataset.data_path", self.blend)] if self.blend else [
+            (f"dataset.{k}", b) for k, b in zip(GPT_DATASET_PATH_KEYS[1:], self.blend_per_split or []) if b]
+        for key, (paths, _) in named:
+            out.extend((p, key) for p in paths if p not in [q for q, _ in out])
+        return out
+
+
+#: ``fim_extra_tokens`` keys (Bridge's): the three sentinels, padding and end of document.
+FIM_TOKEN_KEYS = ("prefix", "middle", "suffix", "pad", "eod")
+#: Megatron-LM's FIM sentinel names, used for the keys ``fim_extra_tokens`` leaves out; ``eod`` left
+#: out means the tokenizer's own end-of-document token.
+DEFAULT_FIM_TOKENS = {"prefix": "<fim_prefix>", "middle": "<fim_middle>", "suffix": "<fim_suffix>", "pad": "<fim_pad>"}
+
+
+@dataclass(init=False)
+class GPTFIMDatasetConfig(GPTDatasetConfig):
+    """Fill-in-the-middle on indexed data: Megatron Bridge's ``GPTFIMDatasetConfig`` (Megatron-LM's FIM).
+
+    Any ``fim_*`` key in ``[dataset]`` selects it (see :func:`dataset_config_class`); the rest of the
+    table is :class:`GPTDatasetConfig`'s. megatron-core has no FIM dataset, so
+    :class:`bridge_hpc.training.datasets.fim.GPTFIMDataset` adds it to megatron-core's ``GPTDataset``: every
+    end-of-document-separated segment of a sample is, with probability ``fim_rate``, cut at two
+    random points into prefix, middle and suffix and rewritten as PSM
+    ``<prefix> prefix <suffix> suffix <middle> middle`` or, with probability ``fim_spm_rate``, SPM
+    ``<prefix> <suffix> suffix <middle> prefix middle``; the sample is then cut back to its length.
+    With ``fim_split_sample`` (a token, e.g. a file separator) a segment that contains it is, with
+    probability ``fim_rate``, split there and each fragment gets FIM with ``fim_fragment_rate``;
+    fragments whose text starts with ``fim_no_prefix`` are left as they are.
+
+    ``fim_extra_tokens`` names the sentinel tokens (keys ``prefix``, ``middle``, ``suffix``, ``pad``,
+    ``eod``); keys left out take Megatron-LM's ``<fim_prefix>``, ``<fim_middle>``, ``<fim_suffix>``,
+    ``<fim_pad>`` and the tokenizer's end-of-document token. Each must be one token of the run's
+    tokenizer (for the byte-level one: list them in ``[tokenizer] special_tokens``); that is checked
+    when the datasets are built, a ConfigError naming ``dataset.fim_extra_tokens.<key>``. Unset
+    rates take Megatron-LM's defaults: ``fim_rate`` 0.5, ``fim_spm_rate`` 0.5.
+
+    What differs from Megatron-LM, and why: the cut points fall between tokens, not characters, so
+    no text is re-tokenized and a FIM segment holds exactly the segment's tokens plus the three
+    sentinels (no tokenizer drift, and never shorter, so the ``pad`` token is accepted for Bridge
+    recipes but never needed); and the random draws come from ``(random_seed, split, sample
+    index)``, not from one generator shared by every read, so a sample's FIM form does not depend on
+    which samples were read before it, which exact resume and loader workers need.
+    """
+
+    fim_rate: Optional[float] = None
+    fim_spm_rate: Optional[float] = None
+    fim_extra_tokens: Optional[Dict[str, str]] = None
+    fim_split_sample: Optional[str] = None
+    fim_fragment_rate: Optional[float] = None
+    fim_no_prefix: Optional[str] = None
+
+    def __init__(self, fim_rate: Optional[float] = None, fim_spm_rate: Optional[float] = None,
+                 fim_extra_tokens: Optional[Dict[str, str]] = None, fim_split_sample: Optional[str] = None,
+                 fim_fragment_rate: Optional[float] = None, fim_no_prefix: Optional[str] = None, **kwargs: Any):
+        self.fim_rate = fim_rate
+        self.fim_spm_rate = fim_spm_rate
+        self.fim_extra_tokens = fim_extra_tokens
+        self.fim_split_sample = fim_split_sample
+        self.fim_fragment_rate = fim_fragment_rate
+        self.fim_no_prefix = fim_no_prefix
+        super().__init__(**kwargs)
+
+    def finalize(self) -> None:
+        super().finalize()
+        if self.fim_rate is None:
+            self.fim_rate = 0.5
+        if self.fim_spm_rate is None:
+            self.fim_spm_rate = 0.5
+        for key in ("fim_rate", "fim_spm_rate", "fim_fragment_rate"):
+            value = getattr(self, key)
+            _check(value is None or 0 <= value <= 1, f"dataset.{key}", f"must be a probability in [0, 1], got {value!r}")
+        tokens = dict(self.fim_extra_tokens or {})
+        for name, token in tokens.items():
+            _check(name in FIM_TOKEN_KEYS, f"dataset.fim_extra_tokens.{name}",
+                   f"unknown key{did_you_mean(name, FIM_TOKEN_KEYS)}; known keys: {', '.join(FIM_TOKEN_KEYS)}")
+            _check(isinstance(token, str) and token != "", f"dataset.fim_extra_tokens.{name}",
+                   f"expected a token (a non-empty string), got {token!r}")
+        self.fim_extra_tokens = {**DEFAULT_FIM_TOKENS, **tokens}
+        sentinels = [self.fim_extra_tokens[k] for k in ("prefix", "middle", "suffix")]
+        _check(len(set(sentinels)) == 3, "dataset.fim_extra_tokens",
+               f"prefix, middle and suffix must be three different tokens, got {sentinels}")
+        _check(self.fim_split_sample is None or self.fim_split_sample != "", "dataset.fim_split_sample",
+               "expected a token to split samples at, got an empty string")
+        if self.fim_split_sample is not None:
+            _check(self.fim_fragment_rate is not None, "dataset.fim_fragment_rate",
+                   "must be set with dataset.fim_split_sample (the FIM rate of each fragment)")
+        else:
+            _check(self.fim_fragment_rate is None, "dataset.fim_fragment_rate",
+                   "is only used with dataset.fim_split_sample; remove it or set fim_split_sample")
+        _check(self.fim_no_prefix is None or self.fim_no_prefix != "", "dataset.fim_no_prefix",
+               "expected the text that exempts a fragment from FIM, got an empty string")
+
+
+#: Records of each fine-tuning file a run reads that are checked when it is submitted (all of them with
+#: ``bridge-submit --verify-data``, and by every rank at start-up): the first ones, and the first one
+#: after each of as many points spread evenly over the rest of the file.
+SAMPLED_HEAD_RECORDS = 64
+SAMPLED_SPREAD_RECORDS = 64
+#: The most bytes of one file that the sample reads, half for its first records and half for the
+#: spread; a line the budget cuts is not checked. So the check at submission costs the same on a file
+#: of any size, with any line lengths (milliseconds for records of usual sizes).
+SAMPLED_BYTES = 1 << 23
+
+
+class JsonlProblem(NamedTuple):
+    """What is wrong with a line of a fine-tuning jsonl file: the config key to name, and the problem,
+    worded to read after where the line is (``line 7 has no 'output' field``)."""
+
+    key: str
+    problem: str
+
+
+def parse_jsonl_record(line: bytes, prompt_key: str, answer_key: str) -> Union[Dict[str, Any], JsonlProblem]:
+    """One non-blank line of a fine-tuning jsonl file as its record, or what is wrong with it.
+
+    A good line is a JSON object whose ``prompt_key`` and ``answer_key`` fields are strings of text:
+    ``"\\ud800"`` is valid JSON but a lone surrogate, which the tokenizer cannot encode as UTF-8
+    (``str.encode`` raises), so the rank reading that sample would die of a bare UnicodeEncodeError.
+    The login node (:func:`check_jsonl_records`) and the ranks (``bridge_hpc.training.datasets.builders``) both use
+    it, so the two refuse the same records.
+    """
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError as err:
+        return JsonlProblem("dataset.dataset_root", f"is not UTF-8 text ({err.reason} at byte {err.start + 1} of "
+                                                    "the line)")
+    except RecursionError:
+        return JsonlProblem("dataset.dataset_root", "is not a record: its JSON nests too deeply to read")
+    except ValueError as err:
+        return JsonlProblem("dataset.dataset_root", f"is not JSON ({err})")
+    if not isinstance(record, dict):
+        return JsonlProblem("dataset.dataset_root", f"is a JSON {type(record).__name__}, expected an object with "
+                                                    f"{prompt_key!r} and {answer_key!r} fields")
+    for name, key in ((prompt_key, "dataset.prompt_key"), (answer_key, "dataset.answer_key")):
+        if name not in record:
+            fields = sorted(record)
+            shown = repr(fields) if len(fields) <= 8 else repr(fields[:8])[:-1] + f", ... ({len(fields)} fields)]"
+            return JsonlProblem(key, f"has no {name!r} field (it has {shown})")
+        value = record[name]
+        if not isinstance(value, str):
+            return JsonlProblem(key, f"has field {name!r} of type {type(value).__name__}, expected a string")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return JsonlProblem(key, f"has field {name!r} with a lone surrogate {value[err.start]!r} at character "
+                                     f"{err.start + 1}: not text, so the tokenizer cannot encode it as UTF-8")
+    return record
+
+
+def _jsonl_sample(f: Any, size: int) -> Tuple[List[Tuple[int, Optional[int], bytes]], bool]:
+    """The lines of an open jsonl file that a sample checks, as ``(offset, line number, line)``, and
+    whether they were the whole file. The first :data:`SAMPLED_HEAD_RECORDS` records are read with
+    their line numbers; then, past them, the first record after each of :data:`SAMPLED_SPREAD_RECORDS`
+    evenly spread points (seeking there costs nothing on a file of any size), whose line number is
+    None (counted only for an error: :func:`_line_number`). At most :data:`SAMPLED_BYTES` are read."""
+    lines: List[Tuple[int, Optional[int], bytes]] = []
+    budget, number, records = SAMPLED_BYTES // 2, 0, 0
+    while records < SAMPLED_HEAD_RECORDS and budget > 0:
+        offset = f.tell()
+        line = f.readline(budget)
+        if not line:
+            return lines, True
+        if not line.endswith(b"\n") and f.tell() < size:
+            break  # cut by the budget
+        budget, number = budget - len(line), number + 1
+        if line.strip():
+            lines.append((offset, number, line))
+            records += 1
+    position = f.tell()
+    if position >= size:
+        return lines, True
+    budget += SAMPLED_BYTES // 2
+    frontier = position
+    for k in range(1, SAMPLED_SPREAD_RECORDS + 1):
+        point = frontier + (size - frontier) * k // (SAMPLED_SPREAD_RECORDS + 1)
+        if point < position or point < 1:
+            continue  # inside a line read already
+        f.seek(point - 1)
+        rest = f.readline(budget)  # from the byte before the point to the end of its line
+        budget -= len(rest)
+        if not rest.endswith(b"\n") or budget <= 0:
+            break  # the end of the file, or of the budget
+        while budget > 0:
+            offset = f.tell()
+            line = f.readline(budget)
+            if not line or (not line.endswith(b"\n") and f.tell() < size):
+                budget = 0  # the end of the file, or a line cut by the budget
+                break
+            budget -= len(line)
+            if line.strip():
+                lines.append((offset, None, line))
+                break
+        position = f.tell()
+        if budget <= 0:
+            break
+    return lines, False
+
+
+def _line_number(f: Any, offset: int) -> int:
+    """The number of the line that starts at byte ``offset`` of the open file ``f`` (one pass up to it)."""
+    f.seek(0)
+    newlines, left = 0, offset
+    while left > 0:
+        chunk = f.read(min(left, 1 << 24))
+        if not chunk:
+            break
+        newlines += chunk.count(b"\n")
+        left -= len(chunk)
+    return newlines + 1
+
+
+def check_jsonl_records(path: str, prompt_key: str, answer_key: str, full: bool = False,
+                        progress: Optional[Progress] = None) -> int:
+    """Check the records of a fine-tuning jsonl file at submission: a sample (:func:`_jsonl_sample`), or
+    every line with ``full`` (``bridge-submit --verify-data``; ``progress`` then hears how far it is).
+
+    Raises ConfigError whose message starts with ``FILE:LINE`` and whose key is the config key of the
+    problem (:func:`parse_jsonl_record`), or names the file when it holds no record at all or cannot be
+    read; so a bad record is found on the login node, not on the ranks after the queue. Returns the
+    number of records checked.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if full:
+                lines: Any = _every_line(f, path, size, progress)
+                whole = True
+            else:
+                lines, whole = _jsonl_sample(f, size)
+            checked = 0
+            for offset, number, line in lines:
+                record = parse_jsonl_record(line, prompt_key, answer_key)
+                if isinstance(record, JsonlProblem):
+                    number = number if number is not None else _line_number(f, offset)
+                    raise ConfigError(f"{path}:{number} {record.problem}", key=record.key)
+                checked += 1
+    except OSError as err:
+        raise ConfigError(f"{path} cannot be read: {err.strerror or err}", key="dataset.dataset_root") from None
+    _check(checked > 0 or not whole, "dataset.dataset_root",
+           f"{path} holds no records: expected one JSON object per line with {prompt_key!r} and {answer_key!r} "
+           "fields")
+    return checked
+
+
+def _every_line(f: Any, path: str, size: int, progress: Optional[Progress]) -> Iterator[Tuple[int, int, bytes]]:
+    """``(offset, line number, line)`` of every non-blank line of the open file ``f``, telling ``progress``
+    how far it is every 16 MiB and at the end."""
+    done = reported = 0
+    for number, line in enumerate(f, 1):
+        if line.strip():
+            yield done, number, line
+        done += len(line)
+        if progress is not None and done - reported >= 1 << 24:
+            progress(path, done, size)
+            reported = done
+    if progress is not None:
+        progress(path, done, size)
+
+
+#: The jsonl files of a fine-tuning ``dataset_root`` (Megatron Bridge's names), per split.
+FINETUNING_FILES = {"train": "training.jsonl", "valid": "validation.jsonl", "test": "test.jsonl"}
+
+
+@dataclass
+class FinetuningDatasetConfig(DataloaderConfig):
+    """Prompt/answer pairs in jsonl files, tokenized on the fly: Megatron Bridge's ``FinetuningDatasetConfig``.
+
+    ``dataset_root`` holds ``training.jsonl`` and optionally ``validation.jsonl`` and ``test.jsonl``
+    (Bridge's names; a missing validation or test file means no such split, as in Bridge, and
+    ``do_validation`` / ``do_test = false`` skip one that exists). Each line is a JSON object whose
+    ``prompt_key`` and ``answer_key`` fields are strings; the defaults are the fields of Bridge's
+    default SFT template (``"{input} {output}"``). A sample is the prompt's tokens followed directly by
+    the answer's and the tokenizer's end-of-document token (put any separator into the data), cut to
+    ``seq_length`` + 1 tokens by dropping prompt tokens from its start first (the end of a prompt,
+    next to the answer, is what the answer depends on), then answer tokens from its end. Only the
+    answer and its end-of-document token count in the loss: prompt and padding positions have
+    ``loss_mask = 0``.
+
+    ``dataloader_type = "batch"`` (Bridge's default here) pads all micro-batches of one step on a rank
+    to one length, the longest sample of that rank's share of the global batch rounded up to a
+    multiple of 8 (at most ``seq_length``); ``"single"`` pads each micro-batch on its own.
+
+    The training split is read in a fresh order every pass over the file, shuffled by ``seed``;
+    validation and test in file order. ``max_train_samples`` (Bridge's) sets how many training
+    samples the run draws before it starts again from the first one; unset, the run's own
+    ``train_iters`` x ``global_batch_size``. ``seq_length = None`` takes ``model.seq_length``. Bridge's
+    ``memmap_workers``, ``packed_sequence_specs`` and free-form ``dataset_kwargs`` are accepted at
+    their defaults only (anything else is a ConfigError): the files are indexed in one pass, sequences
+    are not packed, and the options are the typed fields here.
+    """
+
+    dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = "batch"
+    dataset_root: Optional[str] = None
+    seq_length: Optional[int] = None
+    seed: int = 1234
+    memmap_workers: int = 1
+    max_train_samples: Optional[int] = None
+    packed_sequence_specs: Optional[Any] = None
+    dataset_kwargs: Optional[Dict[str, Any]] = None
+    do_validation: bool = True
+    do_test: bool = True
+    prompt_key: str = "input"
+    answer_key: str = "output"
+
+    def finalize(self) -> None:
+        super().finalize()
+        _check(self.memmap_workers == 1, "dataset.memmap_workers",
+               "must be 1: the jsonl files are indexed in one pass, with no memory-map workers")
+        _check(self.packed_sequence_specs is None, "dataset.packed_sequence_specs",
+               "must be unset: fine-tuning samples are padded, not packed")
+        _check(self.dataset_kwargs is None, "dataset.dataset_kwargs",
+               "must be unset: the fine-tuning options are this section's own fields (prompt_key, answer_key, ...)")
+        _check(self.dataset_root is not None, "dataset.dataset_root",
+               f"must be set: the folder with {FINETUNING_FILES['train']} (and optionally "
+               f"{FINETUNING_FILES['valid']}, {FINETUNING_FILES['test']})")
+        root = os.path.abspath(os.path.expanduser(self.dataset_root))
+        _check(os.path.isdir(root), "dataset.dataset_root", f"{self.dataset_root!r} is not an existing folder")
+        self.dataset_root = root
+        _check(self.dataloader_type in ("single", "batch"), "dataset.dataloader_type",
+               f"must be \"batch\" (pad per global batch) or \"single\" for fine-tuning data, got "
+               f"{self.dataloader_type!r}")
+        _check(self.seq_length is None or self.seq_length > 0, "dataset.seq_length", "must be > 0")
+        _check(self.seed >= 0, "dataset.seed", "must be >= 0")
+        _check(self.max_train_samples is None or self.max_train_samples > 0, "dataset.max_train_samples",
+               "must be > 0")
+        for key in ("prompt_key", "answer_key"):
+            _check(getattr(self, key) != "", f"dataset.{key}", "must name a jsonl field")
+        _check(self.prompt_key != self.answer_key, "dataset.answer_key",
+               f"must differ from dataset.prompt_key ({self.prompt_key!r})")
+
+    def split_path(self, split: str) -> Optional[str]:
+        """The jsonl file of ``split`` ("train", "valid", "test") when the run reads it, else None."""
+        if (split == "valid" and not self.do_validation) or (split == "test" and not self.do_test):
+            return None
+        path = os.path.join(self.dataset_root, FINETUNING_FILES[split])
+        return path if os.path.isfile(path) else None
