@@ -562,3 +562,35 @@ def test_a_lost_starting_job_line_never_joins_two_runs(tmp_path):
     report = build_report(read.runs)
     assert [(r.duration_s, r.reason) for r in report.rows] == [(102, "time_limit"), (102, "done")]
     assert report.totals["training_s"] == 2 * (102 - 6 - 1)
+
+
+def test_an_in_job_restart_after_the_failed_runs_ending_line_is_charged_to_that_run(tmp_path):
+    """Fault tolerance's next attempt writes ``Restart`` for the run that failed, before its own
+    ``Starting job``; when the failed run wrote its ``Ending job`` first (rank 0 alive when another rank
+    was killed), the ``Restart`` line is still that run's: the report shows an in-job restart."""
+    from bridge_hpc.contracts.progress_log import RESTART, read_progress
+
+    t0 = parse_time("2026-03-01 00:00:00")
+    path = tmp_path / "progress.txt"
+    c = Clock(t0)
+    log = ProgressLog(str(path), "8", 2, clock=c)
+    log.starting_job(0, startup_s=1)
+    c.at(t0 + 5); log.first_step(1)
+    c.at(t0 + 50); log.saved_checkpoint(10, 0, 0, save_s=1)
+    c.at(t0 + 60); log.ending_job("fault", 12, 2)
+    c.at(t0 + 70); log.restart("fault", 15.0)
+    c.at(t0 + 75); log.starting_job(1, startup_s=1)
+    c.at(t0 + 80); log.first_step(11)
+    c.at(t0 + 120); log.ending_job("done", 20, 0)
+    read = read_progress(str(path))
+    assert [r.restart_count for r in read.runs] == [0, 1] and read.skipped == []
+    restart = read.runs[0].last(RESTART)
+    assert restart is not None and restart.fields["Cause"] == "fault"
+    rows = build_report(read.runs).rows
+    assert [r.reason for r in rows] == ["fault", "done"] and rows[1].in_job_restart
+    # One Restart line per run: a second one after it belongs to no run, and is passed over and counted.
+    restart_line = path.read_text().splitlines()[4]
+    with open(path, "a") as f:
+        f.write(restart_line + "\n" + restart_line + "\n")
+    again = read_progress(str(path))
+    assert len(again.runs[1].of(RESTART)) == 1 and again.skipped == [10]

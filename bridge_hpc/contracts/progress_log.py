@@ -208,7 +208,8 @@ def parse_events(path: str) -> List[Event]:
 
 
 #: The lines that end a run: any line after one, up to the next ``Starting job``, belongs to a run whose
-#: ``Starting job`` line is missing.
+#: ``Starting job`` line is missing, except the one ``Restart`` line that fault tolerance's next
+#: attempt writes for the run that failed (after that run's own ``Ending job``, when it wrote one).
 _ENDS = (ENDING_JOB, RESTART)
 
 
@@ -216,19 +217,23 @@ def split_runs(events: List[Event]) -> Tuple[List[Run], List[Event]]:
     """Split events into runs: (runs, events that belong to no run). An event belongs to no run when
     it comes before the first ``Starting job``, names another job than its run, or follows its run's
     ``Ending job`` or ``Restart``: a damaged or lost ``Starting job`` line must not make one run of two,
-    which would count the time between them as the first's."""
+    which would count the time between them as the first's. A ``Restart`` line after its run's
+    ``Ending job`` is that run's (:meth:`ProgressLog.restart` is written for the run that failed, by
+    the attempt that follows it, before that attempt's ``Starting job``)."""
     runs: List[Run] = []
     orphans: List[Event] = []
-    ended = False  # the last run has written its Ending job or Restart line
+    ended_by: Optional[str] = None  # the Ending job or Restart line that ended the last run
     for event in events:
         if event.name == STARTING_JOB:
             runs.append(Run(event.job_id, event.world_size, event))
-            ended = False
-        elif not runs or event.job_id != runs[-1].job_id or ended:
+            ended_by = None
+        elif not runs or event.job_id != runs[-1].job_id or (
+                ended_by is not None and not (event.name == RESTART and ended_by == ENDING_JOB)):
             orphans.append(event)
         else:
             runs[-1].events.append(event)
-            ended = ended or event.name in _ENDS
+            if event.name in _ENDS:
+                ended_by = event.name
     return runs, orphans
 
 
