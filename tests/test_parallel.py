@@ -159,7 +159,7 @@ def test_distributed_optimizer_load_keeps_torch_adams_step():
 
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from bridge_hpc.training.checkpoint.checkpointing import _torch_adam_step_kept
+    from bridge_hpc.training.checkpoint.megatron import _torch_adam_step_kept
 
     main, model_param = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
     adam = torch.optim.Adam([main])

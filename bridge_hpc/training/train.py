@@ -179,7 +179,7 @@ def start_reduce_reports_and_flags(reports: List[Dict[str, torch.Tensor]], purpo
                                    flags: Optional[Dict[str, bool]] = None
                                    ) -> Callable[[], Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]]:
     """:func:`reduce_reports_and_flags` issued now, read by the function it returns
-    (:func:`~bridge_hpc.training.utils.train_utils.start_reduce_loss_dicts_and_flags`); with pipeline
+    (:func:`~bridge_hpc.training.engine.collectives.start_reduce_loss_dicts_and_flags`); with pipeline
     parallelism it completes here."""
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if parallel.pipeline_size() == 1:

@@ -8,7 +8,7 @@ step of the demo model (``benchmarks/loop_overhead.py``), where the target is 3 
 
 Where torch's ``DistributedDataParallel`` reduces the gradients (CPU ranks), the values need no
 collective of their own: :class:`GradReduceRider` registers a DDP communication hook that appends
-them (a :class:`~bridge_hpc.training.utils.train_utils.PackedReports`, a few floats) to the last
+them (a :class:`~bridge_hpc.training.engine.collectives.PackedReports`, a few floats) to the last
 gradient bucket of the step's synchronizing backward and splits them off after the all-reduce. The
 gradients are reduced as by torch's default hook (divided by the group size, then summed); the
 values are summed as the separate all-reduce sums them, so the reduced losses and agreed flags are
@@ -59,7 +59,7 @@ class GradReduceRider:
 
     def take(self) -> Optional[Callable[[], Tuple[Dict[str, torch.Tensor], Optional[Dict[str, bool]]]]]:
         """The reduced reports and agreed flags of the last synchronizing backward, as the function
-        :func:`~bridge_hpc.training.utils.train_utils.start_reduce_loss_dicts_and_flags` returns; None
+        :func:`~bridge_hpc.training.engine.collectives.start_reduce_loss_dicts_and_flags` returns; None
         when nothing rode along (nothing loaded, or a gradient dtype the values cannot share)."""
         reduced, self._reduced, self._pending = self._reduced, None, None
         if reduced is None:
