@@ -224,7 +224,7 @@ def test_workers_are_capped_by_cpus_and_input_blocks(tmp_path, capsys):
     assert rc == 0 and "--workers 100000 reduced to 1: " in err and "block" in err, err
     assert time.monotonic() - started < 30
     cpus = len(os.sched_getaffinity(0))
-    assert prepare.worker_count(100000, [path], cpus=cpus) == (1, prepare.worker_count(100000, [path], cpus=cpus)[1])
+    assert prepare.worker_count(100000, [path], cpus=cpus)[0] == 1
     big = jsonl(tmp_path / "big.jsonl", ["x" * 1000] * (prepare.BLOCK_BYTES // 1000 * (cpus + 2)))
     workers, why = prepare.worker_count(100000, [big])
     assert workers == cpus and f"this process may use {cpus} CPUs" in why

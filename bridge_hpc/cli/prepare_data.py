@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import signal
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
+from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
 from bridge_hpc.contracts.run_folder import RunFolder
 from bridge_hpc.contracts.text import has_control_chars, one_line
@@ -48,9 +48,6 @@ STEP_FLAG = "--slurm-step"
 WAIT_POLL_S = 2.0
 #: The exit status of a run stopped by Ctrl-C or SIGTERM (the shell's 128 + SIGINT).
 EXIT_INTERRUPTED = 130
-#: What an output prefix may not hold with --slurm: sbatch's pattern characters, since the log file
-#: names are made from the prefix.
-_SBATCH_PATTERN = re.compile(r"[%\\]")
 
 #: TokenizerConfig key -> the flag that sets it, so a bad value is blamed on what the user typed.
 _FLAGS = {"tokenizer_type": "--tokenizer-type", "tokenizer_model": "--tokenizer-model", "vocab_size": "--vocab-size",
@@ -115,7 +112,7 @@ def check_output_prefix(prefix: str, slurm: bool) -> None:
         raise ConfigError("expected a path prefix, got an empty string", key="--output-prefix")
     if has_control_chars(prefix):
         raise ConfigError(f"must not contain newlines or control characters, got {prefix!r}", key="--output-prefix")
-    if slurm and _SBATCH_PATTERN.search(str(Path(prefix).absolute())):
+    if slurm and run_folder.LOG_PATTERN_CHARS.search(str(Path(prefix).absolute())):
         raise ConfigError(f"must not contain '%' or '\\' with --slurm (sbatch reads them as patterns in the names "
                           f"of the log files it writes beside the prefix), got {str(Path(prefix).absolute())!r}",
                           key="--output-prefix")

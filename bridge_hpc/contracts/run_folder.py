@@ -53,6 +53,10 @@ CHECKPOINT_LOCK = ".lock"
 
 #: Slurm's output pattern without its suffix: submitit's ``%j_%t_log`` (task 0 of the batch step).
 LOG_STEM = "{job}_0_log"
+#: What a folder holding Slurm's log files may not contain: sbatch reads ``%`` (``%j`` is the job id)
+#: and ``\`` (which turns every pattern off, and is dropped) in ``--output``/``--error`` as patterns, so
+#: the logs would land elsewhere than the folder named.
+LOG_PATTERN_CHARS = re.compile(r"[%\\]")
 #: ``%j`` for a job, ``%A_%a`` for an array task (Slurm's own patterns).
 JOB_PATTERN = "%j"
 ARRAY_JOB_PATTERN = "%A_%a"

@@ -45,8 +45,6 @@ _TIME_RE = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<h>[0-9]{1,3}):(?P<m>[0-9]{2}):
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SBATCH_OPTION_RE = re.compile(r"[a-z][a-z0-9-]*")
 _KEY_PART_RE = re.compile(r"[A-Za-z0-9_-]+")
-#: Characters sbatch reads as patterns in the names of the log files, which live in the run folder.
-_LOG_PATTERN_CHARS = re.compile(r"[%\\]")
 #: [env] names a job may not set: what Slurm sets for each job and the batch script and the ranks
 #: read (an exported SLURM_RESTART_COUNT of ``a[$(cmd)]`` would run cmd in the script's arithmetic),
 #: bridge_hpc's own BRIDGE_* variables, and the shell's start-up and parsing variables (BASH_ENV,
@@ -647,7 +645,7 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
 
     base = cwd or Path.cwd()
     try:
-        run_dir = _expanduser(job.run_dir or f"runs/{_LOG_PATTERN_CHARS.sub('_', job.name)}")
+        run_dir = _expanduser(job.run_dir or f"runs/{run_folder.LOG_PATTERN_CHARS.sub('_', job.name)}")
     except ValueError as err:
         raise where.error("job.run_dir", str(err)) from None
     if not str(job.run_dir or "x").strip():
@@ -657,7 +655,7 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         job.run_dir = str(run_dir if run_dir.is_absolute() else _resolve(base / run_dir))
     except ValueError as err:
         raise where.error("job.run_dir", str(err)) from None
-    if _LOG_PATTERN_CHARS.search(job.run_dir):
+    if run_folder.LOG_PATTERN_CHARS.search(job.run_dir):
         # sbatch reads the log file names (--output, in the run folder) as patterns: %j is the job id,
         # and a backslash turns every pattern off (and is dropped), so logs would land elsewhere.
         what = repr(given) if given else f"the folder bridge-submit runs in: {job.run_dir!r}"
