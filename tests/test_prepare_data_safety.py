@@ -354,3 +354,30 @@ def test_the_printed_dataset_lines_keep_held_out_inputs_out_of_training(tmp_path
 
     cfg = load_job_config(job, overrides=["dataset.split=1,0,0"] if "data_path" in keys else [], cwd=tmp_path)
     assert type(cfg.training.dataset).__name__ == "GPTDatasetConfig"
+
+
+def test_a_slurm_task_waits_for_the_submission_that_holds_the_prefix(tmp_path):
+    """An array task can start while its submission still holds the prefix (it records the job ids
+    after both sbatch calls): the task waits for it instead of failing; a user's run is refused at once."""
+    import threading
+
+    from bridge_hpc.contracts.errors import ConfigError
+    from bridge_hpc.prepare.prefix_lock import hold_prefix
+
+    prefix = str(tmp_path / "o")
+    leaving = threading.Event()
+
+    def submission():
+        with hold_prefix(prefix, "submit"):
+            time.sleep(1.0)
+            leaving.set()
+
+    thread = threading.Thread(target=submission)
+    thread.start()
+    time.sleep(0.2)
+    with pytest.raises(ConfigError, match=r"in use by bridge-prepare-data \(submit\)"):
+        with hold_prefix(prefix, "local"):
+            pass
+    with hold_prefix(prefix, "task 0", shared=True, wait_s=30):
+        assert leaving.is_set()  # got it only once the submission let go
+    thread.join()

@@ -44,6 +44,11 @@ def lock_path(output_prefix: str) -> Path:
     return Path(output_prefix + LOCK_SUFFIX)
 
 
+#: Seconds the tasks of a --slurm job wait for the lock (the submission holds it exclusively until both
+#: jobs are submitted and recorded, and a task can start before that).
+TASK_LOCK_WAIT_S = 60.0
+#: Seconds between two tries of a lock that is waited for.
+LOCK_POLL_S = 0.2
 #: Seconds a refused writer waits for an exclusive holder that has just taken the lock to write its name.
 HOLDER_NAME_WAIT_S = 1.0
 
@@ -75,17 +80,19 @@ def _refuse_unfinished_jobs(output_prefix: str, jobs: Dict[str, str]) -> None:
 @contextlib.contextmanager
 def hold_prefix(output_prefix: str, mode: str, shared: bool = False,
                 unfinished_jobs: Optional[Callable[[], Dict[str, str]]] = None,
-                warn: TextIO = sys.stderr) -> Iterator[None]:
+                warn: TextIO = sys.stderr, wait_s: float = 0.0) -> Iterator[None]:
     """Hold ``output_prefix``'s lock for the block; ConfigError naming who holds it when it is taken.
 
     ``mode`` says what the holder does ("local", "submit", "task 3", "finish"), for the message a
-    refused writer prints. An exclusive holder is also refused while ``unfinished_jobs()`` (``{job id:
-    state}`` of the prefix's --slurm jobs that Slurm has not finished) returns any.
-    The lock file's folder is created (the output folder); a folder that cannot be created or
+    refused writer prints. A writer a user started is refused at once (``wait_s = 0``); the tasks of a
+    --slurm job wait :data:`TASK_LOCK_WAIT_S` for the submission that holds the prefix while it
+    submits them, since a task can start before that submission has let go. An exclusive holder is
+    also refused while ``unfinished_jobs()`` (``{job id: state}`` of the prefix's --slurm jobs that
+    Slurm has not finished) returns any. The lock file's folder is created (the output folder); a folder that cannot be created or
     written is a ConfigError naming ``--output-prefix``.
     """
     path = lock_path(output_prefix)
-    fd = _locked_fd(path, output_prefix, shared, warn)
+    fd = _locked_fd(path, output_prefix, shared, warn, wait_s)
     try:
         if not shared:
             info = {"host": socket.gethostname(), "pid": os.getpid(), "mode": mode,
@@ -102,10 +109,12 @@ def hold_prefix(output_prefix: str, mode: str, shared: bool = False,
         os.close(fd)
 
 
-def _locked_fd(path: Path, output_prefix: str, shared: bool, warn: TextIO) -> int:
-    """An open descriptor of the lock file, locked. An exclusive holder removes the file when it is
-    done, so a descriptor opened just before that locks a file no longer there: it is checked
+def _locked_fd(path: Path, output_prefix: str, shared: bool, warn: TextIO, wait_s: float) -> int:
+    """An open descriptor of the lock file, locked; a lock held by another is waited for up to
+    ``wait_s`` seconds, then refused naming its holder. An exclusive holder removes the file when it
+    is done, so a descriptor opened just before that locks a file no longer there: it is checked
     against the path (same inode) and the lock taken again on the new file."""
+    deadline = time.monotonic() + wait_s
     while True:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,6 +125,10 @@ def _locked_fd(path: Path, output_prefix: str, shared: bool, warn: TextIO) -> in
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if time.monotonic() < deadline:
+                    os.close(fd)
+                    time.sleep(LOCK_POLL_S)
+                    continue
                 holder = _holder(fd)
                 os.close(fd)
                 raise ConfigError(f"output prefix {output_prefix!r} is in use by {holder} (lock {str(path)!r}); "

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Sequence, TextIO, Tuple
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.run_folder import RunFolder
 from bridge_hpc.prepare import shards as prepare
-from bridge_hpc.prepare.prefix_lock import hold_prefix
+from bridge_hpc.prepare.prefix_lock import TASK_LOCK_WAIT_S, hold_prefix
 from bridge_hpc.training.config import TokenizerConfig
 
 #: The Slurm folder is ``<output-prefix>`` + this suffix: beside the data it makes, so that two
@@ -121,7 +121,7 @@ def run_shard_task(plan: Plan, index: int, stream: TextIO, label: str = "") -> p
     path = Path(plan.inputs[index])
     tokenizer_cfg = plan.tokenizer_config()
     progress = prepare.Progress(stream, interval=LOG_INTERVAL_S)
-    with hold_prefix(plan.output_prefix, f"task {index}", shared=True, warn=stream):
+    with hold_prefix(plan.output_prefix, f"task {index}", shared=True, warn=stream, wait_s=TASK_LOCK_WAIT_S):
         check = prepare.check_shard(plan.output_prefix, path, plan.settings(), plan.verify)
         return prepare.keep_or_prepare(path, check, plan.output_prefix, tokenizer_cfg, plan.json_keys, plan.append_eod,
                                        plan.workers, plan.on_bad_line, progress,
@@ -137,7 +137,7 @@ def finish(plan: Plan) -> Tuple[List[prepare.ShardRecord], str, Path]:
     ConfigError when a finished shard's files disagree with its record.
     """
     settings = plan.settings()
-    with hold_prefix(plan.output_prefix, "finish", shared=True):
+    with hold_prefix(plan.output_prefix, "finish", shared=True, wait_s=TASK_LOCK_WAIT_S):
         records, missing = [], []
         for index, source in enumerate(plan.inputs):
             record = prepare.check_shard(plan.output_prefix, Path(source), settings).record
