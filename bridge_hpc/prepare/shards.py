@@ -310,12 +310,6 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def source_info(path: Path) -> SourceInfo:
-    """Size, modification time and sha256 of an input file."""
-    st = path.stat()
-    return SourceInfo(path=str(path), size=st.st_size, mtime_ns=st.st_mtime_ns, sha256=_sha256_file(path))
-
-
 # ---------------------------------------------------------------------------------------------
 # Encoding (in worker processes)
 # ---------------------------------------------------------------------------------------------
@@ -539,12 +533,13 @@ def load_record(output_prefix: str, shard: str) -> Optional[ShardRecord]:
         return None
 
 
-def sample_sha256(path: str, size: int) -> str:
+def sample_sha256(path: str, size: int, whole: Optional[str] = None) -> str:
     """The sha256 of the whole file when it is at most :data:`SAMPLE_WHOLE_BYTES`, else of
     :data:`SAMPLE_BLOCKS` blocks spread evenly from its first byte to its last: what a re-run reads
-    to vouch for a shard it keeps without reading every byte (``--verify`` reads them all)."""
+    to vouch for a shard it keeps without reading every byte (``--verify`` reads them all).
+    ``whole``: the whole file's sha256 where the caller has just checked it (not read again)."""
     if size <= SAMPLE_WHOLE_BYTES:
-        return _sha256_file(Path(path))
+        return whole or _sha256_file(Path(path))
     digest = hashlib.sha256()
     step = (size - SAMPLE_BLOCK_BYTES) / (SAMPLE_BLOCKS - 1)
     with open(path, "rb") as f:
@@ -641,8 +636,8 @@ def check_shard(output_prefix: str, source: Path, settings: Dict[str, Any], veri
         refreshed = refreshed or times != [out.bin_mtime_ns, out.idx_mtime_ns]
         outputs[key] = dataclasses.replace(
             out, bin_mtime_ns=times[0], idx_mtime_ns=times[1],
-            bin_sample_sha256=out.bin_sample_sha256 or sample_sha256(out.prefix + ".bin", out.bin_bytes),
-            idx_sample_sha256=out.idx_sample_sha256 or sample_sha256(out.prefix + ".idx", out.idx_bytes))
+            bin_sample_sha256=out.bin_sample_sha256 or sample_sha256(out.prefix + ".bin", out.bin_bytes, out.bin_sha256),
+            idx_sample_sha256=out.idx_sample_sha256 or sample_sha256(out.prefix + ".idx", out.idx_bytes, out.idx_sha256))
     if not refreshed:
         return ShardCheck(record, "up to date" + (" (every byte verified)" if verify else ""))
     fresh = dataclasses.replace(record, outputs=outputs,
@@ -827,8 +822,8 @@ def prepare_shard(input_path: Path, output_prefix: str, tokenizer_cfg: Tokenizer
             outputs[key] = OutputFiles(
                 prefix=finals[key], documents=documents, tokens=writer.tokens, bin_bytes=written.bin_bytes,
                 idx_bytes=written.idx_bytes, bin_sha256=written.bin_sha256, idx_sha256=written.idx_sha256,
-                bin_sample_sha256=sample_sha256(tmps[key] + ".bin", written.bin_bytes),
-                idx_sample_sha256=sample_sha256(tmps[key] + ".idx", written.idx_bytes))
+                bin_sample_sha256=sample_sha256(tmps[key] + ".bin", written.bin_bytes, written.bin_sha256),
+                idx_sample_sha256=sample_sha256(tmps[key] + ".idx", written.idx_bytes, written.idx_sha256))
         for key in json_keys:
             for suffix in (".bin", ".idx"):
                 os.replace(tmps[key] + suffix, finals[key] + suffix)
