@@ -17,8 +17,14 @@ EXIT_BAD_INPUT = 2
 F = TypeVar("F", bound=Callable[..., int])
 
 
-class ConfigError(Exception):
-    """Bad user input: names the file, the key (dotted, e.g. ``slurm.time``) and what was expected."""
+class ConfigError(ValueError, AssertionError):
+    """Bad user input: names the file, the key (dotted, e.g. ``slurm.time``) and what was expected.
+
+    A ValueError and an AssertionError too, because Megatron Bridge's config validation raises those
+    (``finalize`` and ``validate`` assert, or raise ValueError): a user's ``except ValueError`` or
+    ``pytest.raises(AssertionError)`` written against Bridge catches this one the same way, while the
+    command-line tools still turn it into one line and exit status 2 (:func:`exits_on_config_error`).
+    """
 
     def __init__(self, message: str, *, path: Optional[str] = None, key: Optional[str] = None):
         self.path = path
