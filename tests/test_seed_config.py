@@ -91,7 +91,8 @@ def test_runtime_config_update_finalizes_and_cross_checks_a_python_built_contain
     # the distributed optimizer is turned on on the DDP side too
     assert cfg.ddp.use_distributed_optimizer and cfg.optimizer.use_distributed_optimizer
     # scheduler: decay over train_iters (8), warm-up 0.25 x 8 = 2 iterations, weight decay constant 0.05
-    assert cfg.scheduler.lr_decay_iters == 8 and cfg.scheduler.lr_warmup_iters == 2
+    assert cfg.scheduler.lr_decay_iters == 8 and cfg.scheduler.lr_decay_steps == 8 * 16
+    assert cfg.scheduler.lr_warmup_steps == 2 * 16  # counted in samples, as megatron-core's scheduler counts
     assert cfg.scheduler.start_weight_decay == cfg.scheduler.end_weight_decay == 0.05
     assert cfg.dataset.vocab_size == cfg.model.vocab_size == 128
     # a second call finalizes nothing again but follows the world: 2 ranks -> data-parallel 2
@@ -286,8 +287,9 @@ def test_validation_section_is_the_home_of_eval_settings_and_train_keeps_the_old
     from bridge_hpc.training.config import ValidationConfig
 
     assert dataclasses.asdict(ValidationConfig()) == {  # megatron's ValidationConfig defaults
-        "eval_iters": 100, "eval_interval": None, "skip_train": False, "test_mode": False,
-        "full_validation": False, "multiple_validation_sets": False}
+        "eval_iters": 100, "eval_interval": None, "start_eval_at_iter": None, "eval_global_batch_size": None,
+        "eval_micro_batch_size": None, "skip_train": False, "test_mode": False, "full_validation": False,
+        "multiple_validation_sets": False, "validation_set_names": None}
     old = _python_built()
     old.train.eval_interval, old.train.eval_iters = 4, 3  # Bridge's deprecated spelling
     old.finalize_sections()

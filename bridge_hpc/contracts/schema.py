@@ -98,6 +98,28 @@ def check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(message, key=key)
 
 
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass field ``name`` of ``cls`` (a fresh one from its factory)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            return f.default
+    raise KeyError(name)
+
+
+def check_left_at_default(section: Any, section_name: str, reasons: Dict[str, str]) -> None:
+    """Refuse, naming ``<section_name>.<field>``, every field of ``reasons`` whose value is not the
+    field's default: the fields Megatron Bridge documents that this trainer cannot act on. Their
+    default is always accepted (a Bridge config that spells it out runs unchanged); any other value
+    would otherwise be silently ignored."""
+    for name, why in reasons.items():
+        default = field_default(type(section), name)
+        value = getattr(section, name)
+        if value != default:
+            raise ConfigError(f"must be left at its default ({default!r}): {why}", key=f"{section_name}.{name}")
+
+
 class DeferredPostInit:
     """Bridge's configs that derive from megatron-core's (DDP, optimizer, GPT dataset) skip its
     ``__post_init__`` at construction, so fields can still be changed; ``finalize()`` fills the

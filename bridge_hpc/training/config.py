@@ -23,7 +23,12 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from bridge_hpc.contracts import run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, DeferredPostInit, build_dataclass, did_you_mean
+from bridge_hpc.contracts.schema import (
+    LAUNCHER_SECTIONS,
+    build_dataclass,
+    check_left_at_default,
+    did_you_mean,
+)
 from bridge_hpc.contracts.schema import check as _check
 from bridge_hpc.training.comm_overlap import CommOverlapConfig
 from bridge_hpc.training.mixed_precision import (
@@ -35,6 +40,7 @@ from bridge_hpc.training.mixed_precision import (
 logger = logging.getLogger(__name__)
 
 # The sections that live beside the components that read them, at Megatron Bridge's path too.
+from bridge_hpc.training.checkpoint.config import CheckpointConfig  # noqa: E402,F401 - Bridge's name, re-exported
 from bridge_hpc.training.datasets.config import (  # noqa: E402,F401 - Bridge's names, re-exported
     DEFAULT_SPLIT,
     FIM_TOKEN_KEYS,
@@ -63,6 +69,8 @@ from bridge_hpc.training.datasets.config import (  # noqa: E402,F401 - Bridge's 
 from bridge_hpc.training.engine.config import (  # noqa: E402,F401 - Bridge's names, re-exported
     FUSED_NORM_MAX_WIDTH,
     TENSOR_INSPECT_PACKAGE,
+    DistributedDataParallelConfig,
+    DistributedInitConfig,
     GPTModelConfig,
     OptimizerConfig,
     OptimizerConfigOverrideProvider,
@@ -78,6 +86,7 @@ from bridge_hpc.training.resilience.config import (  # noqa: E402,F401 - Bridge'
     RerunStateMachineConfig,
     StragglerDetectionConfig,
 )
+from bridge_hpc.training.utils.config import LoggerConfig, ProfilingConfig  # noqa: E402,F401 - re-exported
 
 # ---------------------------------------------------------------------------------------------
 # Sections
@@ -89,82 +98,16 @@ class RNGConfig:
     """Seeds. The same seed on every data-parallel rank keeps the replicas' initialisation equal."""
 
     seed: int = 1234
+    #: Transformer Engine's CUDA RNG tracker (needed by TE's CUDA graphs): with
+    #: ``model.transformer_impl = "transformer_engine"`` it is what megatron-core seeds.
+    te_rng_tracker: bool = False
+    inference_rng_tracker: bool = False
     data_parallel_random_init: bool = False
 
     def finalize(self) -> None:
         _check(self.seed >= 0, "rng.seed", "must be >= 0")
-
-
-@dataclass
-class DistributedInitConfig:
-    """How torch.distributed is set up (Bridge's names). ``distributed_backend = None`` picks nccl on
-    GPU, gloo on CPU.
-
-    ``external_gpu_device_mapping``: the launcher already narrowed each rank's GPUs
-    (``CUDA_VISIBLE_DEVICES``), so every rank uses device 0 instead of its local rank.
-    ``enable_megatron_core_experimental``: megatron-core's experimental switch
-    (``megatron.core.config.set_experimental_flag``), set on every rank before the model is built.
-    ``use_decentralized_pg`` (process groups passed to each component instead of megatron-core's
-    global parallel state) and ``lazy_mpu_init`` (Megatron's hand-over of model-parallel set-up to
-    an external manager; Bridge's ``lazy_init`` property reads and writes it) must stay off: this
-    trainer sets up megatron-core's global parallel state itself, and a job asking for either would
-    otherwise silently get the other behaviour.
-    """
-
-    distributed_backend: Optional[Literal["nccl", "gloo"]] = None
-    distributed_timeout_minutes: int = 10
-    external_gpu_device_mapping: bool = False
-    enable_megatron_core_experimental: bool = False
-    use_decentralized_pg: bool = False
-    lazy_mpu_init: Optional[bool] = None
-
-    @property
-    def lazy_init(self) -> bool:
-        """Bridge's name for ``lazy_mpu_init``."""
-        return bool(self.lazy_mpu_init)
-
-    @lazy_init.setter
-    def lazy_init(self, value: bool) -> None:
-        self.lazy_mpu_init = value
-
-    def finalize(self) -> None:
-        _check(self.distributed_timeout_minutes > 0, "dist.distributed_timeout_minutes", "must be > 0")
-        _check(not self.use_decentralized_pg, "dist.use_decentralized_pg",
-               "must be false: bridge_hpc passes megatron-core's global parallel state, not a ProcessGroupCollection")
-        _check(not self.lazy_mpu_init, "dist.lazy_mpu_init",
-               "must be false: bridge_hpc sets up model parallelism itself (no external manager)")
-
-
-@dataclass
-class DistributedDataParallelConfig(DeferredPostInit):
-    """Data-parallel wrapper settings; used as megatron-core DDP's config on GPU (ignored by torch DDP)."""
-
-    grad_reduce_in_fp32: bool = False
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    use_distributed_optimizer: bool = False
-    average_in_collective: bool = False
-    bucket_size: Optional[int] = None
-    #: megatron-core's: pad each bucket to a size at which NCCL's bus bandwidth is high (a multiple of
-    #: a large power of 2), for a faster overlapped reduce-scatter and param all-gather.
-    pad_buckets_for_high_nccl_busbw: bool = False
-    #: megatron-core's: with pipeline parallelism and overlapped param gather, start every virtual
-    #: stage's param all-gather together (at the first stage's forward) instead of one stage at a time.
-    align_param_gather: bool = False
-    #: Bridge's (synced from a later megatron-core): fnmatch patterns of parameters whose gradients
-    #: accumulate locally in FP32. megatron-core 0.19.2's DDP has no such option, so only the empty
-    #: default is accepted; ``grad_reduce_in_fp32 = true`` keeps every gradient in FP32.
-    param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
-
-    def finalize(self) -> None:
-        _check(
-            not self.overlap_param_gather or self.use_distributed_optimizer,
-            "ddp.overlap_param_gather", "needs ddp.use_distributed_optimizer = true",
-        )
-        _check(not self.param_name_patterns_for_fp32_local_accumulation,
-               "ddp.param_name_patterns_for_fp32_local_accumulation",
-               "must be empty: megatron-core 0.19.2's DDP cannot accumulate chosen gradients in FP32 "
-               "(ddp.grad_reduce_in_fp32 = true does it for all)")
+        check_left_at_default(self, "rng", {
+            "inference_rng_tracker": "bridge_hpc trains; megatron's inference RNG tracker is for its inference engine"})
 
 
 @dataclass
@@ -178,9 +121,28 @@ class TrainingConfig:
     the default signal's list. A list that misses the signal Slurm will send is refused there.
     """
 
-    train_iters: Optional[int] = None
     micro_batch_size: Optional[int] = None
     global_batch_size: Optional[int] = None
+    #: Megatron's batch-size ramp-up and its successors: refused when set (a step here always holds
+    #: ``global_batch_size`` samples, which exact resume and the scheduler's sample count rely on).
+    rampup_batch_size: Optional[List[int]] = None
+    step_batch_size_schedule: Optional[str] = None
+    decrease_batch_size_if_needed: bool = False
+    #: ``torch.cuda.empty_cache()`` after each step (1) or also between forward-backward and the
+    #: optimizer step (2), to fight fragmentation at some speed; nothing on CPU.
+    empty_unused_memory_level: Literal[0, 1, 2] = 0
+    #: Every this many steps, every data-parallel replica's weights are hashed and compared
+    #: (megatron-core's ``check_param_hashes_across_dp_replicas``); a mismatch stops the run.
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = None
+    gpu_sniff_test_interval: Optional[int] = None
+    #: Every this many steps the host waits for the GPU (keeps the CPU from running far ahead).
+    train_sync_interval: Optional[int] = None
+    #: How long to train, in iterations or in samples (exactly one of them). ``train_samples`` makes
+    #: ``train_iters = train_samples // global_batch_size`` (finalize) and counts the scheduler in
+    #: samples (``scheduler.lr_*_samples``), so a run counted in samples trains exactly like the same
+    #: run counted in iterations, and resumes the same way.
+    train_iters: Optional[int] = None
+    train_samples: Optional[int] = None
     #: Deprecated spellings of ``[validation]``'s fields (as in Bridge): None unless set; a value set
     #: here moves to ``validation`` (:meth:`ConfigContainer.finalize_sections`), which the loop reads.
     eval_interval: Optional[int] = None
@@ -189,11 +151,21 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = True
     exit_signal: Optional[Union[str, List[str]]] = None
+    #: Megatron's: a stop signal also reaches the data loader's worker processes. Here the workers
+    #: ignore stop signals and the rank handles them (see process/signal_recorder), so only false.
+    exit_signal_handler_for_dataloader: bool = False
+    #: Megatron's: SIGINT and SIGTERM end training without a traceback. Here they join the stop signals
+    #: (save, then exit) when true.
+    exit_signal_handler_for_training: bool = False
     #: Megatron's ``--manual-gc``: Python's automatic garbage collection is off while training, and a
     #: full collection runs every ``manual_gc_interval`` steps (0: only when training starts), at the
     #: same step on every rank, instead of whenever one rank's allocations trigger it.
     manual_gc: bool = False
     manual_gc_interval: int = 0
+    #: With ``manual_gc``: a full collection before and after every evaluation.
+    manual_gc_eval: bool = True
+    #: 1-indexed iterations to skip (Megatron's): only the empty default in this version (refused otherwise).
+    iterations_to_skip: List[int] = field(default_factory=list)
     skip_train: Optional[bool] = None
     #: With model parallelism (more than one rank per model): agree on whether the optimizer step
     #: succeeded (a logical AND) and on the grad norm (the max) over the model-parallel group, as
@@ -202,12 +174,36 @@ class TrainingConfig:
     skip_sync_grad_norm_across_mp: bool = False
 
     def finalize(self) -> None:
-        _check(self.train_iters is not None, "train.train_iters", "must be set")
-        _check(self.train_iters >= 0, "train.train_iters", "must be >= 0")
+        _check(self.train_iters is not None or self.train_samples is not None, "train.train_iters",
+               "must be set (or train.train_samples)")
         _check(self.micro_batch_size is not None and self.micro_batch_size > 0,
                "train.micro_batch_size", "must be a positive integer")
         _check(self.global_batch_size is not None and self.global_batch_size > 0,
                "train.global_batch_size", "must be a positive integer")
+        if self.train_samples is not None:
+            _check(self.train_samples >= 0, "train.train_samples", "must be >= 0")
+            derived = self.train_samples // self.global_batch_size
+            # A second finalize finds the train_iters the first one derived.
+            _check(self.train_iters in (None, derived), "train.train_samples",
+                   "and train.train_iters are both set: give one of them")
+            self.train_iters = derived
+        _check(self.train_iters >= 0, "train.train_iters", "must be >= 0")
+        check_left_at_default(self, "train", {
+            "rampup_batch_size": "every step holds train.global_batch_size samples here (exact resume and the "
+                                 "scheduler's sample count rely on it)",
+            "step_batch_size_schedule": "every step holds train.global_batch_size samples here",
+            "decrease_batch_size_if_needed": "a global batch that the data-parallel size does not divide is refused, "
+                                             "not shrunk",
+            "gpu_sniff_test_interval": "megatron-core 0.19 has no GPU sniff test",
+            "exit_signal_handler_for_dataloader": "data-loader workers ignore stop signals; the rank handles them",
+            "iterations_to_skip": "skipping chosen iterations is not implemented in this version (the data position "
+                                  "of a skipped step would need its own resume record)",
+        })
+        for key in ("check_weight_hash_across_dp_replicas_interval", "train_sync_interval"):
+            value = getattr(self, key)
+            _check(value is None or value > 0, f"train.{key}", "must be > 0 (or unset)")
+        _check(all(isinstance(i, int) and i >= 1 for i in self.iterations_to_skip), "train.iterations_to_skip",
+               f"expected 1-indexed iteration numbers (>= 1), got {self.iterations_to_skip!r}")
         for key in ("eval_interval", "eval_iters", "exit_interval"):
             value = getattr(self, key)
             _check(value is None or value >= 0, f"train.{key}", "must be >= 0")
@@ -218,212 +214,13 @@ class TrainingConfig:
             self.exit_signal = list(signals.default_rank_signals())
         if isinstance(self.exit_signal, str):
             self.exit_signal = [self.exit_signal]
+        if self.exit_signal_handler_for_training:
+            self.exit_signal = list(dict.fromkeys([*self.exit_signal, "SIGINT", "SIGTERM"]))
         import signal
 
         for name in self.exit_signal:
             _check(isinstance(getattr(signal, str(name), None), signal.Signals),
                    "train.exit_signal", f"unknown signal {name!r} (e.g. 'SIGTERM', 'SIGUSR1')")
-
-
-@dataclass
-class CheckpointConfig:
-    """Saving and loading. ``load`` falls back to ``save`` in :meth:`finalize` so that a requeued
-    job resumes from its own checkpoints without any extra setting.
-
-    ``most_recent_k = -1`` keeps every checkpoint; ``save_interval = None`` saves only on exit.
-
-    ``async_save`` writes the interval saves in the background (a persistent worker process per
-    rank; see ``bridge_hpc.training.checkpoint.async_writer``); exit saves stay synchronous. A failed
-    background save is reported and training goes on; ``async_save_max_failures`` failures in a row
-    (bridge_hpc's key) stop the run with an error.
-    """
-
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    most_recent_k: int = -1
-    async_save: bool = False
-    async_save_max_failures: int = 3
-    pretrained_checkpoint: Optional[str] = None
-    ckpt_format: Literal["torch_dist"] = "torch_dist"
-    save_optim: bool = True
-    save_rng: bool = True
-    load_optim: bool = True
-    load_rng: bool = True
-    finetune: bool = False
-    exit_on_missing_checkpoint: bool = False
-    #: torch_dist files each rank writes, in parallel (Bridge's name; Bridge's default is 1: here 4, which
-    #: wrote the H100 figures in the README's performance section).
-    storage_writers_per_rank: int = 4
-    #: Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``: the distributed optimizer's state is
-    #: saved in megatron-core's ``fully_reshardable`` layout, which loads at any tensor/pipeline/data-
-    #: parallel layout (each data-parallel group gathers its state to one rank while saving). Off
-    #: (Megatron's default, ``dp_reshardable``): each rank writes its own shard, fast, and the state
-    #: loads at another data-parallel size only; a model-parallel change then needs this on when
-    #: saving, or ``load_optim = false``. Weights load at any layout either way.
-    dist_ckpt_optim_fully_reshardable: bool = False
-    #: Bridge's async-save options, with the only values this trainer has: one persistent worker
-    #: process (a worker per save would pay its start-up in every save), nvidia-resiliency-ext's
-    #: strategy, write results collected in the worker itself (no multiprocessing queue, so "fork"
-    #: describes it), no FSDP DTensor checkpoints and no custom checkpoint manager.
-    use_persistent_ckpt_worker: bool = True
-    async_strategy: Literal["nvrx"] = "nvrx"
-    async_write_results_mp_mode: Literal["fork"] = "fork"
-    strict_fsdp_dtensor_load: bool = False
-    custom_manager_class: Optional[str] = None
-
-    def finalize(self) -> None:
-        if self.load is None:
-            self.load = self.save
-        _check(self.save_interval is None or self.save_interval > 0,
-               "checkpoint.save_interval", "must be > 0")
-        _check(self.storage_writers_per_rank > 0, "checkpoint.storage_writers_per_rank", "must be > 0")
-        _check(self.use_persistent_ckpt_worker, "checkpoint.use_persistent_ckpt_worker",
-               "must be true: async saves go through one persistent worker process (a worker per save "
-               "would pay its start-up in every save)")
-        _check(self.async_strategy == "nvrx", "checkpoint.async_strategy",
-               "must be \"nvrx\": async saves use nvidia-resiliency-ext's queue and worker")
-        _check(self.async_write_results_mp_mode == "fork", "checkpoint.async_write_results_mp_mode",
-               "must be \"fork\": write results are collected in the worker process, not through a queue")
-        _check(not self.strict_fsdp_dtensor_load, "checkpoint.strict_fsdp_dtensor_load",
-               "must be false: there are no FSDP DTensor checkpoints here")
-        _check(self.custom_manager_class is None, "checkpoint.custom_manager_class",
-               "must be unset: bridge_hpc's checkpointing (atomic folders, manifest, async worker) has no "
-               "pluggable manager")
-        _check(self.most_recent_k == -1 or self.most_recent_k > 0,
-               "checkpoint.most_recent_k", "must be -1 (keep all) or > 0")
-        _check(self.async_save_max_failures >= 1, "checkpoint.async_save_max_failures",
-               "must be >= 1 (failed background saves in a row before the run stops)")
-
-
-@dataclass
-class LoggerConfig:
-    """Console, metrics-file, TensorBoard, W&B, MLflow and Comet logging: every field of Megatron
-    Bridge's LoggerConfig (megatron's plus Bridge's MLflow/Comet ones) and bridge_hpc's ``metrics_file``.
-
-    ``metrics_file`` is ours (not Bridge's): the JSON-lines file that records every step's loss at
-    full precision; ``bridge_hpc.training.run`` points it at ``<run_dir>/metrics.jsonl``. ``log_progress``
-    appends Megatron's ``progress.txt`` (plus bridge_hpc's goodput events) in ``checkpoint.save``.
-
-    TensorBoard is on by default for jobs: a job file that leaves ``tensorboard_dir`` unset gets
-    ``<run_dir>/tensorboard`` (:data:`bridge_hpc.contracts.run_folder.TENSORBOARD_DIR`), so that
-    ``tensorboard --logdir runs/`` shows every run. ``tensorboard_dir = ""`` turns it off; so does None,
-    Bridge's default, for a config built in Python. ``finalize`` makes "" None: one spelling of "off".
-
-    W&B is on when ``wandb_project`` is set, MLflow when ``mlflow_experiment`` is, Comet when
-    ``comet_project`` is (see :mod:`bridge_hpc.training.utils.log_backends`): each gets every series
-    TensorBoard gets, and a requeued or restarted job continues the same run.
-
-    A field this trainer cannot act on (MoE routing traces: it builds dense GPTs; energy counters; a
-    timing level above 0, whose timers it has not) accepts only its default and is refused by name
-    otherwise.
-    """
-
-    log_interval: int = 100
-    log_params_norm: bool = False
-    # Megatron's step reports (bridge_hpc.training.utils.train_utils.training_log): computed on log steps only
-    # (step % log_interval == 0), so they add nothing to the steps in between.
-    log_throughput: bool = False
-    log_throughput_to_tensorboard: bool = False
-    throughput_window_size: int = 100
-    log_progress: bool = False
-    timing_log_level: Literal[-1, 0, 1, 2] = 0
-    timing_log_option: Literal["max", "minmax", "all"] = "minmax"
-    tensorboard_dir: Optional[str] = None
-    tensorboard_log_interval: int = 1
-    #: Events TensorBoard's writer holds before it writes them (its ``max_queue``).
-    tensorboard_queue_size: int = 1000
-    log_timers_to_tensorboard: bool = False
-    log_loss_scale_to_tensorboard: bool = True
-    log_validation_ppl_to_tensorboard: bool = False
-    log_memory_to_tensorboard: bool = False
-    memory_keys: Optional[Dict[str, str]] = None
-    #: Every this many steps, one console line of the accelerator's memory (None: never).
-    log_memory_interval: Optional[int] = None
-    log_device_memory_used: bool = False
-    log_l2_norm_grad_to_tensorboard: bool = False
-    log_num_zeros_in_grad: bool = False
-    log_max_attention_logit: bool = False
-    log_runtime_to_tensorboard: bool = False
-    runtime_time_unit: Literal["seconds", "minutes", "hours", "days"] = "hours"
-    barrier_with_L1_time: bool = True
-    log_world_size_to_tensorboard: bool = False
-    wandb_project: Optional[str] = None
-    wandb_exp_name: Optional[str] = None
-    wandb_save_dir: Optional[str] = None
-    wandb_entity: Optional[str] = None
-    #: Python logging level of bridge_hpc's own messages (None: INFO, 20).
-    logging_level: Optional[int] = None
-    filter_warnings: bool = True
-    modules_to_filter: Optional[List[str]] = None
-    set_level_for_all_loggers: bool = False
-    log_energy: bool = False
-    save_config_filepath: Optional[str] = None
-    moe_routing_trace_path: Optional[str] = None
-    moe_routing_trace_max_training_iters: Optional[int] = None
-    moe_routing_trace_capture_logits: bool = False
-    moe_routing_trace_capture_hidden_states: bool = False
-    moe_routing_trace_dump_weights: bool = False
-    #: Bridge's: no step log at all (console, TensorBoard, metrics.jsonl); evaluation, progress.txt
-    #: and checkpoints are unchanged.
-    skip_train_metrics_log: bool = False
-    mlflow_experiment: Optional[str] = None
-    mlflow_run_name: Optional[str] = None
-    mlflow_tracking_uri: Optional[str] = None
-    mlflow_tags: Optional[Dict[str, str]] = None
-    comet_project: Optional[str] = None
-    comet_experiment_name: Optional[str] = None
-    comet_workspace: Optional[str] = None
-    #: Never set it in a job file: a key in a file ends up in resolved.toml and in checkpoints. Pass
-    #: ``COMET_API_KEY`` through ``[env]`` as a ``from_shell`` secret instead (refused here when set in TOML).
-    comet_api_key: Optional[str] = None
-    comet_tags: Optional[List[str]] = None
-    metrics_file: Optional[str] = None
-
-    def finalize(self) -> None:
-        _check(self.log_interval > 0, "logger.log_interval", "must be > 0")
-        _check(self.throughput_window_size >= 2, "logger.throughput_window_size",
-               "must be >= 2 (a rate needs the times of two steps)")
-        if self.logging_level is None:
-            self.logging_level = logging.INFO
-        _check(self.logging_level in (10, 20, 30, 40, 50), "logger.logging_level",
-               "must be a Python logging level: 10 (DEBUG), 20 (INFO), 30 (WARNING), 40 or 50")
-        _check(self.tensorboard_log_interval > 0, "logger.tensorboard_log_interval", "must be > 0")
-        _check(self.tensorboard_queue_size > 0, "logger.tensorboard_queue_size", "must be > 0")
-        _check(self.log_memory_interval is None or self.log_memory_interval > 0, "logger.log_memory_interval",
-               "must be > 0 (or unset: never)")
-        _check(self.tensorboard_dir is None or (isinstance(self.tensorboard_dir, str)
-                                                and self.tensorboard_dir == self.tensorboard_dir.strip()),
-               "logger.tensorboard_dir", f'expected a folder path, or "" to turn TensorBoard off, got {self.tensorboard_dir!r}')
-        if self.tensorboard_dir == "":
-            self.tensorboard_dir = None
-        _check(self.timing_log_level <= 0, "logger.timing_log_level",
-               "must be -1 or 0: bridge_hpc times whole steps (iteration time, throughput), it has no per-operation "
-               "timers for levels 1 and 2")
-        for name, why in (
-            ("log_max_attention_logit", "megatron-core records it only for its MoE/MLA QK-clip attention, which "
-                                        "bridge_hpc's GPTs do not use"),
-            ("log_energy", "there is no energy counter reader in bridge_hpc"),
-            ("moe_routing_trace_path", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
-            ("moe_routing_trace_max_training_iters", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
-            ("moe_routing_trace_capture_logits", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
-            ("moe_routing_trace_capture_hidden_states", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
-            ("moe_routing_trace_dump_weights", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
-        ):
-            _check(not getattr(self, name), f"logger.{name}", f"must be left at its default: {why}")
-        for name in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "mlflow_experiment",
-                     "mlflow_run_name", "mlflow_tracking_uri", "comet_project", "comet_experiment_name",
-                     "comet_workspace", "save_config_filepath"):
-            value = getattr(self, name)
-            _check(value is None or (isinstance(value, str) and value.strip() != ""), f"logger.{name}",
-                   "must be a non-empty string, or unset")
-        for name, backend in (("wandb_exp_name", "wandb_project"), ("wandb_save_dir", "wandb_project"),
-                              ("wandb_entity", "wandb_project"), ("mlflow_run_name", "mlflow_experiment"),
-                              ("mlflow_tracking_uri", "mlflow_experiment"), ("mlflow_tags", "mlflow_experiment"),
-                              ("comet_experiment_name", "comet_project"), ("comet_workspace", "comet_project"),
-                              ("comet_tags", "comet_project")):
-            _check(getattr(self, name) is None or getattr(self, backend) is not None, f"logger.{name}",
-                   f"is set but logger.{backend} is not, so that backend is off")
 
 
 @dataclass
@@ -440,38 +237,31 @@ class ValidationConfig:
 
     eval_iters: Optional[int] = 100
     eval_interval: Optional[int] = None
+    #: No evaluation before this iteration (the first ``eval_interval`` step at or after it is the first).
+    start_eval_at_iter: Optional[int] = None
+    #: Evaluation's own batch sizes: accepted when unset or equal to the training ones (evaluation reads
+    #: batches of the training sizes in this version); other values are refused by name.
+    eval_global_batch_size: Optional[int] = None
+    eval_micro_batch_size: Optional[int] = None
     skip_train: bool = False
     test_mode: bool = False
     full_validation: bool = False
     multiple_validation_sets: bool = False
+    validation_set_names: Optional[List[str]] = None
 
     def finalize(self) -> None:
-        for key in ("eval_iters", "eval_interval"):
+        for key in ("eval_iters", "eval_interval", "start_eval_at_iter"):
             value = getattr(self, key)
             _check(value is None or value >= 0, f"validation.{key}", "must be >= 0")
+        for key in ("eval_global_batch_size", "eval_micro_batch_size"):
+            value = getattr(self, key)
+            _check(value is None or value > 0, f"validation.{key}", "must be > 0 (or unset: the training one)")
+        _check(self.validation_set_names is None, "validation.validation_set_names",
+               "must be unset: it names the sets of validation.multiple_validation_sets, which is off")
         for key, why in (("test_mode", "megatron's real-time test runs are not part of this trainer"),
                          ("full_validation", "each evaluation reads validation.eval_iters batches"),
                          ("multiple_validation_sets", "the validation split is one dataset (or one blend)")):
             _check(not getattr(self, key), f"validation.{key}", f"must be false: {why}")
-
-
-@dataclass
-class ProfilingConfig:
-    """torch.profiler over a window of steps, on chosen ranks; traces go to ``tensorboard_dir``."""
-
-    use_pytorch_profiler: bool = False
-    profile_step_start: int = 10
-    profile_step_end: int = 12
-    profile_ranks: List[int] = field(default_factory=lambda: [0])
-    record_shapes: bool = False
-    # CUDA allocator history from the start (train_utils.start_memory_history_recording), dumped at
-    # profile_step_end to <memory_snapshot_path stem>_<rank><ext> for pytorch.org/memory_viz.
-    record_memory_history: bool = False
-    memory_snapshot_path: str = "snapshot.pickle"
-
-    def finalize(self) -> None:
-        _check(self.profile_step_end > self.profile_step_start, "profiling.profile_step_end",
-               "must be > profiling.profile_step_start")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -802,14 +592,9 @@ class ConfigContainer:
         _check(not m.full_iteration_cuda_graph or not self.ddp.overlap_param_gather, "model.cuda_graph_impl",
                "\"full_iteration\" cannot run with ddp.overlap_param_gather = true (its forward pre-hooks wait for "
                "all-gathers started outside the graph)")
+        self._validate_training_scheduler_compatibility()
+        self._calculate_scheduler_steps()
         s = self.scheduler
-        if s.lr_decay_iters is None:
-            s.lr_decay_iters = t.train_iters
-        if s.lr_warmup_fraction is not None:
-            s.lr_warmup_iters = int(s.lr_warmup_fraction * s.lr_decay_iters)
-        # megatron-core's scheduler asserts warm-up steps < decay steps, whatever the decay style.
-        _check(s.lr_warmup_iters < max(s.lr_decay_iters, 1), "scheduler.lr_warmup_iters",
-               f"must be < lr_decay_iters ({s.lr_decay_iters}; by default train.train_iters)")
         if s.start_weight_decay is None:
             s.start_weight_decay = self.optimizer.weight_decay
         if s.end_weight_decay is None:
@@ -822,8 +607,57 @@ class ConfigContainer:
         def key(name: str) -> str:
             return f"{'train' if name in self.validation_keys_in_train else 'validation'}.{name}"
 
+        for name, train_value in (("eval_global_batch_size", t.global_batch_size),
+                                  ("eval_micro_batch_size", t.micro_batch_size)):
+            value = getattr(v, name)
+            _check(value is None or value == train_value, f"validation.{name}",
+                   f"must be unset or equal to the training one ({train_value}): evaluation reads batches of the "
+                   "training sizes in this version")
         _check(v.eval_interval in (None, 0) or (v.eval_iters or 0) > 0, key("eval_iters"),
                f"must be > 0 when {key('eval_interval')} is set")
+
+    def _validate_training_scheduler_compatibility(self) -> None:
+        """Training counted in iterations takes the scheduler's ``*_iters`` fields, in samples its
+        ``*_samples`` fields (Bridge's rule); the other unit's must stay unset."""
+        by_samples = self.train.train_samples is not None
+        unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+        for name in ("lr_decay", "lr_warmup", "lr_wsd_decay"):
+            key = f"{name}_{other}"
+            value = getattr(self.scheduler, key)
+            _check(not value, f"scheduler.{key}",
+                   f"is for training counted in {other.replace('iters', 'iterations')}, and this run is counted in "
+                   f"{unit.replace('iters', 'iterations')} (train.train_{'samples' if by_samples else 'iters'}): "
+                   f"use scheduler.{name}_{unit}")
+
+    def _calculate_scheduler_steps(self) -> None:
+        """The scheduler's steps, in samples, from the iteration or the sample counts (Bridge's and
+        Megatron's arithmetic): ``lr_decay_steps``, ``lr_warmup_steps``, ``wd_incr_steps``,
+        ``wsd_decay_steps``. A run counted in samples and the same run counted in iterations
+        (``train_samples = train_iters x global_batch_size``) get equal steps."""
+        s, t = self.scheduler, self.train
+        gbs = t.global_batch_size
+        if t.train_samples is None:
+            if s.lr_decay_iters is None:
+                s.lr_decay_iters = t.train_iters
+            s.lr_decay_steps = s.lr_decay_iters * gbs
+            s.wd_incr_steps = t.train_iters * gbs
+            s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
+            warmup = s.lr_warmup_iters * gbs
+            key, decay_key = "scheduler.lr_warmup_iters", "lr_decay_iters (by default train.train_iters)"
+        else:
+            if s.lr_decay_samples is None:
+                s.lr_decay_samples = t.train_samples
+            s.lr_decay_steps = s.lr_decay_samples
+            s.wd_incr_steps = t.train_samples
+            s.wsd_decay_steps = s.lr_wsd_decay_samples or None
+            warmup = s.lr_warmup_samples
+            key, decay_key = "scheduler.lr_warmup_samples", "lr_decay_samples (by default train.train_samples)"
+        s.lr_warmup_steps = int(s.lr_warmup_fraction * s.lr_decay_steps) if s.lr_warmup_fraction is not None else warmup
+        # megatron-core's scheduler asserts warm-up steps < decay steps, whatever the decay style.
+        _check(s.lr_warmup_steps < max(s.lr_decay_steps, 1),
+               "scheduler.lr_warmup_fraction" if s.lr_warmup_fraction is not None else key,
+               f"gives {s.lr_warmup_steps} warm-up samples, which must be fewer than the "
+               f"{max(s.lr_decay_steps, 1)} of {decay_key}")
 
     def _validate_gpt_dataset(self) -> None:
         """Fill the indexed-data fields that come from other sections and check them against those."""

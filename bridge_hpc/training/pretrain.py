@@ -15,7 +15,7 @@ import os
 import random
 import sys
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -210,7 +210,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     # megatron-core's RNG tracker (model_parallel_cuda_manual_seed).
     set_random_seed(cfg.rng.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
                     + (10 * parallel_state.get_data_parallel_rank() if cfg.rng.data_parallel_random_init else 0),
-                    use_cudagraphable_rng=cfg.model.full_iteration_cuda_graph)
+                    use_cudagraphable_rng=cfg.model.full_iteration_cuda_graph, te_rng_tracker=cfg.rng.te_rng_tracker)
     rerun.init_rerun_state(cfg.rerun_state_machine)  # megatron-core's rerun state machine (train_step uses it)
     startup.mark("set-up")
 
@@ -331,12 +331,43 @@ def initialize_distributed(dist_cfg: Optional[DistributedInitConfig] = None, sto
     if torch.cuda.is_available():
         device = 0 if dist_cfg.external_gpu_device_mapping else env.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(device)
+    if dist_cfg.disable_jit_fuser:
+        disable_jit_fuser()
     if not dist.is_initialized():
         env.export_torch_env()
+        os.environ.update({k: v for k, v in flight_recorder_env(dist_cfg).items() if k not in os.environ})
         backend = dist_cfg.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, store=store,
                                 timeout=datetime.timedelta(minutes=dist_cfg.distributed_timeout_minutes))
     return env
+
+
+def flight_recorder_env(dist_cfg: DistributedInitConfig) -> Dict[str, str]:
+    """torch's NCCL flight-recorder variables for ``dist.flight_recorder_*`` (none unless
+    ``flight_recorder_dump_path`` is set, as in Megatron-LM). torch reads them when the NCCL process
+    group is created, so they are set before torch.distributed starts; a variable already in the
+    environment wins."""
+    path = dist_cfg.flight_recorder_dump_path
+    if not path:
+        return {}
+    flag = {True: "1", False: "0"}
+    return {
+        "TORCH_FR_DUMP_TEMP_FILE": path,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": path,
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(dist_cfg.flight_recorder_trace_buffer_size),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": flag[dist_cfg.flight_recorder_dump_on_timeout],
+        "TORCH_INCLUDE_STACK_TRACE": flag[dist_cfg.flight_recorder_include_stack_trace],
+        "TORCH_INCLUDE_ONLY_ACTIVE": flag[dist_cfg.flight_recorder_include_only_active],
+        "TORCH_NCCL_EXTRA_DUMP_ON_EXEC": flag[dist_cfg.flight_recorder_extra_dump_on_exec],
+    }
+
+
+def disable_jit_fuser() -> None:
+    """``dist.disable_jit_fuser``: TorchScript compiles megatron-core's jit-scripted fusions (bias-GeLU,
+    bias-dropout-add) without fusing them (Megatron-LM's switch, for debugging a fuser fault)."""
+    torch._C._jit_override_can_fuse_on_cpu(False)
+    torch._C._jit_override_can_fuse_on_gpu(False)
+    torch._C._jit_set_texpr_fuser_enabled(False)
 
 
 #: What ``model.deterministic_mode`` sets where the environment does not already say: cuBLAS's
@@ -353,18 +384,20 @@ def enable_deterministic_mode() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def set_random_seed(seed: int, use_cudagraphable_rng: bool = False) -> None:
+def set_random_seed(seed: int, use_cudagraphable_rng: bool = False, te_rng_tracker: bool = False) -> None:
     """Seed python, numpy and torch; on GPU also megatron's model-parallel CUDA RNG tracker
     (``model_parallel_cuda_manual_seed`` needs CUDA, so it is skipped on CPU). With
     ``use_cudagraphable_rng`` (CUDA graphs) the tracker's states are generators a graph can register,
-    as megatron-core's full-iteration graph needs."""
+    as megatron-core's full-iteration graph needs; ``te_rng_tracker`` (``rng.te_rng_tracker``) makes the
+    tracker Transformer Engine's."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
 
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=use_cudagraphable_rng)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng_tracker,
+                                                        use_cudagraphable_rng=use_cudagraphable_rng)
 
 
 def setup_model(cfg: ConfigContainer) -> List[torch.nn.Module]:
@@ -397,28 +430,28 @@ def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module, first_chunk: bool = 
 
 
 def megatron_ddp_config(d: DistributedDataParallelConfig):
-    """megatron-core's DistributedDataParallelConfig from the ``[ddp]`` section (the toolkit's loop and
-    benchmarks/loop_overhead.py's bare loop build the same one)."""
+    """megatron-core's DistributedDataParallelConfig from the ``[ddp]`` section: every field of megatron-core's
+    class, which the section declares (the toolkit's loop and benchmarks/loop_overhead.py's bare loop build
+    the same one)."""
+    import dataclasses
+
     from megatron.core.distributed import DistributedDataParallelConfig as MegatronDDPConfig
 
-    return MegatronDDPConfig(
-        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce,
-        overlap_param_gather=d.overlap_param_gather, use_distributed_optimizer=d.use_distributed_optimizer,
-        average_in_collective=d.average_in_collective, bucket_size=d.bucket_size,
-        pad_buckets_for_high_nccl_busbw=d.pad_buckets_for_high_nccl_busbw, align_param_gather=d.align_param_gather,
-    )
+    return MegatronDDPConfig(**{f.name: getattr(d, f.name) for f in dataclasses.fields(MegatronDDPConfig)
+                                if f.init and hasattr(d, f.name)})
 
 
 def setup_scheduler(cfg: ConfigContainer, optimizer) -> OptimizerParamScheduler:
-    """megatron-core's scheduler, counted in samples (iterations × global batch size) as in Bridge."""
-    s, gbs = cfg.scheduler, cfg.train.global_batch_size
+    """megatron-core's scheduler, counted in samples as in Bridge: the steps
+    :meth:`ConfigContainer.validate` computed (``scheduler.lr_decay_steps`` ...) from the iteration or
+    the sample counts; each training step advances it by the global batch size."""
+    s = cfg.scheduler
     return OptimizerParamScheduler(
         optimizer, init_lr=s.lr_warmup_init, max_lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
-        lr_warmup_steps=s.lr_warmup_iters * gbs, lr_decay_steps=max(s.lr_decay_iters, 1) * gbs,
+        lr_warmup_steps=s.lr_warmup_steps, lr_decay_steps=max(s.lr_decay_steps, 1),
         lr_decay_style=s.lr_decay_style, start_wd=s.start_weight_decay, end_wd=s.end_weight_decay,
-        wd_incr_steps=max(cfg.train.train_iters, 1) * gbs, wd_incr_style=s.weight_decay_incr_style,
+        wd_incr_steps=max(s.wd_incr_steps, 1), wd_incr_style=s.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=s.override_opt_param_scheduler,
-        wsd_decay_steps=s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None,
-        lr_wsd_decay_style=s.lr_wsd_decay_style,
+        wsd_decay_steps=s.wsd_decay_steps, lr_wsd_decay_style=s.lr_wsd_decay_style,
     )

@@ -243,6 +243,8 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
 
     finish_reduce = (rider.take() if rider else None) or start_reduce_reports_and_flags(
         reports, "train", local_observations(global_state))
+    if cfg.train.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # Megatron's level 2: also between forward-backward and the optimizer step
     timers("optimizer", log_level=1).start()
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer", log_level=1).stop()
@@ -304,9 +306,15 @@ def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, mod
 def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_func: Callable, data_iterator,
                                model: List[torch.nn.Module], process_non_loss_data_func: Optional[Callable] = None,
                                non_loss_data_func: Optional[Callable] = None) -> Dict[str, float]:
-    """Evaluate, print one line on rank 0, send scalars to TensorBoard; returns ``{key: value}``."""
+    """Evaluate, print one line on rank 0, send scalars to TensorBoard; returns ``{key: value}``.
+    With ``train.manual_gc`` and ``train.manual_gc_eval``, a full collection before and after."""
+    collect = state.cfg.train.manual_gc and state.cfg.train.manual_gc_eval
+    if collect:
+        gc.collect()
     loss_dict, collected = evaluate(state, forward_step_func, data_iterator, model, process_non_loss_data_func,
                                     non_loss_data_func)
+    if collect:
+        gc.collect()
     values = {key: float(value) for key, value in loss_dict.items()}
     step = state.train_state.step
     if state.rank == 0:
@@ -333,7 +341,10 @@ def post_training_step_callbacks(model: List[torch.nn.Module], num_floating_poin
     - the profiler window: ``prof.step()`` each step, ``prof.stop()`` (the trace is written) at
       ``profiling.profile_step_end``; an NVTX context (``nsys_nvtx_context``, a
       :data:`bridge_hpc.training.profiling.TNvtxContext` a caller entered for nsys) is exited there too;
-    - manual garbage collection every ``train.manual_gc_interval`` steps with ``train.manual_gc``.
+    - manual garbage collection every ``train.manual_gc_interval`` steps with ``train.manual_gc``;
+    - ``train.train_sync_interval``: the host waits for the GPU every that many steps;
+    - ``train.empty_unused_memory_level`` >= 1: the CUDA cache is emptied after every step;
+    - ``train.check_weight_hash_across_dp_replicas_interval``: the replicas' weights are compared;
 
     Fault-tolerance sections and heartbeats, and nvidia-resiliency-ext's straggler timing, bracket the
     step in :func:`train` itself (they must see the step's start too). ``straggler_timer``,
@@ -341,8 +352,18 @@ def post_training_step_callbacks(model: List[torch.nn.Module], num_floating_poin
     Bridge's signature; they serve Megatron's built-in straggler detector and weight-hash check, which
     this trainer does not run (``straggler.log_straggler`` is refused).
     """
-    if config.train.manual_gc and config.train.manual_gc_interval and iteration % config.train.manual_gc_interval == 0:
+    t = config.train
+    if t.manual_gc and t.manual_gc_interval and iteration % t.manual_gc_interval == 0:
         gc.collect()
+    if torch.cuda.is_available():
+        if t.train_sync_interval and iteration % t.train_sync_interval == 0:
+            torch.cuda.synchronize()
+        if t.empty_unused_memory_level >= 1:
+            torch.cuda.empty_cache()
+    if t.check_weight_hash_across_dp_replicas_interval and iteration % t.check_weight_hash_across_dp_replicas_interval == 0:
+        check_weight_hashes_across_dp_replicas(model, iteration)
+    if config.profiling.use_nsys_profiler:
+        nsys_step(config.profiling, iteration)
     if iteration == config.profiling.profile_step_end and nsys_nvtx_context is not None:
         nsys_nvtx_context.__exit__(None, None, None)
     if prof is not None:
@@ -350,6 +371,56 @@ def post_training_step_callbacks(model: List[torch.nn.Module], num_floating_poin
             prof.stop()
         else:
             prof.step()
+
+
+def check_weight_hashes_across_dp_replicas(model: List[torch.nn.Module], iteration: int) -> None:
+    """``train.check_weight_hash_across_dp_replicas_interval``: every parameter's SHA-1 (of its bytes as
+    float32), gathered over the data-parallel group and compared with replica 0's; a replica that
+    differs stops the run with the names of the parameters that differ (megatron-core's check does the
+    same on GPU only). The gather runs on the backend's device."""
+    import hashlib
+
+    group = parallel_state.get_data_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return
+    names, digests = [], []
+    for i, chunk in enumerate(model):
+        for name, param in chunk.named_parameters():
+            names.append(f"{i}:{name}")
+            data = param.detach().float().cpu().numpy()
+            digests.append(torch.frombuffer(bytearray(hashlib.sha1(data.tobytes()).digest()), dtype=torch.uint8))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    local = torch.stack(digests).to(device)
+    gathered = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(gathered, local, group=group)
+    differ = [names[j] for j in range(len(names)) if any(not torch.equal(g[j], gathered[0][j]) for g in gathered)]
+    if differ:
+        raise RuntimeError(f"at iteration {iteration} the data-parallel replicas' weights differ "
+                           f"({len(differ)} parameters, e.g. {', '.join(differ[:3])}): "
+                           "train.check_weight_hash_across_dp_replicas_interval")
+
+
+def nsys_step(p, iteration: int) -> None:
+    """``profiling.use_nsys_profiler`` on ``profile_ranks``: the CUDA profiler API range nsys captures
+    (``--capture-range=cudaProfilerApi``) opens when step ``profile_step_start`` begins and closes after
+    step ``profile_step_end``; ``record_shapes`` goes to NVTX's autograd ranges. Nothing on CPU."""
+    if not torch.cuda.is_available() or _rank() not in p.profile_ranks:
+        return
+    if iteration == p.profile_step_start:
+        torch.cuda.profiler.start()
+        _NSYS["nvtx"] = torch.autograd.profiler.emit_nvtx(record_shapes=p.record_shapes)
+        _NSYS["nvtx"].__enter__()
+    elif iteration == p.profile_step_end and "nvtx" in _NSYS:
+        _NSYS.pop("nvtx").__exit__(None, None, None)
+        torch.cuda.profiler.stop()
+
+
+#: The NVTX context :func:`nsys_step` opened, until it closes it.
+_NSYS: Dict[str, Any] = {}
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _start_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
@@ -428,6 +499,8 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
 
             # 2. counters; the straggler verdict (collective on report steps, the same on every rank)
             step_flops = _count_step(global_state, step_time_s, skipped_iter)
+            if ts.step == global_state.run_start_step + 1:  # start-up done: the short collective timeout
+                parallel.set_timeout_after_init(cfg)
             if history_wct is not None:
                 history_wct.append(time.time() - global_state.start_time)
             if straggler.check(ts.step):
@@ -435,7 +508,8 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
 
             # 3. log, evaluate, housekeeping
             # (an evaluation first, so that its loss joins this step's record in metrics.jsonl)
-            if cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0 and valid_data_iterator is not None:
+            if (cfg.validation.eval_interval and ts.step % cfg.validation.eval_interval == 0
+                    and ts.step >= (cfg.validation.start_eval_at_iter or 0) and valid_data_iterator is not None):
                 # As Megatron: with overlapped param all-gather the shards from the last optimizer step
                 # arrive only in the next training forward, so evaluation gathers them first.
                 with forward_pre_hooks_off(global_state, model):

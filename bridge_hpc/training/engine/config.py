@@ -1,5 +1,5 @@
-"""The ``[optimizer]``, ``[scheduler]``, ``[model]`` and ``[tensor_inspect]`` sections: torch-free dataclasses
-with Megatron Bridge's field names, re-exported by :mod:`bridge_hpc.training.config` (Bridge's path for
+"""The ``[optimizer]``, ``[scheduler]``, ``[model]``, ``[tensor_inspect]``, ``[dist]`` and ``[ddp]`` sections:
+torch-free dataclasses with Megatron Bridge's field names, re-exported by :mod:`bridge_hpc.training.config` (Bridge's path for
 them). They live beside the engine that reads them; the login node imports them without torch."""
 
 from __future__ import annotations
@@ -8,31 +8,107 @@ import fnmatch
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.contracts.schema import DeferredPostInit, build_dataclass
+from bridge_hpc.contracts.schema import DeferredPostInit, build_dataclass, check_left_at_default, did_you_mean
 from bridge_hpc.contracts.schema import check as _check
 
 logger = logging.getLogger(__name__)
 
 
+#: dtype spellings a job file may use for the optimizer's dtype fields (Python configs pass torch dtypes).
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "torch.float32": "float32",
+               "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "torch.float16": "float16",
+               "uint8": "uint8", "torch.uint8": "uint8"}
+
+
+def dtype_name(value: Any, key: str) -> str:
+    """The canonical name (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"uint8"``) of a dtype given as
+    a string or a torch dtype; ConfigError naming ``key`` for anything else."""
+    name = DTYPE_NAMES.get(str(value))
+    if name is None:
+        raise ConfigError(f"unknown dtype {value!r}; expected one of float32, bfloat16, float16, uint8", key=key)
+    return name
+
+
+#: The optimizer-state dtype fields megatron-core's precision-aware optimizer reads.
+STATE_DTYPE_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
 @dataclass
 class OptimizerConfig(DeferredPostInit):
-    """Optimizer settings (megatron-core OptimizerConfig names). ``clip_grad = 0`` disables clipping."""
+    """megatron-core's ``OptimizerConfig``: every field, its name and default (Megatron Bridge's class,
+    with ``finalize()`` deferred), plus bridge_hpc's ``fused_step`` and ``overrides``.
 
-    optimizer: Literal["adam", "sgd"] = "adam"
+    On GPU the section becomes megatron-core's own config field for field
+    (:func:`bridge_hpc.training.engine.optimizer.megatron_optimizer_config`), so megatron-core acts on
+    each: fp16 dynamic loss scaling (``initial_loss_scale``, ``min_loss_scale``, ``loss_scale_window``,
+    ``hysteresis``; ``loss_scale`` fixes it), ``decoupled_lr`` / ``decoupled_min_lr`` for the embedding
+    and output layer, ``decoupled_weight_decay`` (AdamW, or Adam with L2), the precision-aware
+    optimizer's state dtypes (``main_grads_dtype``, ``main_params_dtype``, ``exp_avg_dtype``,
+    ``exp_avg_sq_dtype``: it needs Transformer Engine's FusedAdam and the distributed optimizer),
+    ``log_num_zeros_in_grad``. On CPU, torch's AdamW/Adam/SGD does the same for the fields that make
+    sense there; the ones that cannot (loss scaling: no fp16 on CPU; the precision-aware optimizer)
+    are refused when set. dtypes are torch dtypes in Python and their names in a job file
+    (``"bfloat16"``), kept as given; defaults are the names, so the module needs no torch.
+
+    Left at their defaults (refused otherwise, naming the field): Muon (``muon_*``), CPU offload of
+    the optimizer, and megatron's timers (``timers``, ``config_logger_dir``) that this trainer does
+    not create. ``clip_grad = 0`` disables clipping.
+    """
+
     lr: Optional[float] = None
     min_lr: Optional[float] = None
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
     weight_decay: float = 0.01
+    apply_wd_to_qk_layernorm: bool = False
+    fp8_recipe: Optional[str] = None
+    fp16: bool = False
+    bf16: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    params_dtype: Any = "float32"
+    use_precision_aware_optimizer: bool = False
+    store_param_remainders: bool = True
+    main_grads_dtype: Any = "float32"
+    main_params_dtype: Any = "float32"
+    exp_avg_dtype: Any = "float32"
+    exp_avg_sq_dtype: Any = "float32"
+    optimizer: Literal["adam", "sgd"] = "adam"
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 4294967296
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-08
+    decoupled_weight_decay: bool = True
     sgd_momentum: float = 0.9
-    clip_grad: float = 1.0
-    bf16: bool = False
-    fp16: bool = False
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True
+    muon_use_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"
+    muon_extra_scale_factor: float = 1.0
     use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+    overlap_param_gather_with_optimizer_step: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    use_torch_optimizer_for_cpu_offload: bool = False
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
+    clip_grad: float = 1.0
+    log_num_zeros_in_grad: bool = False
+    barrier_with_L1_time: bool = False
+    timers: Optional[Any] = None
+    config_logger_dir: str = ""
     #: The optimizer step's kernels (see bridge_hpc.training.engine.optimizer): torch's fused AdamW on the fp32
     #: main params and foreach gradient norm, clipping and copy-back, on GPU and CPU alike (2.6x faster
     #: than megatron-core's torch-only fallbacks on an H100 without Apex or Transformer Engine; 3x on
@@ -51,11 +127,50 @@ class OptimizerConfig(DeferredPostInit):
         if self.min_lr is None:
             self.min_lr = 0.0
         _check(0 <= self.min_lr <= self.lr, "optimizer.min_lr", "must be between 0 and optimizer.lr")
+        _check(self.decoupled_lr is None or self.decoupled_lr > 0, "optimizer.decoupled_lr", "must be > 0")
+        _check(self.decoupled_min_lr is None or self.decoupled_lr is not None, "optimizer.decoupled_min_lr",
+               "needs optimizer.decoupled_lr (the peak it decays from)")
+        _check(self.decoupled_min_lr is None or 0 <= self.decoupled_min_lr <= self.decoupled_lr,
+               "optimizer.decoupled_min_lr", "must be between 0 and optimizer.decoupled_lr")
         _check(self.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
         _check(0 <= self.adam_beta1 < 1, "optimizer.adam_beta1", "must be in [0, 1)")
         _check(0 <= self.adam_beta2 < 1, "optimizer.adam_beta2", "must be in [0, 1)")
+        _check(self.adam_eps > 0, "optimizer.adam_eps", "must be > 0")
         _check(self.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0")
         _check(not (self.bf16 and self.fp16), "optimizer.fp16", "bf16 and fp16 are exclusive")
+        _check(self.loss_scale is None or self.loss_scale > 0, "optimizer.loss_scale", "must be > 0 (or unset: dynamic)")
+        _check(self.initial_loss_scale > 0, "optimizer.initial_loss_scale", "must be > 0")
+        _check(0 < self.min_loss_scale <= self.initial_loss_scale, "optimizer.min_loss_scale",
+               "must be > 0 and <= optimizer.initial_loss_scale")
+        _check(self.loss_scale_window >= 1, "optimizer.loss_scale_window", "must be >= 1")
+        _check(self.hysteresis >= 1, "optimizer.hysteresis", "must be >= 1")
+        if self.params_dtype is not None:
+            dtype_name(self.params_dtype, "optimizer.params_dtype")
+        for key in STATE_DTYPE_FIELDS:
+            dtype_name(getattr(self, key), f"optimizer.{key}")
+        if not self.use_precision_aware_optimizer:
+            for key in STATE_DTYPE_FIELDS:
+                _check(dtype_name(getattr(self, key), key) == "float32", f"optimizer.{key}",
+                       "needs optimizer.use_precision_aware_optimizer = true (megatron-core keeps optimizer state "
+                       "in float32 otherwise)")
+        else:
+            _check(self.optimizer == "adam", "optimizer.use_precision_aware_optimizer", "needs optimizer = \"adam\"")
+            _check(self.use_distributed_optimizer, "optimizer.use_precision_aware_optimizer",
+                   "needs the distributed optimizer (optimizer.use_distributed_optimizer or "
+                   "ddp.use_distributed_optimizer = true)")
+        muon = "bridge_hpc offers adam and sgd (optimizer.optimizer); megatron-core's Muon is not among them"
+        offload = "bridge_hpc keeps the optimizer on the accelerator (no CPU offload)"
+        check_left_at_default(self, "optimizer", {
+            **{name: muon for name in ("muon_momentum", "muon_split_qkv", "muon_use_nesterov", "muon_scale_mode",
+                                       "muon_fp32_matmul_prec", "muon_num_ns_steps", "muon_tp_mode",
+                                       "muon_extra_scale_factor")},
+            **{name: offload for name in ("optimizer_cpu_offload", "optimizer_offload_fraction",
+                                          "use_torch_optimizer_for_cpu_offload", "overlap_cpu_optimizer_d2h_h2d")},
+            "reuse_grad_buf_for_mxfp8_param_ag": "MXFP8 needs Transformer Engine's FP8 kernels, which bridge_hpc "
+                                                 "does not build with",
+            "timers": "bridge_hpc times whole steps; it hands megatron-core no timers",
+            "config_logger_dir": "megatron-core's config logger is not wired in bridge_hpc",
+        })
 
 
 @dataclass
@@ -138,39 +253,61 @@ class OptimizerConfigOverrideProvider:
 class SchedulerConfig:
     """Learning-rate and weight-decay schedule (drives megatron-core's OptimizerParamScheduler).
 
-    Steps are counted in iterations here; ``finalize`` leaves ``lr_decay_iters = None`` for
-    :meth:`ConfigContainer.validate` to default to ``train.train_iters``.
+    Counted in iterations (``lr_decay_iters``, ``lr_warmup_iters``, ``lr_wsd_decay_iters``) when
+    ``train.train_iters`` is set, in samples (``lr_decay_samples``, ``lr_warmup_samples``,
+    ``lr_wsd_decay_samples``) when ``train.train_samples`` is; the other unit's fields must stay unset
+    (:meth:`ConfigContainer.validate`). The scheduler itself counts samples: ``lr_decay_steps``,
+    ``lr_warmup_steps``, ``wd_incr_steps`` and ``wsd_decay_steps`` are computed there, as in Bridge
+    (iterations x global batch size, or the sample counts), so a run counted in samples and the same
+    run counted in iterations get the same schedule. ``lr_decay_iters`` / ``lr_decay_samples`` unset:
+    the whole run; ``lr_warmup_fraction``: that share of the decay steps.
+    ``no_weight_decay_cond_type = "qwen3_next"`` also decays the q/k layernorm weights.
     """
 
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
-    lr_decay_iters: Optional[int] = None
-    lr_warmup_iters: int = 0
-    lr_warmup_fraction: Optional[float] = None
-    lr_warmup_init: float = 0.0
     lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    lr_decay_iters: Optional[int] = None
+    lr_decay_samples: Optional[int] = None
     lr_wsd_decay_iters: Optional[int] = None
+    lr_wsd_decay_samples: Optional[int] = None
+    lr_warmup_fraction: Optional[float] = None
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_init: float = 0.0
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = True
     start_weight_decay: Optional[float] = None
     end_weight_decay: Optional[float] = None
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
-    use_checkpoint_opt_param_scheduler: bool = True
-    override_opt_param_scheduler: bool = False
+    no_weight_decay_cond_type: Optional[Literal["qwen3_next"]] = None
+    lr_decay_steps: Optional[int] = field(default=None, init=False)
+    lr_warmup_steps: Optional[int] = field(default=None, init=False)
+    wd_incr_steps: Optional[int] = field(default=None, init=False)
+    wsd_decay_steps: Optional[int] = field(default=None, init=False)
 
     def finalize(self) -> None:
-        _check(self.lr_warmup_iters >= 0, "scheduler.lr_warmup_iters", "must be >= 0")
+        for key in ("lr_warmup_iters", "lr_warmup_samples"):
+            _check(getattr(self, key) >= 0, f"scheduler.{key}", "must be >= 0")
+        for key in ("lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples"):
+            _check(getattr(self, key) is None or getattr(self, key) >= 0, f"scheduler.{key}", "must be >= 0")
         _check(
             self.lr_warmup_fraction is None or 0 <= self.lr_warmup_fraction <= 1,
             "scheduler.lr_warmup_fraction", "must be in [0, 1]",
         )
         _check(
-            not (self.lr_warmup_fraction is not None and self.lr_warmup_iters),
-            "scheduler.lr_warmup_fraction", "set either lr_warmup_fraction or lr_warmup_iters, not both",
+            not (self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples)),
+            "scheduler.lr_warmup_fraction",
+            "set either lr_warmup_fraction or lr_warmup_iters / lr_warmup_samples, not both",
         )
         _check(
             not (self.use_checkpoint_opt_param_scheduler and self.override_opt_param_scheduler),
             "scheduler.override_opt_param_scheduler",
             "conflicts with scheduler.use_checkpoint_opt_param_scheduler = true",
         )
-
+        for key in ("start_weight_decay", "end_weight_decay"):
+            value = getattr(self, key)
+            _check(value is None or value >= 0, f"scheduler.{key}", "must be >= 0")
+        _check(self.lr_warmup_init >= 0, "scheduler.lr_warmup_init", "must be >= 0")
 
 
 #: What tensor inspection needs and bridge_hpc lacks; :meth:`TensorInspectConfig.finalize` names it.
@@ -393,7 +530,11 @@ def param_name(name: str) -> str:
 
 
 def default_config_overrides(context: OptimizerConfigOverrideProviderContext) -> Optional[Dict[Any, Any]]:
-    """Megatron Bridge's default rule plus the ``[[optimizer.overrides]]`` tables, resolved per
+    """Megatron Bridge's default rule (no weight decay for biases and 1-D parameters, except the q/k
+    layernorms with ``optimizer.apply_wd_to_qk_layernorm`` or ``scheduler.no_weight_decay_cond_type =
+    "qwen3_next"``; ``optimizer.decoupled_lr`` / ``decoupled_min_lr`` for the embedding and output layer,
+    the parameters megatron-core marks ``is_embedding_or_output_parameter``) plus the
+    ``[[optimizer.overrides]]`` tables, resolved per
     parameter name (later tables win) and handed to megatron-core as one ``ParamKey`` of exact names
     per distinct result, so megatron never has to combine overlapping keys (it refuses conflicting
     values). ``lr_mult`` becomes ``max_lr``/``min_lr`` (what megatron's scheduler reads) and stays in
@@ -405,6 +546,8 @@ def default_config_overrides(context: OptimizerConfigOverrideProviderContext) ->
     from megatron.core.optimizer import ParamKey
 
     o = context.optimizer_config
+    # Bridge's scheduler switch and megatron-core's optimizer field say the same: q/k layernorms decay.
+    decay_qk_norm = o.apply_wd_to_qk_layernorm or context.scheduler_config.no_weight_decay_cond_type == "qwen3_next"
     chunks = context.model if isinstance(context.model, (list, tuple)) else [context.model]
     names_by_override: Dict[tuple, List[str]] = {}
     matched = [False] * len(o.overrides)
@@ -416,8 +559,14 @@ def default_config_overrides(context: OptimizerConfigOverrideProviderContext) ->
             short = param_name(name)
             seen.append(short)
             override: Dict[str, float] = {}
-            if name.endswith(".bias") or param.ndim == 1:
+            qk_norm = "q_layernorm." in short or "k_layernorm." in short
+            if (name.endswith(".bias") or param.ndim == 1) and not (decay_qk_norm and qk_norm):
                 override["wd_mult"] = 0.0
+            if o.decoupled_lr is not None and getattr(param, "is_embedding_or_output_parameter", False):
+                decoupled = {"max_lr": o.decoupled_lr}
+                if o.decoupled_min_lr is not None:
+                    decoupled["min_lr"] = o.decoupled_min_lr
+                override.update(_resolved_settings(decoupled, o))
             for i, table in enumerate(o.overrides):
                 if any(fnmatch.fnmatchcase(short, pattern) for pattern in table.params):
                     matched[i] = True
@@ -440,3 +589,158 @@ def _resolved_settings(settings: Dict[str, float], o: OptimizerConfig) -> Dict[s
     elif "max_lr" in out:
         out["lr_mult"] = out["max_lr"] / o.lr
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed set-up and data-parallel wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DistributedInitConfig:
+    """How torch.distributed is set up (Bridge's names). ``distributed_backend = None`` picks nccl on
+    GPU, gloo on CPU.
+
+    ``external_gpu_device_mapping``: the launcher already narrowed each rank's GPUs
+    (``CUDA_VISIBLE_DEVICES``), so every rank uses device 0 instead of its local rank.
+    ``enable_megatron_core_experimental``: megatron-core's experimental switch
+    (``megatron.core.config.set_experimental_flag``), set on every rank before the model is built.
+    ``use_decentralized_pg`` (process groups passed to each component instead of megatron-core's
+    global parallel state) and ``lazy_mpu_init`` (Megatron's hand-over of model-parallel set-up to
+    an external manager; Bridge's ``lazy_init`` property reads and writes it) must stay off: this
+    trainer sets up megatron-core's global parallel state itself, and a job asking for either would
+    otherwise silently get the other behaviour.
+    """
+
+    distributed_backend: Optional[Literal["nccl", "gloo"]] = None
+    distributed_timeout_minutes: int = 10
+    #: megatron-core DDP's ``align_grad_reduce`` (with pipeline parallelism: each stage launches its
+    #: gradient reduce as it finishes, false: all stages at once).
+    align_grad_reduce: bool = True
+    #: The launcher's local rank (``$LOCAL_RANK``); the ranks take it from Slurm's variables.
+    local_rank: int = field(default_factory=lambda: int(os.getenv("LOCAL_RANK", "0")))
+    lazy_mpu_init: Optional[bool] = None
+    use_megatron_fsdp: bool = False
+    use_torch_fsdp2: bool = False
+    #: megatron-core's NCCL communicator settings file (per-group CTAs), passed to initialize_model_parallel.
+    nccl_communicator_config_path: Optional[str] = None
+    #: Rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp.
+    use_tp_pp_dp_mapping: bool = False
+    #: megatron-core's gloo (CPU) copies of the data-parallel groups, which its distributed optimizer
+    #: uses to gather state on save; false saves host memory and sockets.
+    use_gloo_process_groups: bool = True
+    use_sharp: bool = False
+    sharp_enabled_group: Optional[Literal["dp", "dp_replica"]] = None
+    high_priority_stream_groups: Optional[List[str]] = field(default_factory=list)
+    #: After the first step, every process group's timeout becomes this many seconds (start-up, with
+    #: its compilation and checkpoint load, keeps ``distributed_timeout_minutes``).
+    distributed_timeout_seconds_after_init: Optional[int] = None
+    #: torch's NCCL flight recorder: set, its trace of the last collectives is dumped here when a
+    #: collective times out (TORCH_FR_DUMP_TEMP_FILE and friends, set before torch.distributed starts).
+    flight_recorder_dump_path: Optional[str] = None
+    flight_recorder_trace_buffer_size: int = 2000
+    flight_recorder_dump_on_timeout: bool = True
+    flight_recorder_include_stack_trace: bool = False
+    flight_recorder_include_only_active: bool = True
+    flight_recorder_extra_dump_on_exec: bool = True
+    #: Turns off TorchScript's fuser (megatron's ``--disable-jit-fuser``).
+    disable_jit_fuser: bool = False
+    external_gpu_device_mapping: bool = False
+    enable_megatron_core_experimental: bool = False
+    use_decentralized_pg: bool = False
+
+    @property
+    def lazy_init(self) -> bool:
+        """Bridge's name for ``lazy_mpu_init``."""
+        return bool(self.lazy_mpu_init)
+
+    @lazy_init.setter
+    def lazy_init(self, value: bool) -> None:
+        self.lazy_mpu_init = value
+
+    def finalize(self) -> None:
+        _check(self.distributed_timeout_minutes > 0, "dist.distributed_timeout_minutes", "must be > 0")
+        _check(not self.use_decentralized_pg, "dist.use_decentralized_pg",
+               "must be false: bridge_hpc passes megatron-core's global parallel state, not a ProcessGroupCollection")
+        _check(not self.lazy_mpu_init, "dist.lazy_mpu_init",
+               "must be false: bridge_hpc sets up model parallelism itself (no external manager)")
+        check_left_at_default(self, "dist", {
+            "use_megatron_fsdp": "bridge_hpc shards with megatron-core's distributed optimizer (ddp.use_distributed_optimizer), "
+                                 "not FSDP",
+            "use_torch_fsdp2": "bridge_hpc shards with megatron-core's distributed optimizer (ddp.use_distributed_optimizer), "
+                               "not FSDP",
+        })
+        _check(self.local_rank >= 0, "dist.local_rank", "must be >= 0")
+        _check(self.sharp_enabled_group is None or self.use_sharp, "dist.sharp_enabled_group", "needs dist.use_sharp = true")
+        _check(self.distributed_timeout_seconds_after_init is None or self.distributed_timeout_seconds_after_init > 0,
+               "dist.distributed_timeout_seconds_after_init", "must be > 0 (or unset)")
+        _check(self.flight_recorder_trace_buffer_size >= 0, "dist.flight_recorder_trace_buffer_size", "must be >= 0")
+        groups = ("dp", "dp_cp", "tp", "pp", "cp", "ep", "tp_cp", "mp", "embd", "pos_embd")
+        for name in self.high_priority_stream_groups or []:
+            _check(name in groups, "dist.high_priority_stream_groups",
+                   f"unknown group {name!r}{did_you_mean(str(name), groups)}; known: {', '.join(groups)}")
+
+
+@dataclass
+class DistributedDataParallelConfig(DeferredPostInit):
+    """Data-parallel wrapper settings; used as megatron-core DDP's config on GPU (ignored by torch DDP)."""
+
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    average_in_collective: bool = False
+    bucket_size: Optional[int] = None
+    #: megatron-core's: pad each bucket to a size at which NCCL's bus bandwidth is high (a multiple of
+    #: a large power of 2), for a faster overlapped reduce-scatter and param all-gather.
+    pad_buckets_for_high_nccl_busbw: bool = False
+    #: megatron-core's: with pipeline parallelism and overlapped param gather, start every virtual
+    #: stage's param all-gather together (at the first stage's forward) instead of one stage at a time.
+    align_param_gather: bool = False
+    #: Bridge's (synced from a later megatron-core): fnmatch patterns of parameters whose gradients
+    #: accumulate locally in FP32. megatron-core 0.19.2's DDP has no such option, so only the empty
+    #: default is accepted; ``grad_reduce_in_fp32 = true`` keeps every gradient in FP32.
+    param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
+    # megatron-core's remaining DDP fields, with its defaults; megatron-core's DDP acts on them on GPU
+    # (like the fields above, torch DDP on CPU ignores them).
+    num_distributed_optimizer_instances: int = 1
+    check_for_nan_in_grad: bool = False
+    check_for_large_grads: bool = False
+    reduce_scatter_with_fp32_accumulation: bool = False
+    fp8_param_gather: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    use_megatron_fsdp: bool = False
+    use_custom_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: Optional[int] = None
+    preserve_fp32_weights: bool = True
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    outer_dp_sharding_strategy: str = "no_shard"
+    disable_symmetric_registration: bool = False
+    fsdp_manual_registration: bool = False
+    delay_wgrad_compute: bool = False
+
+    def finalize(self) -> None:
+        fsdp = "bridge_hpc shards with megatron-core's distributed optimizer (ddp.use_distributed_optimizer), not FSDP"
+        fp8 = "FP8/MXFP8 need Transformer Engine's low-precision kernels, which bridge_hpc does not build with"
+        check_left_at_default(self, "ddp", {
+            **{name: fsdp for name in ("use_megatron_fsdp", "use_custom_fsdp", "data_parallel_sharding_strategy",
+                                       "suggested_communication_unit_size", "preserve_fp32_weights",
+                                       "fsdp_double_buffer", "outer_dp_sharding_strategy",
+                                       "fsdp_manual_registration", "nccl_ub", "disable_symmetric_registration")},
+            **{name: fp8 for name in ("fp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "keep_fp8_transpose_cache")},
+            "num_distributed_optimizer_instances": "one distributed-optimizer instance spans the data-parallel group "
+                                                   "(megatron-core's partial distributed optimizer is not set up)",
+            "delay_wgrad_compute": "needs Transformer Engine's split weight-gradient kernels",
+        })
+        _check(
+            not self.overlap_param_gather or self.use_distributed_optimizer,
+            "ddp.overlap_param_gather", "needs ddp.use_distributed_optimizer = true",
+        )
+        _check(not self.param_name_patterns_for_fp32_local_accumulation,
+               "ddp.param_name_patterns_for_fp32_local_accumulation",
+               "must be empty: megatron-core 0.19.2's DDP cannot accumulate chosen gradients in FP32 "
+               "(ddp.grad_reduce_in_fp32 = true does it for all)")

@@ -57,7 +57,7 @@ from bridge_hpc.training.config import (
     OptimizerConfigOverrideProvider,
     OptimizerConfigOverrideProviderContext,
 )
-from bridge_hpc.training.engine.config import default_config_overrides, param_name
+from bridge_hpc.training.engine.config import STATE_DTYPE_FIELDS, default_config_overrides, dtype_name, param_name
 
 logger = logging.getLogger(__name__)
 
@@ -99,29 +99,56 @@ def setup_optimizer(cfg: ConfigContainer, model: List[torch.nn.Module]):
         else:
             _keep_kernel_choice_on_load(optimizer, fused=False)
         return optimizer
+    check_cpu_optimizer(o)
     groups = torch_param_groups(model, o, overrides)
     params = [p for g in groups for p in g["params"]]
     fused = {"fused": True} if o.fused_step else {}
     if o.optimizer == "adam":
-        inner = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                                  weight_decay=o.weight_decay, **fused)
+        # megatron-core's choice too: decoupled weight decay is AdamW, else Adam with L2 in the gradient.
+        adam = torch.optim.AdamW if o.decoupled_weight_decay else torch.optim.Adam
+        inner = adam(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                     weight_decay=o.weight_decay, **fused)
     else:
         inner = torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay, **fused)
     _pin_kernels_on_load(inner, fused=o.fused_step)
-    return TorchOptimizer(inner, params, o.clip_grad, foreach=True if o.fused_step else None)
+    return TorchOptimizer(inner, params, o.clip_grad, foreach=True if o.fused_step else None,
+                          count_zeros=o.log_num_zeros_in_grad)
+
+
+def check_cpu_optimizer(o: OptimizerConfig) -> None:
+    """Refuse, naming the key, what the CPU optimizer (torch's) cannot do: fp16 loss scaling (there is
+    no fp16 training on CPU) and megatron-core's precision-aware optimizer (Transformer Engine, CUDA)."""
+    from bridge_hpc.contracts.schema import check_left_at_default
+
+    why = "needs a GPU: on CPU the optimizer is torch's, with no fp16 loss scaler"
+    check_left_at_default(o, "optimizer", {
+        **{name: why for name in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                                  "hysteresis")},
+        "use_precision_aware_optimizer": "needs a GPU with Transformer Engine's FusedAdam",
+    })
 
 
 def megatron_optimizer_config(o: OptimizerConfig):
-    """megatron-core's ``OptimizerConfig`` for our section (one place for the field mapping)."""
+    """megatron-core's ``OptimizerConfig`` for our section: every field of megatron-core's class that the
+    section has (all of them; it declares megatron-core's fields), dtype names turned into torch dtypes.
+    ``params_dtype`` left unset follows ``bf16``/``fp16``; bridge_hpc's own fields (``fused_step``,
+    ``overrides``) are not megatron-core's and stay behind."""
+    import dataclasses
+
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
-    dtype = torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32
-    return MegatronOptimizerConfig(
-        optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
-        clip_grad=o.clip_grad, bf16=o.bf16, fp16=o.fp16, params_dtype=dtype,
-        use_distributed_optimizer=o.use_distributed_optimizer,
-    )
+    values = {f.name: getattr(o, f.name) for f in dataclasses.fields(MegatronOptimizerConfig)
+              if f.init and hasattr(o, f.name)}
+    implied = torch.bfloat16 if o.bf16 else torch.float16 if o.fp16 else torch.float32
+    values["params_dtype"] = implied if o.params_dtype in (None, "float32", torch.float32) else torch_dtype(o.params_dtype)
+    for key in STATE_DTYPE_FIELDS:
+        values[key] = torch_dtype(values[key])
+    return MegatronOptimizerConfig(**values)
+
+
+def torch_dtype(value) -> torch.dtype:
+    """A dtype given by name (job file) or as a torch dtype (Python config)."""
+    return getattr(torch, dtype_name(value, "optimizer"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,11 +199,12 @@ class TorchOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter], clip_grad: float,
-                 foreach: Optional[bool] = None):
+                 foreach: Optional[bool] = None, count_zeros: bool = False):
         self.optimizer = optimizer
         self.params = params
         self.clip_grad = clip_grad
         self.foreach = foreach
+        self.count_zeros = count_zeros
 
     @property
     def param_groups(self):
@@ -189,12 +217,19 @@ class TorchOptimizer:
         return loss
 
     def step(self):
+        # Counted before clipping, as megatron-core counts them (``optimizer.log_num_zeros_in_grad``).
+        zeros = self._num_zeros_in_grad() if self.count_zeros else None
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=self.foreach))
         if not math.isfinite(grad_norm):
-            return False, grad_norm, None
+            return False, grad_norm, zeros
         self.optimizer.step()
-        return True, grad_norm, None
+        return True, grad_norm, zeros
+
+    def _num_zeros_in_grad(self) -> int:
+        """Gradient elements equal to zero, over every parameter this rank updates; summed over the
+        data-parallel ranks' (equal, all-reduced) gradients it would count them again, so it is not."""
+        return int(sum(int((p.grad == 0).sum()) for p in self.params if p.grad is not None))
 
     def state_dict(self):
         return self.optimizer.state_dict()

@@ -46,7 +46,7 @@ def check_supported(cfg) -> None:
 
 def initialize(cfg) -> None:
     """megatron-core's groups for ``[model]``'s sizes (data parallelism is what is left)."""
-    m = cfg.model
+    m, d = cfg.model, cfg.dist
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
@@ -54,7 +54,30 @@ def initialize(cfg) -> None:
                                               if (m.virtual_pipeline_model_parallel_size or 1) > 1 else None),
         context_parallel_size=m.context_parallel_size,
         distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes,
+        nccl_communicator_config_path=d.nccl_communicator_config_path,
+        use_sharp=d.use_sharp,
+        sharp_enabled_group=d.sharp_enabled_group,
+        order="tp-cp-ep-pp-dp" if d.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
+        create_gloo_process_groups=d.use_gloo_process_groups,
+        high_priority_stream_groups=list(d.high_priority_stream_groups or []) or None,
     )
+
+
+def set_timeout_after_init(cfg) -> None:
+    """``dist.distributed_timeout_seconds_after_init``: once the first step is done (start-up, with its
+    compilation and checkpoint load, needed the long timeout), every process group of this rank waits at
+    most that long, so a hung collective ends the job in seconds instead of ``distributed_timeout_minutes``.
+    Uses torch's ``_set_pg_timeout`` (what Megatron-LM calls for the same option)."""
+    seconds = cfg.dist.distributed_timeout_seconds_after_init
+    if seconds is None or not torch.distributed.is_initialized():
+        return
+    import datetime
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(_world.pg_map):
+        _set_pg_timeout(timeout, group)
 
 
 def model_parallel_sizes() -> Dict[str, int]:

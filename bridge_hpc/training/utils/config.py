@@ -1,0 +1,173 @@
+"""The ``[logger]`` and ``[profiling]`` sections: Megatron Bridge's LoggerConfig and ProfilingConfig (megatron's
+fields and Bridge's), torch-free, re-exported by :mod:`bridge_hpc.training.config` (Bridge's path for them).
+Beside the training log (train_utils) that reads them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Literal, Optional
+
+from bridge_hpc.contracts.schema import check as _check
+
+
+@dataclass
+class LoggerConfig:
+    """Console, metrics-file, TensorBoard, W&B, MLflow and Comet logging: every field of Megatron
+    Bridge's LoggerConfig (megatron's plus Bridge's MLflow/Comet ones) and bridge_hpc's ``metrics_file``.
+
+    ``metrics_file`` is ours (not Bridge's): the JSON-lines file that records every step's loss at
+    full precision; ``bridge_hpc.training.run`` points it at ``<run_dir>/metrics.jsonl``. ``log_progress``
+    appends Megatron's ``progress.txt`` (plus bridge_hpc's goodput events) in ``checkpoint.save``.
+
+    TensorBoard is on by default for jobs: a job file that leaves ``tensorboard_dir`` unset gets
+    ``<run_dir>/tensorboard`` (:data:`bridge_hpc.contracts.run_folder.TENSORBOARD_DIR`), so that
+    ``tensorboard --logdir runs/`` shows every run. ``tensorboard_dir = ""`` turns it off; so does None,
+    Bridge's default, for a config built in Python. ``finalize`` makes "" None: one spelling of "off".
+
+    W&B is on when ``wandb_project`` is set, MLflow when ``mlflow_experiment`` is, Comet when
+    ``comet_project`` is (see :mod:`bridge_hpc.training.utils.log_backends`): each gets every series
+    TensorBoard gets, and a requeued or restarted job continues the same run.
+
+    A field this trainer cannot act on (MoE routing traces: it builds dense GPTs; energy counters; a
+    timing level above 0, whose timers it has not) accepts only its default and is refused by name
+    otherwise.
+    """
+
+    log_interval: int = 100
+    log_params_norm: bool = False
+    # Megatron's step reports (bridge_hpc.training.utils.train_utils.training_log): computed on log steps only
+    # (step % log_interval == 0), so they add nothing to the steps in between.
+    log_throughput: bool = False
+    log_throughput_to_tensorboard: bool = False
+    throughput_window_size: int = 100
+    log_progress: bool = False
+    timing_log_level: Literal[-1, 0, 1, 2] = 0
+    timing_log_option: Literal["max", "minmax", "all"] = "minmax"
+    tensorboard_dir: Optional[str] = None
+    tensorboard_log_interval: int = 1
+    #: Events TensorBoard's writer holds before it writes them (its ``max_queue``).
+    tensorboard_queue_size: int = 1000
+    log_timers_to_tensorboard: bool = False
+    log_loss_scale_to_tensorboard: bool = True
+    log_validation_ppl_to_tensorboard: bool = False
+    log_memory_to_tensorboard: bool = False
+    memory_keys: Optional[Dict[str, str]] = None
+    #: Every this many steps, one console line of the accelerator's memory (None: never).
+    log_memory_interval: Optional[int] = None
+    log_device_memory_used: bool = False
+    log_l2_norm_grad_to_tensorboard: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_max_attention_logit: bool = False
+    log_runtime_to_tensorboard: bool = False
+    runtime_time_unit: Literal["seconds", "minutes", "hours", "days"] = "hours"
+    barrier_with_L1_time: bool = True
+    log_world_size_to_tensorboard: bool = False
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    wandb_entity: Optional[str] = None
+    #: Python logging level of bridge_hpc's own messages (None: INFO, 20).
+    logging_level: Optional[int] = None
+    filter_warnings: bool = True
+    modules_to_filter: Optional[List[str]] = None
+    set_level_for_all_loggers: bool = False
+    log_energy: bool = False
+    save_config_filepath: Optional[str] = None
+    moe_routing_trace_path: Optional[str] = None
+    moe_routing_trace_max_training_iters: Optional[int] = None
+    moe_routing_trace_capture_logits: bool = False
+    moe_routing_trace_capture_hidden_states: bool = False
+    moe_routing_trace_dump_weights: bool = False
+    #: Bridge's: no step log at all (console, TensorBoard, metrics.jsonl); evaluation, progress.txt
+    #: and checkpoints are unchanged.
+    skip_train_metrics_log: bool = False
+    mlflow_experiment: Optional[str] = None
+    mlflow_run_name: Optional[str] = None
+    mlflow_tracking_uri: Optional[str] = None
+    mlflow_tags: Optional[Dict[str, str]] = None
+    comet_project: Optional[str] = None
+    comet_experiment_name: Optional[str] = None
+    comet_workspace: Optional[str] = None
+    #: Never set it in a job file: a key in a file ends up in resolved.toml and in checkpoints. Pass
+    #: ``COMET_API_KEY`` through ``[env]`` as a ``from_shell`` secret instead (refused here when set in TOML).
+    comet_api_key: Optional[str] = None
+    comet_tags: Optional[List[str]] = None
+    metrics_file: Optional[str] = None
+
+    def finalize(self) -> None:
+        _check(self.log_interval > 0, "logger.log_interval", "must be > 0")
+        _check(self.throughput_window_size >= 2, "logger.throughput_window_size",
+               "must be >= 2 (a rate needs the times of two steps)")
+        if self.logging_level is None:
+            self.logging_level = logging.INFO
+        _check(self.logging_level in (10, 20, 30, 40, 50), "logger.logging_level",
+               "must be a Python logging level: 10 (DEBUG), 20 (INFO), 30 (WARNING), 40 or 50")
+        _check(self.tensorboard_log_interval > 0, "logger.tensorboard_log_interval", "must be > 0")
+        _check(self.tensorboard_queue_size > 0, "logger.tensorboard_queue_size", "must be > 0")
+        _check(self.log_memory_interval is None or self.log_memory_interval > 0, "logger.log_memory_interval",
+               "must be > 0 (or unset: never)")
+        _check(self.tensorboard_dir is None or (isinstance(self.tensorboard_dir, str)
+                                                and self.tensorboard_dir == self.tensorboard_dir.strip()),
+               "logger.tensorboard_dir", f'expected a folder path, or "" to turn TensorBoard off, got {self.tensorboard_dir!r}')
+        if self.tensorboard_dir == "":
+            self.tensorboard_dir = None
+        _check(self.timing_log_level <= 0, "logger.timing_log_level",
+               "must be -1 or 0: bridge_hpc times whole steps (iteration time, throughput), it has no per-operation "
+               "timers for levels 1 and 2")
+        for name, why in (
+            ("log_max_attention_logit", "megatron-core records it only for its MoE/MLA QK-clip attention, which "
+                                        "bridge_hpc's GPTs do not use"),
+            ("log_energy", "there is no energy counter reader in bridge_hpc"),
+            ("moe_routing_trace_path", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
+            ("moe_routing_trace_max_training_iters", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
+            ("moe_routing_trace_capture_logits", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
+            ("moe_routing_trace_capture_hidden_states", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
+            ("moe_routing_trace_dump_weights", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
+        ):
+            _check(not getattr(self, name), f"logger.{name}", f"must be left at its default: {why}")
+        for name in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "mlflow_experiment",
+                     "mlflow_run_name", "mlflow_tracking_uri", "comet_project", "comet_experiment_name",
+                     "comet_workspace", "save_config_filepath"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value.strip() != ""), f"logger.{name}",
+                   "must be a non-empty string, or unset")
+        for name, backend in (("wandb_exp_name", "wandb_project"), ("wandb_save_dir", "wandb_project"),
+                              ("wandb_entity", "wandb_project"), ("mlflow_run_name", "mlflow_experiment"),
+                              ("mlflow_tracking_uri", "mlflow_experiment"), ("mlflow_tags", "mlflow_experiment"),
+                              ("comet_experiment_name", "comet_project"), ("comet_workspace", "comet_project"),
+                              ("comet_tags", "comet_project")):
+            _check(getattr(self, name) is None or getattr(self, backend) is not None, f"logger.{name}",
+                   f"is set but logger.{backend} is not, so that backend is off")
+
+
+@dataclass
+class ProfilingConfig:
+    """torch.profiler over a window of steps, on chosen ranks; traces go to ``tensorboard_dir``."""
+
+    #: nsys: ``torch.cuda.profiler.start()`` at ``profile_step_start`` and ``stop()`` at
+    #: ``profile_step_end`` on ``profile_ranks``, for ``nsys profile --capture-range=cudaProfilerApi``
+    #: (put it in ``[slurm]``'s launcher command), with NVTX ranges per step.
+    use_nsys_profiler: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    use_pytorch_profiler: bool = False
+    pytorch_profiler_collect_shapes: bool = False
+    pytorch_profiler_collect_callstack: bool = False
+    pytorch_profiler_collect_chakra: bool = False
+    profile_ranks: List[int] = field(default_factory=lambda: [0])
+    record_shapes: bool = False
+    #: NVTX ranges around each step's phases (forward-backward, optimizer step) for nsys.
+    nvtx_ranges: bool = False
+    # CUDA allocator history from the start (train_utils.start_memory_history_recording), dumped at
+    # profile_step_end to <memory_snapshot_path stem>_<rank><ext> for pytorch.org/memory_viz.
+    record_memory_history: bool = False
+    memory_snapshot_path: str = "snapshot.pickle"
+
+    def finalize(self) -> None:
+        _check(self.profile_step_end > self.profile_step_start, "profiling.profile_step_end",
+               "must be > profiling.profile_step_start")
+        _check(not (self.use_nsys_profiler and self.use_pytorch_profiler), "profiling.use_nsys_profiler",
+               "and profiling.use_pytorch_profiler are exclusive (one profiler at a time)")
+        _check(not self.pytorch_profiler_collect_chakra, "profiling.pytorch_profiler_collect_chakra",
+               "must be false: Chakra execution traces are not collected by bridge_hpc's profiler")
