@@ -239,8 +239,10 @@ class ValidationConfig:
     eval_interval: Optional[int] = None
     #: No evaluation before this iteration (the first ``eval_interval`` step at or after it is the first).
     start_eval_at_iter: Optional[int] = None
-    #: Evaluation's own batch sizes: accepted when unset or equal to the training ones (evaluation reads
-    #: batches of the training sizes in this version); other values are refused by name.
+    #: Evaluation's own batch sizes (unset: the training ones, filled in by ConfigContainer.validate):
+    #: each evaluation reads ``eval_iters`` batches of ``eval_global_batch_size`` samples, each rank its
+    #: share in micro-batches of ``eval_micro_batch_size`` (a forward needs no optimizer state, so it
+    #: can often take larger ones than training).
     eval_global_batch_size: Optional[int] = None
     eval_micro_batch_size: Optional[int] = None
     skip_train: bool = False
@@ -511,13 +513,15 @@ class ConfigContainer:
 
     def split_samples(self) -> Tuple[int, int, int]:
         """How many samples the run reads from its train, validation and test data: all training
-        steps' global batches; ``eval_iters`` global batches at every ``eval_interval`` steps and once
-        after training; ``eval_iters`` global batches of test data. What the datasets are sized for
-        (:func:`bridge_hpc.training.datasets.builders.build_datasets`); a fine-tuning split asked for 0 is not read."""
+        steps' global batches; ``eval_iters`` evaluation batches (``eval_global_batch_size``) at every
+        ``eval_interval`` steps and once after training; ``eval_iters`` of them of test data. What the
+        datasets are sized for (:func:`bridge_hpc.training.datasets.builders.build_datasets`); a fine-tuning
+        split asked for 0 is not read."""
         t, v = self.train, self.validation
         evals = (t.train_iters // v.eval_interval + 1) if v.eval_interval else 0
-        return (t.train_iters * t.global_batch_size, evals * (v.eval_iters or 0) * t.global_batch_size,
-                (v.eval_iters or 0) * t.global_batch_size)
+        eval_batch = v.eval_global_batch_size or t.global_batch_size
+        return (t.train_iters * t.global_batch_size, evals * (v.eval_iters or 0) * eval_batch,
+                (v.eval_iters or 0) * eval_batch)
 
     def check_data_records(self, full: bool = False, progress: Optional[Progress] = None) -> List[Tuple[str, int]]:
         """Check the data's records on the login node, before the queue: ``[(file, records or sequences
@@ -607,12 +611,19 @@ class ConfigContainer:
         def key(name: str) -> str:
             return f"{'train' if name in self.validation_keys_in_train else 'validation'}.{name}"
 
-        for name, train_value in (("eval_global_batch_size", t.global_batch_size),
-                                  ("eval_micro_batch_size", t.micro_batch_size)):
-            value = getattr(v, name)
-            _check(value is None or value == train_value, f"validation.{name}",
-                   f"must be unset or equal to the training one ({train_value}): evaluation reads batches of the "
-                   "training sizes in this version")
+        if v.eval_micro_batch_size is None:
+            v.eval_micro_batch_size = t.micro_batch_size
+        if v.eval_global_batch_size is None:
+            v.eval_global_batch_size = t.global_batch_size
+        _check(v.eval_global_batch_size % (v.eval_micro_batch_size * self.data_parallel_size) == 0,
+               "validation.eval_global_batch_size",
+               f"{v.eval_global_batch_size} is not divisible by validation.eval_micro_batch_size "
+               f"({v.eval_micro_batch_size}) x data-parallel size ({self.data_parallel_size})")
+        if (m.virtual_pipeline_model_parallel_size or 1) > 1:
+            microbatches = v.eval_global_batch_size // (v.eval_micro_batch_size * self.data_parallel_size)
+            _check(microbatches % m.pipeline_model_parallel_size == 0, "validation.eval_global_batch_size",
+                   f"gives {microbatches} micro-batches per evaluation batch, which the interleaved pipeline schedule "
+                   f"needs to be a multiple of model.pipeline_model_parallel_size ({m.pipeline_model_parallel_size})")
         _check(v.eval_interval in (None, 0) or (v.eval_iters or 0) > 0, key("eval_iters"),
                f"must be > 0 when {key('eval_interval')} is set")
 

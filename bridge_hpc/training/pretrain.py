@@ -246,8 +246,9 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     stop, reads = cfg.train.exit_signal, parallel.reads_data()
     train_it = build_data_iterator(train_ds, ts.consumed_train_samples, mbs, dp_rank, dp_size, cfg.dataset,
                                    cfg.rng.seed, stop, gbs, reads=reads)
-    valid_it = build_data_iterator(valid_ds, ts.consumed_valid_samples, mbs, dp_rank, dp_size, cfg.dataset,
-                                   cfg.rng.seed, stop, gbs, reads=reads)
+    v = cfg.validation  # evaluation reads batches of its own sizes
+    valid_it = build_data_iterator(valid_ds, ts.consumed_valid_samples, v.eval_micro_batch_size, dp_rank, dp_size,
+                                   cfg.dataset, cfg.rng.seed, stop, v.eval_global_batch_size, reads=reads)
     ts.do_train, ts.do_valid = train_it is not None, valid_it is not None
     startup.mark("data")
 

@@ -150,15 +150,18 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
 def run_microbatches(forward_step_func: Callable, data_iterator, model: List[torch.nn.Module], global_state: GlobalState,
                      optimizer=None, forward_only: bool = False, collect_non_loss_data: bool = False,
                      validate_loss: Optional[Callable[[torch.Tensor], None]] = None,
-                     before_grad_sync: Optional[Callable[[List[Any]], None]] = None) -> List[Any]:
+                     before_grad_sync: Optional[Callable[[List[Any]], None]] = None,
+                     evaluation: bool = False) -> List[Any]:
     """One global batch's micro-batches: :func:`forward_backward`, or with pipeline parallelism
     megatron-core's pipeline schedule (:func:`bridge_hpc.training.engine.parallel.pipelined_forward_backward`),
-    whose reports only the last stage has."""
-    num_microbatches = get_num_microbatches(global_state)
+    whose reports only the last stage has. ``evaluation``: a batch of the evaluation sizes
+    (``validation.eval_global_batch_size`` / ``eval_micro_batch_size``)."""
+    cfg = global_state.cfg
+    num_microbatches = get_num_microbatches(global_state, evaluation)
     if parallel.pipeline_size() > 1:
-        cfg = global_state.cfg
+        micro_batch_size = cfg.validation.eval_micro_batch_size if evaluation else cfg.train.micro_batch_size
         return parallel.pipelined_forward_backward(forward_step_func, data_iterator, model, num_microbatches,
-                                                   cfg.model.seq_length, cfg.train.micro_batch_size,
+                                                   cfg.model.seq_length, micro_batch_size,
                                                    forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
                                                    validate_loss=validate_loss)
     return forward_backward(forward_step_func, data_iterator, model, num_microbatches, optimizer=optimizer,
@@ -189,8 +192,13 @@ def start_reduce_reports_and_flags(reports: List[Dict[str, torch.Tensor]], purpo
     return lambda: shared
 
 
-def get_num_microbatches(global_state: GlobalState) -> int:
+def get_num_microbatches(global_state: GlobalState, evaluation: bool = False) -> int:
+    """Micro-batches per global batch on each data-parallel rank: of training's sizes, or with
+    ``evaluation`` of ``validation.eval_global_batch_size`` / ``eval_micro_batch_size``."""
     cfg = global_state.cfg
+    if evaluation:
+        v = cfg.validation
+        return v.eval_global_batch_size // (v.eval_micro_batch_size * cfg.data_parallel_size)
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.data_parallel_size)
 
 
@@ -270,7 +278,8 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
 def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
              process_non_loss_data_func: Optional[Callable] = None,
              non_loss_data_func: Optional[Callable] = None) -> Tuple[Dict[str, torch.Tensor], Any]:
-    """``validation.eval_iters`` forward-only global batches; returns (reduced loss dict, non-loss data).
+    """``validation.eval_iters`` forward-only batches of ``validation.eval_global_batch_size`` samples;
+    returns (reduced loss dict, non-loss data).
 
     Losses are reduced over all micro-batches of all eval iterations and all data-parallel ranks at
     once, so a per-token loss is the mean over every evaluated token.
@@ -285,8 +294,8 @@ def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, mod
             if state.rank == 0:
                 print(f"evaluation cut short after {len(reports)} micro-batches: stop signal received", flush=True)
             break
-        reports += run_microbatches(forward_step_func, data_iterator, model, state, forward_only=True)
-        state.train_state.consumed_valid_samples += cfg.train.global_batch_size
+        reports += run_microbatches(forward_step_func, data_iterator, model, state, forward_only=True, evaluation=True)
+        state.train_state.consumed_valid_samples += cfg.validation.eval_global_batch_size
     collected = None
     last_rank = state.rank == state.world_size - 1
     if process_non_loss_data_func is not None:
@@ -296,7 +305,7 @@ def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, mod
             # With model parallelism the forward spans ranks (stages, tensor-parallel peers): every rank
             # runs it, the last rank keeps what it collected.
             collected = run_microbatches(forward_step_func, data_iterator, model, state, forward_only=True,
-                                         collect_non_loss_data=True)
+                                         collect_non_loss_data=True, evaluation=True)
             collected = collected if last_rank else None
     for chunk in model:
         chunk.train()
