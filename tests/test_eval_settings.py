@@ -73,3 +73,25 @@ def test_evaluation_sizes_the_data_parallel_size_does_not_divide_are_refused(eva
     cfg.finalize_sections()
     with pytest.raises(ConfigError, match=r"validation\.eval_global_batch_size"):
         cfg.validate(world_size=2)
+
+
+def test_iterations_to_skip_read_and_drop_their_batches_and_resume_exactly(tmp_path):
+    straight = tiny_job(tmp_path / "straight")
+    _run(straight, "train.iterations_to_skip=[5, 6]")
+    stopped = tiny_job(tmp_path / "stopped")  # stopped after iteration 4, resumed across the skipped ones
+    _run(stopped, "train.iterations_to_skip=[5, 6]", "train.exit_interval=4")
+    _run(stopped, "train.iterations_to_skip=[5, 6]")
+    plain = tiny_job(tmp_path / "plain")
+    _run(plain)
+
+    a = read_metrics(os.path.join(tiny_run_dir(straight), "metrics.jsonl"))
+    b = read_metrics(os.path.join(tiny_run_dir(stopped), "metrics.jsonl"))
+    c = read_metrics(os.path.join(tiny_run_dir(plain), "metrics.jsonl"))
+    assert sorted(a) == sorted(b) == [i for i in range(1, 21) if i not in (5, 6)]
+    for step in sorted(a):
+        assert a[step]["loss"] == b[step]["loss"], step  # bit-exact across the resume
+    assert all(a[step]["loss"] == c[step]["loss"] for step in range(1, 5))  # the same run until the skip
+    assert a[7]["loss"] != c[7]["loss"]  # then other data on other weights
+    state = torch.load(os.path.join(tiny_run_dir(straight), "checkpoints", "iter_0000020", "train_state.pt"),
+                       weights_only=False)["train_state"]
+    assert (state["consumed_train_samples"], state["skipped_train_samples"]) == (20 * 8, 2 * 8)

@@ -164,7 +164,9 @@ class TrainingConfig:
     manual_gc_interval: int = 0
     #: With ``manual_gc``: a full collection before and after every evaluation.
     manual_gc_eval: bool = True
-    #: 1-indexed iterations to skip (Megatron's): only the empty default in this version (refused otherwise).
+    #: 1-indexed iterations to skip (Megatron's, e.g. to step over a batch that made the loss spike): the
+    #: iteration's global batch is read and dropped, the weights and the scheduler do not move, and the
+    #: iteration counts (see ``train.skip_iteration``).
     iterations_to_skip: List[int] = field(default_factory=list)
     skip_train: Optional[bool] = None
     #: With model parallelism (more than one rank per model): agree on whether the optimizer step
@@ -196,8 +198,6 @@ class TrainingConfig:
                                              "not shrunk",
             "gpu_sniff_test_interval": "megatron-core 0.19 has no GPU sniff test",
             "exit_signal_handler_for_dataloader": "data-loader workers ignore stop signals; the rank handles them",
-            "iterations_to_skip": "skipping chosen iterations is not implemented in this version (the data position "
-                                  "of a skipped step would need its own resume record)",
         })
         for key in ("check_weight_hash_across_dp_replicas_interval", "train_sync_interval"):
             value = getattr(self, key)

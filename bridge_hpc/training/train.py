@@ -483,6 +483,13 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
     report_memory_flag = True
     with heap.steps_frozen(cfg.train.manual_gc):
         while True:
+            if ts.step + 1 in cfg.train.iterations_to_skip:  # 1-indexed, as Megatron's option
+                skip_iteration(global_state, step_iterator)
+                if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler,
+                                              ts.floating_point_operations_so_far, checkpointing_context,
+                                              train_data_iterator):
+                    break
+                continue
             # 1. one optimizer step
             ft.step_start(ts.step)
             ft.maybe_simulate_fault(ts.step)
@@ -539,6 +546,23 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
                 break
     if prof is not None:
         prof.stop()
+
+
+def skip_iteration(state: GlobalState, data_iterator) -> None:
+    """``train.iterations_to_skip`` (Megatron's): the iteration's micro-batches are read and dropped, so
+    the data position moves on as if it had trained; there is no forward, no update and no scheduler
+    step; the iteration counts, its samples as consumed and skipped (``skipped_train_samples``)."""
+    cfg, ts = state.cfg, state.train_state
+    if data_iterator is not None:
+        for _ in range(get_num_microbatches(state)):
+            next(data_iterator)
+        data_iterator.advance()  # the RerunDataIterator keeps nothing of a skipped iteration for a re-run
+    ts.step += 1
+    ts.consumed_train_samples += cfg.train.global_batch_size
+    ts.skipped_train_samples += cfg.train.global_batch_size
+    if state.rank == 0:
+        logger.info("iteration %d skipped (train.iterations_to_skip): its %d samples read and dropped", ts.step,
+                    cfg.train.global_batch_size)
 
 
 def _count_step(state: GlobalState, step_time_s: float, skipped_iter: int) -> float:
