@@ -204,3 +204,41 @@ def test_config_error_is_caught_as_bridge_documents():
         cfg.finalize()
     with pytest.raises(AssertionError):
         cfg.finalize()
+
+
+def test_bridges_private_helpers_compare_with_megatron_core_defaults():
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    o = C.OptimizerConfig(lr=1e-3, hysteresis=4, exp_avg_dtype="float32")
+    assert C._get_non_default_values(o, MegatronOptimizerConfig) == {"lr": (1e-3, None), "hysteresis": (4, 2)}
+    assert C._get_key_config_values(C.RNGConfig(seed=7)) == {
+        "seed": 7, "te_rng_tracker": False, "inference_rng_tracker": False, "data_parallel_random_init": False}
+    assert "nccl_communicator_config_path" not in C._get_key_config_values(C.DistributedInitConfig())  # None left out
+    model = C.GPTModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    assert C._get_mcore_transformer_parent(model) is TransformerConfig
+
+
+def test_handle_mxfp8_param_buffer_copy_copies_only_when_both_flags_are_on():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from bridge_hpc.training.train import _handle_mxfp8_param_buffer_copy
+
+    class Recording(DistributedOptimizer):  # counts the copies instead of touching buffers
+        def __init__(self):
+            self.copies = 0
+
+        def _copy_main_params_to_param_buffer(self):
+            self.copies += 1
+
+    class Chained:  # megatron-core's ChainedOptimizer shape: its inner optimizers
+        def __init__(self, *inner):
+            self.chained_optimizers = list(inner)
+
+    inner = Recording()
+    chained = Chained(inner, object())
+    _handle_mxfp8_param_buffer_copy(chained, False, True)
+    _handle_mxfp8_param_buffer_copy(chained, True, False)
+    assert inner.copies == 0
+    _handle_mxfp8_param_buffer_copy(chained, True, True)
+    assert inner.copies == 1

@@ -840,6 +840,50 @@ def _non_default_values(section: Any) -> Dict[str, Tuple[Any, Any]]:
     return out
 
 
+def _get_mcore_transformer_parent(model_config: Any) -> type:
+    """megatron-core's TransformerConfig class to compare ``model_config`` with (Bridge's helper):
+    ``MLATransformerConfig`` for an MLA model, else ``TransformerConfig``. bridge_hpc's
+    :class:`GPTModelConfig` is a GPT without MLA, so it gets ``TransformerConfig``. Imports megatron-core
+    (ranks only)."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    return MLATransformerConfig if isinstance(model_config, MLATransformerConfig) else TransformerConfig
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal, or the same dtype spelled as a torch dtype on one side and as its name on the other
+    (bridge_hpc's sections keep dtype names, megatron-core's defaults are torch dtypes)."""
+    return a == b or str(a).replace("torch.", "") == str(b).replace("torch.", "")
+
+
+def _get_non_default_values(config_obj: Any, mcore_class: type) -> Dict[str, Tuple[Any, Any]]:
+    """``{field: (current value, megatron-core default)}`` for the fields of dataclass ``mcore_class``
+    (megatron-core's parent class, e.g. its ``OptimizerConfig``) that ``config_obj`` sets to something
+    else (Bridge's helper for :meth:`ConfigContainer.log_non_default_values`). Fields without a default
+    in ``mcore_class``, and ones ``config_obj`` lacks, are skipped."""
+    out: Dict[str, Tuple[Any, Any]] = {}
+    for f in dataclasses.fields(mcore_class):
+        if f.name not in {g.name for g in dataclasses.fields(config_obj)}:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            continue
+        value = getattr(config_obj, f.name)
+        if not _same_value(value, default):
+            out[f.name] = (value, default)
+    return out
+
+
+def _get_key_config_values(config_obj: Any) -> Dict[str, Any]:
+    """``{field: value}`` of dataclass ``config_obj``'s fields, leaving out None values and callables
+    (Bridge's helper: what is logged of a section that has no megatron-core parent to compare with)."""
+    return {f.name: getattr(config_obj, f.name) for f in dataclasses.fields(config_obj)
+            if getattr(config_obj, f.name) is not None and not callable(getattr(config_obj, f.name))}
+
+
 def _world_size() -> int:
     try:
         import torch.distributed as dist

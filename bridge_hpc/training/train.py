@@ -236,6 +236,8 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     timers("forward-backward", log_level=1).start()
     while rerun_state_machine.should_run_forward_backward(data_iterator):
         zero_grads(model, optimizer)
+        _handle_mxfp8_param_buffer_copy(optimizer, cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag,
+                                        cfg.ddp.overlap_param_gather)
         if graph is not None:
             fused_step = installed_fused_step(optimizer)
             reports = graph.forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(global_state),
@@ -546,6 +548,34 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
                 break
     if prof is not None:
         prof.stop()
+    _finish_train(global_state)
+
+
+def _finish_train(global_state: GlobalState) -> None:
+    """The end of the loop (Bridge's function): the TensorBoard events written so far reach the file
+    now, so that an evaluation or a teardown after the loop that dies loses none of them. Async saves
+    are finished by the exit decision that ended the loop (:func:`checkpoint_and_decide_exit`), and fault
+    tolerance and straggler detection shut down after the final evaluation (``pretrain``), which they
+    still watch."""
+    writer = global_state.tensorboard_logger
+    if writer is not None:
+        writer.flush()
+
+
+def _handle_mxfp8_param_buffer_copy(optimizer, reuse_grad_buf_for_mxfp8_param_ag: bool,
+                                    overlap_param_gather: bool) -> None:
+    """Bridge's: with MXFP8 parameters whose all-gather reuses the gradient buffer and overlaps the
+    forward, the main parameters are copied into the (shared) parameter buffer after the gradient
+    buffer is zeroed, else the all-gather would send zeros. ``optimizer.reuse_grad_buf_for_mxfp8_param_ag``
+    needs Transformer Engine's MXFP8 and is refused without it, so here this runs only by reading;
+    its condition and call are megatron-core's ``DistributedOptimizer._copy_main_params_to_param_buffer``."""
+    if not (reuse_grad_buf_for_mxfp8_param_ag and overlap_param_gather):
+        return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer):
+            inner._copy_main_params_to_param_buffer()
 
 
 def skip_iteration(state: GlobalState, data_iterator) -> None:
