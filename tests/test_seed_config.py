@@ -272,8 +272,7 @@ def test_dist_and_straggler_settings_this_trainer_cannot_honour_are_exit_2(tmp_p
     ("[checkpoint]\nstrict_fsdp_dtensor_load = true\n", "checkpoint.strict_fsdp_dtensor_load"),
     ('[checkpoint]\ncustom_manager_class = "my.Manager"\n', "checkpoint.custom_manager_class"),
     ("[checkpoint]\nstorage_writers_per_rank = 0\n", "checkpoint.storage_writers_per_rank"),
-    ('[logger]\nmlflow_experiment = "exp"\n', "logger.mlflow_experiment"),
-    ('[logger]\ncomet_api_key = "sk-SECRET-123"\n', "logger.comet_api_key"),
+    ('[logger]\ncomet_api_key = "sk-SECRET-123"\n', "logger.comet_api_key"),  # COMET_API_KEY via [env] instead
     ("[validation]\nfull_validation = true\n", "validation.full_validation"),
     ("[validation]\neval_interval = 5\n\n[train]\neval_interval = 7\n", "validation.eval_interval"),
 ])

@@ -620,6 +620,12 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     where = _Where(path=path, origin=origin, overridden=tuple(overridden))
 
     known = LAUNCHER_SECTIONS + tuple(TRAINING_SECTIONS)
+    logger_section = doc.get("logger")
+    if isinstance(logger_section, dict) and "comet_api_key" in logger_section:
+        # First, so that no other check echoes the value: a key in a file would be kept in resolved.toml.
+        raise where.error("logger.comet_api_key", "an API key may not be written in a job file (it would be kept in "
+                          "resolved.toml and in every checkpoint): remove it and pass the key from your shell through "
+                          '[env]: COMET_API_KEY = { from_shell = "COMET_API_KEY" }', ("logger", "comet_api_key"))
     for key, value in doc.items():
         if _bad_key(key):
             raise where.error(repr(key), _KEY_NOT_PRINTABLE, (key,))
