@@ -275,8 +275,8 @@ def test_training_log_reports_on_log_steps(single_rank, tmp_path, capsys):
         state.train_state.step = step
         state.train_state.consumed_train_samples = 8 * step
         history.append(2.0 * step)  # a step every 2 s
-        training_log({"lm loss": torch.tensor(1.0)}, 1e-3, 0, 0.5, None, 2.0, state, metrics, model=[model],
-                     history_wct=history)
+        training_log({"lm loss": torch.tensor(1.0)}, {}, 1e-3, None, 1.0, False, 0, 0.5, None, None, cfg, state,
+                     history, [model], step_time_s=2.0, metrics=metrics)
     metrics.close()
 
     records = read_metrics(str(tmp_path / "metrics.jsonl"))

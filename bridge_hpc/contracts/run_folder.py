@@ -14,6 +14,10 @@ instead of resolving them again)::
     RUN/metrics.jsonl           one JSON line per training step (rank 0)
     RUN/tensorboard/            TensorBoard event files, one per run of the job (last rank; ``[logger] tensorboard_dir``)
     RUN/dataset_cache/          megatron-core's dataset index cache (``[dataset] path_to_cache``; rank 0 builds)
+    RUN/logger_runs.json        the W&B run id, MLflow run id and Comet experiment key every run of the job continues
+    RUN/wandb/                  W&B's files (``[logger] wandb_save_dir``; offline runs: wandb/offline-run-*)
+    RUN/mlruns/                 the MLflow file store (unless ``[logger] mlflow_tracking_uri``)
+    RUN/comet/                  Comet's offline archives (without an API key)
     RUN/logs/<job>_0_log.out    Slurm's stdout / stderr (submitit's names, so submitit finds them)
     RUN/logs/requeue-request.<job>            rank 0 asks the batch script to requeue (requeue.py)
     RUN/logs/.failures-without-progress.<job> the batch script's crash-loop counter
@@ -41,6 +45,12 @@ TENSORBOARD_DIR = "tensorboard"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
 DATASET_CACHE_DIR = "dataset_cache"
+#: The W&B, MLflow and Comet runs a job continues across requeues and restarts (the last rank writes it,
+#: :mod:`bridge_hpc.training.utils.log_backends`); beside it their files, unless the job sets a place.
+LOGGER_RUNS_FILE = "logger_runs.json"
+WANDB_DIR = "wandb"
+MLFLOW_DIR = "mlruns"
+COMET_DIR = "comet"
 
 REQUEUE_REQUEST_PREFIX = "requeue-request."
 FAILURES_PREFIX = ".failures-without-progress."

@@ -121,13 +121,16 @@ DistributedSignalHandler = StopSignalRecorder
 class GlobalState:
     """Everything the loop shares: ``cfg``, ``train_state``, ``timers``, loggers, signal handler.
 
-    The TensorBoard writer exists only on the last rank (as in Bridge), so ranks that never log never
-    import tensorboard, and only from ``metrics.open()`` on: it must know the step the run resumes at
-    (see :mod:`bridge_hpc.training.engine.metrics`).
+    The TensorBoard writer and the W&B, MLflow and Comet loggers exist only on the last rank (as in
+    Bridge), so ranks that never log never import their packages, and only from ``metrics.open()`` on: they
+    must know the step the run resumes at (see :mod:`bridge_hpc.training.engine.metrics`).
+
+    Setting ``cfg`` takes ``logger.comet_api_key`` out of the config (the Comet logger still gets it): no
+    log line and no checkpoint's saved config holds the key (:func:`~bridge_hpc.training.utils.log_backends.take_secret`).
     """
 
     def __init__(self) -> None:
-        self.cfg: Optional[ConfigContainer] = None
+        self._cfg: Optional[ConfigContainer] = None
         self.train_state = TrainState()
         self._timers: Optional[Timers] = None
         self._metrics = None
@@ -178,6 +181,19 @@ class GlobalState:
         self.checkpoint_extra: Dict[str, Any] = {}
 
     @property
+    def cfg(self) -> Optional[ConfigContainer]:
+        """The run's configuration container."""
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, value: Optional[ConfigContainer]) -> None:
+        if value is not None and getattr(getattr(value, "logger", None), "comet_api_key", None):
+            from bridge_hpc.training.utils.log_backends import take_secret
+
+            take_secret(value)
+        self._cfg = value
+
+    @property
     def timers(self) -> Timers:
         if self._timers is None:
             level = self.cfg.logger.timing_log_level if self.cfg is not None else 0
@@ -190,15 +206,45 @@ class GlobalState:
         (``logger.tensorboard_dir``) and the run's metrics are open, else None."""
         return self._metrics.writer if self._metrics is not None else None
 
+    def _backend_logger(self, name: str):
+        backends = self._metrics.backends if self._metrics is not None else None
+        return backends.handle(name) if backends is not None else None
+
+    @property
+    def wandb_logger(self):
+        """Bridge's W&B logger: on the last rank while ``logger.wandb_project`` is set and the run's metrics
+        are open, the ``wandb`` module (its run started or resumed), else None. Its ``log(dict, step)`` joins
+        the step's record, which goes to W&B once the step's checkpoint is saved (each step once, see
+        :mod:`bridge_hpc.training.utils.log_backends`); anything else is the module's."""
+        return self._backend_logger("wandb")
+
+    @property
+    def mlflow_logger(self):
+        """Bridge's MLflow logger: the ``mlflow`` module with the job's run (last rank, ``logger.mlflow_experiment``
+        set), else None; ``log_metrics`` / ``log_metric`` join the step's record, as for :attr:`wandb_logger`."""
+        return self._backend_logger("mlflow")
+
+    @property
+    def comet_logger(self):
+        """Bridge's Comet logger: the job's ``comet_ml`` Experiment (last rank, ``logger.comet_project`` set),
+        else None; ``log_metrics`` / ``log_metric`` join the step's record, as for :attr:`wandb_logger`."""
+        return self._backend_logger("comet")
+
     @property
     def metrics(self):
-        """The run's :class:`~bridge_hpc.training.engine.metrics.MetricsLogger` (JSON lines + TensorBoard)."""
+        """The run's :class:`~bridge_hpc.training.engine.metrics.MetricsLogger` (JSON lines, TensorBoard, and
+        W&B / MLflow / Comet when ``[logger]`` turns them on)."""
         if self._metrics is None:
             from bridge_hpc.training.engine.metrics import MetricsLogger
 
             log = self.cfg.logger
+            backends = None
+            if log.wandb_project or log.mlflow_experiment or log.comet_project:
+                from bridge_hpc.training.utils.log_backends import LogBackends
+
+                backends = LogBackends(self.cfg)
             self._metrics = MetricsLogger(log.metrics_file, self.rank, self.world_size, log.tensorboard_dir,
-                                          log.tensorboard_log_interval)
+                                          log.tensorboard_log_interval, backends=backends)
         return self._metrics
 
     def close(self) -> None:

@@ -483,6 +483,7 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
     # End-of-step times for logger.log_throughput_to_tensorboard (train_utils.report_throughput's window).
     history_wct = deque(maxlen=cfg.logger.throughput_window_size) if cfg.logger.log_throughput_to_tensorboard else None
     report_memory_flag = True
+    total_loss_dict: Dict[str, Any] = {}  # training_log's interval totals (Bridge's argument)
     with heap.steps_frozen(cfg.train.manual_gc):
         while True:
             if ts.step + 1 in cfg.train.iterations_to_skip:  # 1-indexed, as Megatron's option
@@ -535,9 +536,10 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
                                                valid_data_iterator, model, process_non_loss_data_func, non_loss_data_func)
             learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
             if not cfg.logger.skip_train_metrics_log:
-                report_memory_flag = training_log(loss_dict, learning_rate, skipped_iter, grad_norm, num_zeros_in_grad,
-                                                  step_time_s, global_state, global_state.metrics, model=model,
-                                                  history_wct=history_wct, report_memory_flag=report_memory_flag)
+                # loss_scale 1.0: training_log does not record it (reading it would synchronize the device)
+                report_memory_flag = training_log(loss_dict, total_loss_dict, learning_rate, None, 1.0,
+                                                  report_memory_flag, skipped_iter, grad_norm, None, num_zeros_in_grad,
+                                                  cfg, global_state, history_wct, model, step_time_s=step_time_s)
             post_training_step_callbacks(model, step_flops, None, ts.step, prof, cfg)
             if prof is not None and ts.step >= cfg.profiling.profile_step_end:
                 prof = None

@@ -1,4 +1,4 @@
-"""Per-step metrics: ``metrics.jsonl`` on rank 0 and TensorBoard scalars on the last rank.
+"""Per-step metrics: ``metrics.jsonl`` on rank 0; TensorBoard, W&B, MLflow and Comet on the last rank.
 
 The JSON-lines file is the run's record of truth: one object per step with the loss at full float
 precision (``json`` writes Python floats round-trip exactly), so two runs can be compared bit for
@@ -21,6 +21,12 @@ Tag names are Megatron's where Megatron logs the same quantity (``lm loss``, ``l
 ``grad-norm``, ``iteration-time``, ``save-checkpoint-time``, ...), Megatron Bridge's for throughput
 (``throughput/tokens_per_sec``); the goodput events Megatron has no tag for are under ``goodput/``.
 A step's scalars are one event (see :meth:`MetricsLogger._add`).
+
+W&B, MLflow and Comet (``[logger]`` ``wandb_project``, ``mlflow_experiment``, ``comet_project``) get the same
+scalars under the same tags at the same steps, through
+:class:`~bridge_hpc.training.utils.log_backends.LogBackends`: a step goes out once its checkpoint is saved
+(:meth:`MetricsLogger.log_checkpoint_saved`), so that no backend sees a step twice however often the job is
+requeued (that module says why and how).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ TENSORBOARD_TAGS = {
     "consumed_samples": "samples vs steps",
     "skipped": "skipped-iterations",
     "num_zeros_in_grad": "num-zeros",
+    "decoupled_lr": "decoupled-learning-rate",
 }
 #: Seconds one checkpoint save blocked training, at the saved step (Megatron's ``save-checkpoint`` timer).
 SAVE_TAG = "save-checkpoint-time"
@@ -77,14 +84,16 @@ class RunStart:
 
 
 class MetricsLogger:
-    """Writes each step's record to metrics.jsonl (rank 0) and TensorBoard (the last rank).
+    """Writes each step's record to metrics.jsonl (rank 0) and TensorBoard and the log backends (the last rank).
 
     ``tensorboard_dir`` None or "" turns TensorBoard off. Per step, the TensorBoard rank only queues
     scalars, and only every ``tensorboard_log_interval`` steps: SummaryWriter's own thread writes them.
+    ``backends``: the job's W&B / MLflow / Comet (a :class:`~bridge_hpc.training.utils.log_backends.LogBackends`,
+    given on every rank; only the last rank opens it), None when all are off.
     """
 
     def __init__(self, path: Optional[str], rank: int, world_size: int, tensorboard_dir: Optional[str],
-                 tensorboard_log_interval: int = 1):
+                 tensorboard_log_interval: int = 1, backends: Any = None):
         self.path = path if rank == 0 else None
         self._rank, self._world_size = rank, world_size
         self._tensorboard_dir = tensorboard_dir or None
@@ -92,12 +101,21 @@ class MetricsLogger:
         self._file = None
         #: The SummaryWriter (last rank, TensorBoard on, after :meth:`open`), else None.
         self.writer = None
+        self._remote_configured = backends is not None
+        #: The log backends (last rank, some on, after :meth:`open`), else None.
+        self.backends = None
+        self._backends_given = backends if rank == world_size - 1 else None
         self._startup_from: Optional[float] = None  # set until the run's first step is logged
         self._validation: Optional[tuple] = None  # (step, loss) of an evaluation, for that step's record
 
     @property
     def _writes_tensorboard(self) -> bool:
         return self._tensorboard_dir is not None and self._rank == self._world_size - 1
+
+    @property
+    def _scalars_on(self) -> bool:
+        """This rank writes scalars somewhere: TensorBoard or a log backend."""
+        return self.writer is not None or self.backends is not None
 
     def open(self, resume_step: int, run: RunStart) -> None:
         """Start this run's records after the checkpoint load (at ``resume_step``). Collective while
@@ -112,11 +130,19 @@ class MetricsLogger:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             lost_steps = _truncate_after(self.path, resume_step)
             self._file = open(self.path, "a", encoding="utf-8")
-        if self._tensorboard_dir is None:
+        if self._tensorboard_dir is None and not self._remote_configured:
             return
         restart_count = run.restart_count
         if self._world_size > 1:
             lost_steps, restart_count = _from_rank0((lost_steps, restart_count))
+        first = resume_step + 1
+        values = {RESTARTS_TAG: restart_count, LOAD_TAG: run.load_s, LOST_STEPS_TAG: lost_steps}
+        values = {tag: value for tag, value in values.items() if value is not None}
+        if self._backends_given is not None:
+            self.backends = self._backends_given
+            self.backends.open(resume_step, restart_count)
+            self.backends.add(first, values)
+            self._startup_from = run.started_at
         if not self._writes_tensorboard:
             return
         try:
@@ -125,10 +151,8 @@ class MetricsLogger:
             raise ConfigError(f"TensorBoard is on ({self._tensorboard_dir}) but cannot be imported here ({err}); "
                               'install it (pip install tensorboard) or set logger.tensorboard_dir = ""',
                               key="logger.tensorboard_dir") from None
-        first = resume_step + 1
         self.writer = SummaryWriter(log_dir=self._tensorboard_dir, purge_step=first, max_queue=1000)
-        values = {RESTARTS_TAG: restart_count, LOAD_TAG: run.load_s, LOST_STEPS_TAG: lost_steps}
-        self._add({tag: value for tag, value in values.items() if value is not None}, first)
+        self._add(values, first)
         self._startup_from = run.started_at
 
     def log(self, record: Dict[str, Any]) -> None:
@@ -142,21 +166,31 @@ class MetricsLogger:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        if self.writer is None:
+        if not self._scalars_on:
             return
         step = record[STEP]
         if self._startup_from is not None:
-            self._add({STARTUP_TAG: time.time() - self._startup_from}, step)
+            self._scalars({STARTUP_TAG: time.time() - self._startup_from}, step)
             self._startup_from = None
         if step % self._tb_interval == 0:
-            self._add({TENSORBOARD_TAGS.get(key, key): value for key, value in record.items()
-                       if key not in (STEP, VALIDATION_LOSS) and value is not None and not isinstance(value, bool)},
-                      step)
+            self._scalars({TENSORBOARD_TAGS.get(key, key): value for key, value in record.items()
+                           if key not in (STEP, VALIDATION_LOSS) and value is not None and not isinstance(value, bool)},
+                          step)
+        if self.backends is not None:
+            self.backends.step_done(step)
 
     def log_scalars(self, values: Dict[str, float], step: int) -> None:
-        """Extra scalars (e.g. validation loss) for TensorBoard only."""
+        """Extra scalars (e.g. validation loss) for TensorBoard and the log backends (not metrics.jsonl)."""
+        if self._scalars_on:
+            self._scalars(values, step)
+
+    def _scalars(self, values: Dict[str, float], step: int) -> None:
+        """``values`` at ``step`` to TensorBoard and to the log backends (which send them once the step's
+        checkpoint is saved)."""
         if self.writer is not None:
             self._add(values, step)
+        if self.backends is not None:
+            self.backends.add(step, values)
 
     def validation(self, step: int, values: Dict[str, float]) -> None:
         """An evaluation at ``step`` (``{loss name: value}``): to TensorBoard now (``<name> validation``,
@@ -168,10 +202,14 @@ class MetricsLogger:
 
     def log_checkpoint_saved(self, step: int, save_s: float) -> None:
         """A checkpoint of ``step`` was saved in ``save_s`` seconds. The event file is flushed: whatever
-        happens to this run's process, its events up to the checkpoint are in the file for the run that resumes."""
+        happens to this run's process, its events up to the checkpoint are in the file for the run that resumes.
+        The log backends get every step up to ``step`` now: no later run trains them again."""
         if self.writer is not None:
             self._add({SAVE_TAG: save_s}, step)
             self.writer.flush()
+        if self.backends is not None:
+            self.backends.add(step, {SAVE_TAG: save_s})
+            self.backends.commit(step)
 
     def _add(self, values: Dict[str, float], step: int) -> None:
         """Queue ``values`` as one event of ``step``: the scalars ``add_scalar`` would write (legacy
@@ -189,6 +227,9 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.backends is not None:
+            self.backends.close()
+            self.backends = None
 
 
 def _from_rank0(values: Any) -> Any:

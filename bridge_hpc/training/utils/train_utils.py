@@ -40,6 +40,7 @@ from bridge_hpc.contracts import metrics_file
 from bridge_hpc.training.config import ProfilingConfig, TrainingConfig
 from bridge_hpc.training.engine.collectives import comm_device
 from bridge_hpc.training.state import GlobalState, TrainState
+from bridge_hpc.training.utils.log_backends import sanitize_mlflow_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -608,7 +609,7 @@ def report_throughput(train_config: TrainingConfig, iteration: int, seq_length: 
 
 
 def _log_step_reports(global_state: GlobalState, model: Optional[ModelList],
-                      history_wct: Optional[Sequence[float]]) -> Dict[str, Any]:
+                      history_wct: Optional[Sequence[float]], pg_collection: Optional[Any] = None) -> Dict[str, Any]:
     """The reports ``logger`` asks for, as TensorBoard tag -> value (``params_norm`` for the parameter
     norm). Collective where a report is (parameter norm, memory over PP): every rank runs it on the
     same steps with the same settings."""
@@ -619,8 +620,8 @@ def _log_step_reports(global_state: GlobalState, model: Optional[ModelList],
         reports["params_norm"] = calc_params_l2_norm(model, cfg.model)
     if log.log_memory_to_tensorboard:
         memory = report_memory(memory_keys=log.memory_keys)
-        pp_group = (parallel_state.get_pipeline_model_parallel_group()
-                    if parallel_state.model_parallel_is_initialized() else None)
+        pp_group = getattr(pg_collection, "pp", None) or (parallel_state.get_pipeline_model_parallel_group()
+                                                          if parallel_state.model_parallel_is_initialized() else None)
         memory = reduce_max_memory_across_pp_group(memory, pp_group)
         reports.update({f"memory/{name}": value for name, value in memory.items()})
     if log.log_throughput_to_tensorboard and history_wct is not None:
@@ -634,12 +635,106 @@ def _log_step_reports(global_state: GlobalState, model: Optional[ModelList],
     return reports
 
 
-def training_log(loss_dict: Dict[str, torch.Tensor], learning_rate: Optional[float], skipped_iter: int,
-                 grad_norm: Optional[float], num_zeros_in_grad: Optional[int], step_time_s: float,
-                 global_state: GlobalState, metrics, *, model: Optional[ModelList] = None,
-                 history_wct: Optional[Sequence[float]] = None, report_memory_flag: bool = False) -> bool:
-    """Record one finished step: every step to ``metrics`` (JSON lines, TensorBoard), and a human
-    line on rank 0 every ``logger.log_interval`` steps. Returns the updated ``report_memory_flag``.
+class _MoeMetricFanoutWriter:
+    """SummaryWriter-shaped adapter that fans add_scalar to MLFlow / Comet.
+
+    megatron-core's ``track_moe_metrics`` and ``track_mtp_metrics`` emit metrics through a TensorBoard
+    ``writer.add_scalar(name, value, iteration)`` call (and a separate ``wandb_writer.log(...)`` call).
+    They do not know about MLFlow or Comet, so those backends would never see MoE / MTP metrics. This
+    adapter wraps the real TB writer (or stands in for a missing one) and forwards every ``add_scalar`` to
+    MLFlow and Comet with the same per-step value. W&B is unaffected: the helpers still get
+    ``wandb_writer`` directly.
+
+    Tensors are sanitized with ``.item()`` before being handed to MLFlow / Comet (TB tolerates 0-d
+    tensors; MLFlow / Comet do not). Given ``GlobalState.mlflow_logger`` / ``comet_logger``, the values
+    join the step's record and reach each backend once, when the step's checkpoint is saved
+    (:mod:`bridge_hpc.training.utils.log_backends`).
+    """
+
+    def __init__(self, tb_writer: Optional[Any], comet_logger: Optional[Any], mlflow_logger: Optional[Any]) -> None:
+        self._tb_writer = tb_writer
+        self._comet_logger = comet_logger
+        self._mlflow_logger = mlflow_logger
+
+    @staticmethod
+    def _sanitize(value: Any) -> Any:
+        """Convert 0-d torch tensors to Python scalars; pass other values through."""
+        if isinstance(value, torch.Tensor):
+            try:
+                return value.item()
+            except (RuntimeError, ValueError):
+                return value
+        return value
+
+    def add_scalar(self, name: str, value: Any, iteration: int) -> None:
+        """Forward an add_scalar call to TB (if any), MLFlow, and Comet."""
+        if self._tb_writer is not None:
+            self._tb_writer.add_scalar(name, value, iteration)
+        if self._mlflow_logger is not None or self._comet_logger is not None:
+            metrics = {name: self._sanitize(value)}
+            if self._mlflow_logger is not None:
+                self._mlflow_logger.log_metrics(sanitize_mlflow_metrics(metrics), step=iteration)
+            if self._comet_logger is not None:
+                self._comet_logger.log_metrics(metrics, step=iteration)
+
+
+def _build_moe_metric_writer(tb_writer: Optional[Any], comet_logger: Optional[Any],
+                             mlflow_logger: Optional[Any]) -> Optional[Any]:
+    """Return a writer suitable for megatron-core's MoE/MTP metric helpers: the TB writer itself when
+    neither MLFlow nor Comet is on (no overhead), else a :class:`_MoeMetricFanoutWriter`, even without a TB
+    writer (so that Comet / MLFlow on the last rank get MoE / MTP metrics with TensorBoard off)."""
+    if comet_logger is None and mlflow_logger is None:
+        return tb_writer
+    return _MoeMetricFanoutWriter(tb_writer, comet_logger, mlflow_logger)
+
+
+#: ``total_loss_dict``'s counters of the log interval (Megatron's names).
+ADVANCED_ITERS_KEY = "advanced iterations"
+SKIPPED_ITERS_KEY = "skipped iterations"
+NAN_ITERS_KEY = "nan iterations"
+
+
+def _accumulate(total_loss_dict: Dict[str, Any], losses: Dict[str, float], skipped_iter: int) -> None:
+    """Megatron's interval totals: advanced, skipped and NaN/inf iterations, and the sum of each loss over
+    the advanced ones (reset on log steps by :func:`training_log`). ``losses``: the step's, as floats."""
+    if not skipped_iter:
+        total_loss_dict[ADVANCED_ITERS_KEY] = total_loss_dict.get(ADVANCED_ITERS_KEY, 0) + 1
+    else:
+        total_loss_dict.setdefault(ADVANCED_ITERS_KEY, 0)
+    total_loss_dict[SKIPPED_ITERS_KEY] = total_loss_dict.get(SKIPPED_ITERS_KEY, 0) + skipped_iter
+    got_nan = False
+    for key, number in losses.items():
+        if not skipped_iter:
+            total_loss_dict[key] = total_loss_dict.get(key, 0.0) + number
+        else:
+            got_nan = got_nan or not math.isfinite(number)
+    total_loss_dict[NAN_ITERS_KEY] = total_loss_dict.get(NAN_ITERS_KEY, 0) + int(got_nan)
+
+
+def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, Any], learning_rate: Optional[float],
+                 decoupled_learning_rate: Optional[float], loss_scale: float, report_memory_flag: bool,
+                 skipped_iter: int, grad_norm: Optional[float], params_norm: Optional[float],
+                 num_zeros_in_grad: Optional[int], config, global_state: GlobalState, history_wct: Optional[list],
+                 model: Optional[ModelList], pg_collection: Optional[Any] = None,
+                 log_max_attention_logit: Optional[float] = None, loaded_iteration: int = 0,
+                 seq_length: Optional[int] = None, *, step_time_s: Optional[float] = None, metrics=None) -> bool:
+    """Log training stats (losses, learning rate, timings, etc.): Megatron Bridge's signature. Every step
+    goes to ``global_state.metrics`` (metrics.jsonl, TensorBoard, W&B, MLflow, Comet), with a human line on
+    rank 0 every ``logger.log_interval`` steps. Returns the updated ``report_memory_flag``.
+
+    Args (Bridge's, in Bridge's order): ``loss_dict`` (this step's reduced losses); ``total_loss_dict``
+    (accumulates Megatron's interval totals, ``advanced iterations``, ``skipped iterations``, ``nan
+    iterations`` and each loss's sum, reset on log steps); ``learning_rate``; ``decoupled_learning_rate``
+    (recorded as ``decoupled_lr`` when not None); ``loss_scale`` (not recorded); ``report_memory_flag``;
+    ``skipped_iter``; ``grad_norm``; ``params_norm`` (used when given, else computed on log steps with
+    ``logger.log_params_norm``); ``num_zeros_in_grad``; ``config``; ``global_state``; ``history_wct`` (end
+    times of recent steps, ``time.time() - global_state.start_time``); ``model``; ``pg_collection`` (its
+    ``pp`` group reduces the memory report, else megatron-core's); ``log_max_attention_logit`` (accepted;
+    ``logger.log_max_attention_logit`` is refused by the config); ``loaded_iteration``; ``seq_length``
+    (tokens per sample, default ``model.seq_length``).
+
+    bridge_hpc's keyword-only extras: ``step_time_s`` (the step's own time, as the loop measures it; else
+    the last interval of ``history_wct``) and ``metrics`` (default ``global_state.metrics``).
 
     The loss goes to the metrics file at full precision (``float`` of the reduced fp32 tensor) so
     two runs can be compared bit for bit.
@@ -658,18 +753,20 @@ def training_log(loss_dict: Dict[str, torch.Tensor], learning_rate: Optional[flo
 
     The reports that are collectives (parameter norm, memory over PP) must be called by every rank
     on the same steps: this function is, by the loop.
-
-    ``model`` and ``history_wct`` are keyword arguments (the loop passes its model chunks and a deque
-    of ``time.time() - global_state.start_time`` at the end of each step, ``throughput_window_size``
-    long); this signature is not Bridge's (which takes the totals Megatron's console line needs).
     """
+    del loss_scale, log_max_attention_logit, loaded_iteration
+    metrics = global_state.metrics if metrics is None else metrics
+    if step_time_s is None:
+        step_time_s = history_wct[-1] - history_wct[-2] if history_wct is not None and len(history_wct) >= 2 else 0.0
+    losses = {key: float(value) for key, value in loss_dict.items()}
+    _accumulate(total_loss_dict, losses, skipped_iter)
     cfg, ts = global_state.cfg, global_state.train_state
-    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    tokens = cfg.train.global_batch_size * (seq_length or cfg.model.seq_length)
     record: Dict[str, Any] = {metrics_file.STEP: ts.step}
-    for key, value in loss_dict.items():
-        record[metrics_file.LOSS if key == "lm loss" else key] = float(value)
-    if metrics_file.LOSS not in record and loss_dict:
-        record[metrics_file.LOSS] = float(next(iter(loss_dict.values())))
+    for key, value in losses.items():
+        record[metrics_file.LOSS if key == "lm loss" else key] = value
+    if metrics_file.LOSS not in record and losses:
+        record[metrics_file.LOSS] = next(iter(losses.values()))
     record.update({
         metrics_file.LR: learning_rate,
         metrics_file.GRAD_NORM: None if grad_norm is None else float(grad_norm),
@@ -678,11 +775,17 @@ def training_log(loss_dict: Dict[str, torch.Tensor], learning_rate: Optional[flo
         metrics_file.CONSUMED_SAMPLES: ts.consumed_train_samples,
         metrics_file.SKIPPED: skipped_iter,
     })
+    if decoupled_learning_rate is not None:
+        record["decoupled_lr"] = float(decoupled_learning_rate)
     if num_zeros_in_grad is not None:
         record["num_zeros_in_grad"] = int(num_zeros_in_grad)
     log_step = ts.step % cfg.logger.log_interval == 0
     if log_step:
-        record.update(_log_step_reports(global_state, model, history_wct))
+        record.update(_log_step_reports(global_state, model, history_wct, pg_collection))
+        if params_norm is not None:
+            record["params_norm"] = float(params_norm)
+        for key in list(total_loss_dict):  # Megatron's interval totals start again
+            total_loss_dict[key] = 0 if key in (ADVANCED_ITERS_KEY, SKIPPED_ITERS_KEY, NAN_ITERS_KEY) else 0.0
     metrics.log(record)
     _maybe_dump_memory_snapshot(cfg.profiling, ts.step)
 
