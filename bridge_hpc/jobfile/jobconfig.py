@@ -34,6 +34,7 @@ from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-fr
 from bridge_hpc.training.config import (
     ConfigContainer,
     GPTDatasetConfig,
+    MockGPTDatasetConfig,
     absolute_dataset_paths,
     dataset_config_class,
     recipe_fields,
@@ -746,7 +747,9 @@ def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, s
                 raise where.error(f"{section}.{key}", str(err)) from None
             training[section][key] = str(path if path.is_absolute() else base / path)
     dataset = training.get("dataset")
-    if dataset is not None and issubclass(dataset_config_class(dataset), GPTDatasetConfig):
+    indexed = dataset is not None and issubclass(dataset_config_class(dataset), GPTDatasetConfig) and not issubclass(
+        dataset_config_class(dataset), MockGPTDatasetConfig)  # mock data is a GPTDatasetConfig that reads no files
+    if indexed:
         dataset = absolute_dataset_paths(dataset, str(base))
         cache = dataset.get("path_to_cache") or run_folder.DATASET_CACHE_DIR
         if isinstance(cache, str):

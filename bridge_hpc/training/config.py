@@ -498,7 +498,7 @@ class ConfigContainer:
         ids from it, and it sizes the vocabulary), and so does fine-tuning data, which is tokenized on
         the fly; fine-tuning also needs its training file when it trains. Checked at submission, not
         minutes later on the ranks."""
-        if isinstance(self.dataset, GPTDatasetConfig):
+        if _reads_indexed_data(self.dataset):
             _check(self.tokenizer is not None, "tokenizer.tokenizer_type",
                    "dataset.data_path needs a [tokenizer] section: the one the data was prepared with "
                    "(e.g. tokenizer_type = \"ByteLevelTokenizer\")")
@@ -542,7 +542,7 @@ class ConfigContainer:
                 path = d.split_path(split)
                 if path is not None and wanted > 0:
                     checked.append((path, check_jsonl_records(path, d.prompt_key, d.answer_key, full, progress)))
-        elif isinstance(d, GPTDatasetConfig) and full:
+        elif _reads_indexed_data(d) and full:
             checked = [(prefix + ".idx", verify_index(prefix, key, progress)) for prefix, key in d.prefixes()]
         return checked
 
@@ -577,7 +577,7 @@ class ConfigContainer:
             _check(microbatches % m.pipeline_model_parallel_size == 0, "train.global_batch_size",
                    f"gives {microbatches} micro-batches per step, which the interleaved pipeline schedule needs "
                    f"to be a multiple of model.pipeline_model_parallel_size ({m.pipeline_model_parallel_size})")
-        if isinstance(self.dataset, GPTDatasetConfig):
+        if _reads_indexed_data(self.dataset):
             self._validate_gpt_dataset()
         if isinstance(self.dataset, FinetuningDatasetConfig):
             self.check_data_needs()
@@ -838,6 +838,12 @@ def _non_default_values(section: Any) -> Dict[str, Tuple[Any, Any]]:
         if default is _REQUIRED or value != default:
             out[f.name] = (value, default)
     return out
+
+
+def _reads_indexed_data(dataset: Any) -> bool:
+    """A :class:`GPTDatasetConfig` that reads ``.bin``/``.idx`` files: not the mock one, which is a
+    GPTDatasetConfig too (as in Bridge) but reads nothing."""
+    return isinstance(dataset, GPTDatasetConfig) and not isinstance(dataset, MockGPTDatasetConfig)
 
 
 def _get_mcore_transformer_parent(model_config: Any) -> type:

@@ -12,6 +12,7 @@ data (:class:`FinetuningDataset`) is too: its sample ``i`` is a line of a jsonl 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -296,15 +297,11 @@ def build_gpt_datasets(config: GPTDatasetConfig, context: DatasetBuildContext) -
 
         dataset_class, config_class = GPTFIMDataset, MCoreGPTFIMDatasetConfig
         extra = {"fim": fim_settings(config, context.tokenizer)}
-    mcore_config = config_class(
-        random_seed=config.random_seed, sequence_length=config.seq_length, blend=config.blend,
-        blend_per_split=config.blend_per_split, split=config.split, path_to_cache=config.path_to_cache,
-        mmap_bin_files=config.mmap_bin_files, tokenizer=context.tokenizer,
-        reset_position_ids=config.reset_position_ids, reset_attention_mask=config.reset_attention_mask,
-        eod_mask_loss=config.eod_mask_loss, create_attention_mask=config.create_attention_mask,
-        num_dataset_builder_threads=config.num_dataset_builder_threads,
-        mid_level_dataset_surplus=config.mid_level_dataset_surplus, **extra,
-    )
+    # Every megatron-core field of the section, as megatron-core's own config (it acts on each); the
+    # ones it has and this megatron-core version lacks are dropped, the tokenizer is the run's.
+    known = {f.name for f in dataclasses.fields(config_class) if f.init}
+    values = {k: v for k, v in config.megatron_fields().items() if k in known}
+    mcore_config = config_class(**{**values, "tokenizer": context.tokenizer}, **extra)
     sizes = [context.train_samples, context.valid_samples, context.test_samples]
     train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, mcore_config).build()
     return train, valid, test

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import array
+import dataclasses
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Literal, NamedTuple, Optional, Tuple, Union
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.contracts.schema import DeferredPostInit, did_you_mean
+from bridge_hpc.contracts.schema import DeferredPostInit, check_left_at_default, did_you_mean
 from bridge_hpc.contracts.schema import check as _check
 
 logger = logging.getLogger(__name__)
@@ -43,13 +44,15 @@ class DatasetBuildContext:
 class DataloaderConfig:
     """DataLoader settings shared by every dataset config (Bridge's names).
 
-    ``dataloader_type``: ``"single"`` loads one micro-batch at a time; ``"batch"`` loads each rank's
-    share of a whole global batch at once and splits it into micro-batches, so that a dataset with
-    its own ``collate_fn`` (fine-tuning: :class:`FinetuningDatasetConfig`) pads every micro-batch of a
-    step to one length. Both read the same samples in the same order.
+    ``dataloader_type``: ``"single"`` (None, Bridge's default, means it) loads one micro-batch at a
+    time; ``"batch"`` loads each rank's share of a whole global batch at once and splits it into
+    micro-batches, so that a dataset with its own ``collate_fn`` (fine-tuning:
+    :class:`FinetuningDatasetConfig`) pads every micro-batch of a step to one length. Both read the
+    same samples in the same order, the order exact resume relies on; Megatron's ``"cyclic"`` (a new
+    random order every pass) and ``"external"`` (iterators the user builds) are refused by name.
     """
 
-    dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = "single"
+    dataloader_type: Optional[Literal["single", "cyclic", "batch", "external"]] = None
     num_workers: int = 2
     data_sharding: bool = True
     pin_memory: bool = True
@@ -61,6 +64,10 @@ class DataloaderConfig:
 
     def finalize(self) -> None:
         _check(self.num_workers >= 0, "dataset.num_workers", "must be >= 0")
+        _check(self.dataloader_type in (None, "single", "batch"), "dataset.dataloader_type",
+               f"must be \"single\" or \"batch\", got {self.dataloader_type!r}: samples are read in index order from "
+               "the consumed-sample count, which is what makes resume exact (no per-pass shuffling, no external "
+               "iterators)")
         _check(not self.trust_remote_code, "dataset.trust_remote_code",
                "must not be true: data is read from local files only (no Hugging Face paths), which run no code")
         if self.num_workers == 0:
@@ -85,23 +92,6 @@ class DatasetProvider(DataloaderConfig, abc.ABC):
     @abc.abstractmethod
     def build_datasets(self, context: DatasetBuildContext) -> Tuple[Optional[Any], Optional[Any], Optional[Any]]:
         """Return ``(train, valid, test)``; any may be None."""
-
-
-@dataclass
-class MockGPTDatasetConfig(DataloaderConfig):
-    """Synthetic, learnable token sequences: each sample is fully determined by ``(random_seed, split, index)``.
-
-    ``vocab_size = None`` takes the model's vocabulary size.
-    """
-
-    seq_length: int = 32
-    random_seed: int = 1234
-    vocab_size: Optional[int] = None
-
-    def finalize(self) -> None:
-        super().finalize()
-        _check(self.seq_length > 0, "dataset.seq_length", "must be > 0")
-
 
 
 #: The ``[dataset]`` keys that name indexed datasets; any of them selects :class:`GPTDatasetConfig`.
@@ -374,28 +364,40 @@ def absolute_dataset_paths(body: Dict[str, Any], base: str) -> Dict[str, Any]:
     return out
 
 
-@dataclass
+@dataclass(init=False)
 class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
     """Megatron indexed datasets (``.bin``/``.idx``) read by megatron-core's ``GPTDataset``, blended and
-    split by its ``BlendedMegatronDatasetBuilder``: Megatron Bridge's ``GPTDatasetConfig``.
+    split by its ``BlendedMegatronDatasetBuilder``: Megatron Bridge's ``GPTDatasetConfig``, with every
+    field of megatron-core's ``GPTDatasetConfig`` (its names and defaults) and Bridge's ``data_path`` and
+    ``skip_getting_attention_mask_from_dataset``, and Bridge's constructor
+    ``GPTDatasetConfig(seq_length=None, skip_getting_attention_mask_from_dataset=True, data_path=None,
+    **kwargs)`` (megatron-core's ``sequence_length=`` works too; ``seq_length`` and ``sequence_length``
+    are one value).
 
-    Bridge's class inherits megatron-core's ``GPTDatasetConfig``, whose module imports torch; this one
-    has the same field names (``seq_length`` is Bridge's alias of ``sequence_length``) so the login
-    node can check a job without torch, and :func:`bridge_hpc.training.datasets.builders.build_gpt_datasets` builds
-    megatron-core's config from it on the ranks. As in Bridge, ``finalize()`` is deferred and turns the
-    CLI-friendly ``data_path`` into megatron-core's ``blend``:
+    Not a subclass of megatron-core's class, unlike Bridge's: that class's module imports torch and
+    megatron-core (about 4 s), and the login node checks a job without them (``bridge-submit
+    --dry-run`` in 0.2 s, benchmarks/submit_latency.py). On the ranks
+    :func:`bridge_hpc.training.datasets.builders.build_gpt_datasets` builds megatron-core's config from
+    it, field for field (:meth:`megatron_fields`), so megatron-core acts on each of them.
+
+    As in Bridge, ``finalize()`` is deferred and turns the CLI-friendly ``data_path`` into
+    megatron-core's ``blend``:
 
     - ``data_path``: prefixes (``["a", "b"]``, weighted by size) or a weighted blend
       (``["0.7", "a", "0.3", "b"]``), split into train/valid/test by ``split`` (default
       ``"969,30,1"``, Megatron-LM's);
     - or ``train_data_path`` / ``valid_data_path`` / ``test_data_path``, each its own blend
-      (megatron-core's ``blend_per_split``), without ``split``.
+      (megatron-core's ``blend_per_split``), without ``split``;
+    - or, in Python, megatron-core's ``blend`` / ``blend_per_split`` themselves.
 
     ``path_to_cache`` holds megatron-core's index cache (document, sample and shuffle indices, blend
     indices), built by rank 0 and then read by the other ranks; ``bridge-submit`` puts it in the run
     folder. ``seq_length = None`` takes ``model.seq_length``. ``skip_getting_attention_mask_from_dataset``
-    (Bridge's, default true) leaves the causal mask to the attention kernel; ``reset_attention_mask``
-    needs the dataset's per-document mask and so always gets it.
+    (Bridge's, default true) leaves the causal mask to the attention kernel, so megatron-core builds no
+    mask (:meth:`attention_mask_from_dataset`); ``reset_attention_mask`` needs the dataset's
+    per-document mask and so always gets it. Refused when set: object storage (data is local files),
+    megatron-core's hybrid context parallelism, and the multiple/full validation modes (see
+    ``[validation]``).
     """
 
     random_seed: int = 1234
@@ -404,20 +406,95 @@ class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
     train_data_path: Optional[Union[str, List[Union[str, float]]]] = None
     valid_data_path: Optional[Union[str, List[Union[str, float]]]] = None
     test_data_path: Optional[Union[str, List[Union[str, float]]]] = None
+    blend: Optional[Blend] = None
+    blend_per_split: Optional[List[Optional[Blend]]] = None
+    multiple_validation_sets: Optional[bool] = None
+    full_validation: Optional[bool] = None
     split: Optional[str] = None
+    split_matrix: Optional[List[Tuple[float, float]]] = field(default=None, init=False)
+    num_dataset_builder_threads: int = 1
     path_to_cache: Optional[str] = None
     mmap_bin_files: bool = True
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
-    skip_getting_attention_mask_from_dataset: bool = True
-    num_dataset_builder_threads: int = 1
+    mock: bool = field(default=False, init=False)
+    #: The run's tokenizer, set on the ranks (from ``[tokenizer]``); never in a job file.
+    tokenizer: Optional[Any] = None
     mid_level_dataset_surplus: float = 0.005
-    blend: Optional[Blend] = field(default=None, init=False)
-    blend_per_split: Optional[List[Optional[Blend]]] = field(default=None, init=False)
+    allow_ambiguous_pad_tokens: Optional[bool] = False
+    fast_cache_load: bool = False
+    defer_npy_index_mmap: bool = False
+    reset_position_ids: Optional[bool] = None
+    reset_attention_mask: Optional[bool] = None
+    eod_mask_loss: Optional[bool] = None
+    create_attention_mask: bool = True
+    drop_last_partial_validation_sequence: bool = True
+    add_extra_token_to_sequence: bool = True
+    object_storage_cache_path: Optional[str] = None
+    data_parallel_size: int = 1
+    sequence_parallel_size: int = 0
+    hybrid_context_parallel: bool = False
+    sequences_per_dataset: Optional[Dict[str, int]] = None
+    token_dtype_code: Optional[int] = field(default=None, init=False)
+    context_parallel_size: Optional[int] = None
+    skip_getting_attention_mask_from_dataset: bool = True
+
+    def __init__(self, seq_length: Optional[int] = None, skip_getting_attention_mask_from_dataset: bool = True,
+                 data_path: Optional[Union[str, List[Union[str, float]]]] = None, *args: Any,
+                 sequence_length: Optional[int] = None, **kwargs: Any):
+        _check(not args, "dataset", f"takes keyword arguments only, got {len(args)} positional ones")
+        _check(seq_length is None or sequence_length is None or seq_length == sequence_length, "dataset.seq_length",
+               f"and sequence_length disagree ({seq_length} and {sequence_length}): give one of them")
+        fields = {f.name: f for f in dataclasses.fields(self) if f.init}
+        unknown = [k for k in kwargs if k not in fields]
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        values = {"seq_length": seq_length if seq_length is not None else sequence_length,
+                  "skip_getting_attention_mask_from_dataset": skip_getting_attention_mask_from_dataset,
+                  "data_path": data_path, **kwargs}
+        for name, f in fields.items():
+            if name in values:
+                setattr(self, name, values[name])
+            elif f.default_factory is not dataclasses.MISSING:
+                setattr(self, name, f.default_factory())
+            else:
+                setattr(self, name, f.default)
+        for f in dataclasses.fields(self):
+            if not f.init:
+                setattr(self, f.name, f.default)
+
+    @property
+    def sequence_length(self) -> Optional[int]:
+        """megatron-core's name for ``seq_length`` (Bridge's ``seq_length`` is the alias of this one)."""
+        return self.seq_length
+
+    @sequence_length.setter
+    def sequence_length(self, value: Optional[int]) -> None:
+        self.seq_length = value
+
+    def attention_mask_from_dataset(self) -> bool:
+        """Whether megatron-core's dataset builds the attention mask: ``create_attention_mask`` and a mask
+        that says more than "causal" is wanted (``reset_attention_mask``, or
+        ``skip_getting_attention_mask_from_dataset = false``)."""
+        return bool(self.create_attention_mask
+                    and (self.reset_attention_mask or not self.skip_getting_attention_mask_from_dataset))
+
+    def megatron_fields(self) -> Dict[str, Any]:
+        """The values of megatron-core's ``GPTDatasetConfig`` fields (``sequence_length`` for
+        ``seq_length``, the attention mask as :meth:`attention_mask_from_dataset` says): what the
+        builder gives megatron-core's config on the ranks."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.init and f.name not in _BRIDGE_ONLY_FIELDS}
+        out["sequence_length"] = out.pop("seq_length")
+        out["create_attention_mask"] = self.attention_mask_from_dataset()
+        for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+            out[key] = bool(out[key])
+        return out
 
     def finalize(self) -> None:
         super().finalize()
+        self._check_megatron_options()
+        if self.blend is not None or self.blend_per_split is not None:
+            self._finalize_given_blends()
+            return
         per_split = {k: getattr(self, k) for k in GPT_DATASET_PATH_KEYS[1:] if getattr(self, k) is not None}
         _check(self.data_path is not None or per_split, "dataset.data_path",
                "must be set (or train_data_path / valid_data_path / test_data_path)")
@@ -440,6 +517,45 @@ class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
         _check(self.seq_length is None or self.seq_length > 0, "dataset.seq_length", "must be > 0")
         _check(self.num_dataset_builder_threads >= 1, "dataset.num_dataset_builder_threads", "must be >= 1")
         _check(self.mid_level_dataset_surplus >= 0, "dataset.mid_level_dataset_surplus", "must be >= 0")
+
+    def _check_megatron_options(self) -> None:
+        """megatron-core's options this trainer cannot act on, refused by name; their defaults pass."""
+        _check(self.random_seed >= 0, "dataset.random_seed", "must be >= 0")
+        check_left_at_default(self, "dataset", {
+            "multiple_validation_sets": "the validation split is one dataset (or one blend)",
+            "full_validation": "each evaluation reads validation.eval_iters batches",
+            "object_storage_cache_path": "data is read from local files (no object storage)",
+            "hybrid_context_parallel": "megatron-core's hybrid context parallelism is not set up by bridge_hpc",
+        })
+        _check(self.tokenizer is None or not isinstance(self.tokenizer, (str, int, float, list, dict)),
+               "dataset.tokenizer", "is set on the ranks from the [tokenizer] section, not in [dataset]")
+        _check(not (self.fast_cache_load or self.defer_npy_index_mmap) or self.path_to_cache is not None,
+               "dataset.fast_cache_load" if self.fast_cache_load else "dataset.defer_npy_index_mmap",
+               "needs dataset.path_to_cache (the index cache it reads); bridge-submit sets it for a job")
+        _check(self.data_parallel_size >= 1, "dataset.data_parallel_size", "must be >= 1")
+
+    def _finalize_given_blends(self) -> None:
+        """``blend`` / ``blend_per_split`` given directly (megatron-core's way, in Python): checked the
+        way megatron-core checks them, and every prefix's ``.idx`` read."""
+        _check(self.data_path is None and not any(getattr(self, k) for k in GPT_DATASET_PATH_KEYS[1:]),
+               "dataset.blend", "and dataset.data_path (or the per-split paths) are two ways to say the same: give one")
+        _check(self.blend is None or self.blend_per_split is None, "dataset.blend_per_split",
+               "and dataset.blend are incompatible (megatron-core)")
+        blends = [("dataset.blend", self.blend)] if self.blend is not None else [
+            (f"dataset.blend_per_split[{i}]", b) for i, b in enumerate(self.blend_per_split) if b is not None]
+        if self.blend_per_split is not None:
+            _check(len(self.blend_per_split) == 3, "dataset.blend_per_split", "must hold 3 blends (train, valid, test)")
+            _check(self.split is None, "dataset.split", "and dataset.blend_per_split are incompatible (megatron-core)")
+        elif self.split is None:
+            self.split = DEFAULT_SPLIT
+        for key, (prefixes, weights) in blends:
+            _check(weights is None or len(weights) == len(prefixes), key,
+                   "prefixes and weights must be equal in number (megatron-core)")
+            for prefix in prefixes:
+                read_index_header(prefix, key)
+        if self.blend is not None:
+            self._check_split_documents()
+        _check(self.seq_length is None or self.seq_length > 0, "dataset.seq_length", "must be > 0")
 
     @staticmethod
     def _checked_blend(value: Union[str, List[Union[str, float]]], key: str) -> Blend:
@@ -477,11 +593,6 @@ class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
                            "and every one of them is empty (no tokens); give it other documents or set its "
                            "share to 0")
 
-    @property
-    def create_attention_mask(self) -> bool:
-        """Whether samples carry megatron's attention mask: only when it says more than "causal"."""
-        return self.reset_attention_mask or not self.skip_getting_attention_mask_from_dataset
-
     def prefixes(self) -> List[Tuple[str, str]]:
         """``(prefix, key)`` of every dataset the config reads, in order, each once."""
         out: List[Tuple[str, str]] = []
@@ -490,6 +601,38 @@ class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
         for key, (paths, _) in named:
             out.extend((p, key) for p in paths if p not in [q for q, _ in out])
         return out
+
+
+#: Bridge's fields of :class:`GPTDatasetConfig` that megatron-core's class does not have.
+_BRIDGE_ONLY_FIELDS = frozenset({"data_path", "train_data_path", "valid_data_path", "test_data_path",
+                                 "skip_getting_attention_mask_from_dataset", "dataloader_type", "num_workers",
+                                 "data_sharding", "pin_memory", "drop_last", "persistent_workers",
+                                 "trust_remote_code", "vocab_size", "fim_rate", "fim_spm_rate", "fim_extra_tokens",
+                                 "fim_split_sample", "fim_fragment_rate", "fim_no_prefix"})
+
+
+@dataclass(init=False)
+class MockGPTDatasetConfig(GPTDatasetConfig):
+    """Synthetic, learnable token sequences (Bridge's ``MockGPTDatasetConfig(seq_length, **kwargs)``, a
+    :class:`GPTDatasetConfig` that reads no files): each sample is fully determined by
+    ``(random_seed, split, index)``, so resume is exact without any data on disk.
+
+    ``vocab_size`` (bridge_hpc's) bounds the token ids; None takes the model's vocabulary size.
+    ``finalize`` refuses data paths and blends, as Bridge's does, and sets megatron-core's ``mock``.
+    """
+
+    vocab_size: Optional[int] = None
+
+    def __init__(self, seq_length: Optional[int] = 32, **kwargs: Any):
+        super().__init__(seq_length=seq_length, **kwargs)
+
+    def finalize(self) -> None:
+        DataloaderConfig.finalize(self)
+        self._check_megatron_options()
+        for key in (*GPT_DATASET_PATH_KEYS, "blend", "blend_per_split"):
+            _check(getattr(self, key) is None, f"dataset.{key}", "must be unset for mock data (it reads no files)")
+        self.mock = True
+        _check(self.seq_length is None or self.seq_length > 0, "dataset.seq_length", "must be > 0")
 
 
 #: ``fim_extra_tokens`` keys (Bridge's): the three sentinels, padding and end of document.
@@ -539,13 +682,9 @@ class GPTFIMDatasetConfig(GPTDatasetConfig):
     def __init__(self, fim_rate: Optional[float] = None, fim_spm_rate: Optional[float] = None,
                  fim_extra_tokens: Optional[Dict[str, str]] = None, fim_split_sample: Optional[str] = None,
                  fim_fragment_rate: Optional[float] = None, fim_no_prefix: Optional[str] = None, **kwargs: Any):
-        self.fim_rate = fim_rate
-        self.fim_spm_rate = fim_spm_rate
-        self.fim_extra_tokens = fim_extra_tokens
-        self.fim_split_sample = fim_split_sample
-        self.fim_fragment_rate = fim_fragment_rate
-        self.fim_no_prefix = fim_no_prefix
-        super().__init__(**kwargs)
+        super().__init__(fim_rate=fim_rate, fim_spm_rate=fim_spm_rate, fim_extra_tokens=fim_extra_tokens,
+                         fim_split_sample=fim_split_sample, fim_fragment_rate=fim_fragment_rate,
+                         fim_no_prefix=fim_no_prefix, **kwargs)
 
     def finalize(self) -> None:
         super().finalize()
