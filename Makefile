@@ -11,7 +11,7 @@ STAMP = .setup-done
 # multi-GB CUDA build for the range in setup.cfg.
 $(STAMP): setup.cfg pyproject.toml
 	$(PIP) install --quiet --disable-pip-version-check torch==2.13.0
-	$(PIP) install --quiet --disable-pip-version-check -e '.[train,report,test,data]'
+	$(PIP) install --quiet --disable-pip-version-check -e '.[train,report,test,data,loggers]'
 	touch $(STAMP)
 
 setup: $(STAMP)
