@@ -443,3 +443,51 @@ def test_submission_records_input_paths_absolute_and_the_cache_in_the_run_folder
     # the same job from another folder: the relative prefixes name nothing there, and the check says which key
     elsewhere = submit_cli(str(job), "--dry-run", "--set", f"job.run_dir={tmp_path / 'run2'}", cwd=tmp_path)
     assert elsewhere.returncode == 2 and "dataset.data_path" in elsewhere.stderr, elsewhere.stderr
+
+
+def test_megatron_core_dataset_options_reach_its_dataset(single_rank, tmp_path, corpus):
+    """megatron-core's own GPTDatasetConfig fields, set in [dataset], act in megatron-core's GPTDataset:
+    without the extra token a sample's labels are its tokens shifted by one inside seq_length tokens;
+    skip_getting_attention_mask_from_dataset = false asks the dataset for its mask."""
+    a = next(iter(corpus))
+    _, _, (train, _, _) = _built(tmp_path / "a", {"data_path": [a], "split": "1,0,0",
+                                                  "add_extra_token_to_sequence": False})
+    _, _, (plain, _, _) = _built(tmp_path / "b", {"data_path": [a], "split": "1,0,0"})
+    assert train.config.add_extra_token_to_sequence is False and plain.config.add_extra_token_to_sequence is True
+    sample = train[0]
+    assert sample["tokens"].shape[0] == SEQ and sample["tokens"][1:].tolist() == sample["labels"][:-1].tolist()
+    assert "attention_mask" not in plain[0]
+    _, _, (masked, _, _) = _built(tmp_path / "c", {"data_path": [a], "split": "1,0,0",
+                                                   "skip_getting_attention_mask_from_dataset": False})
+    assert masked[0]["attention_mask"].shape[-1] == SEQ
+
+
+def test_bridge_constructor_and_megatron_core_names():
+    import dataclasses
+
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MCoreGPTDatasetConfig
+
+    from bridge_hpc.training.tokenizers import build_tokenizer
+
+    assert GPTDatasetConfig(seq_length=64).sequence_length == 64
+    assert GPTDatasetConfig(sequence_length=64).seq_length == 64
+    mock = MockGPTDatasetConfig(seq_length=16, random_seed=3)
+    assert isinstance(mock, GPTDatasetConfig)
+    mock.finalize()
+    assert mock.mock and mock.seq_length == 16
+    mine = {f.name for f in dataclasses.fields(GPTDatasetConfig)}
+    for f in dataclasses.fields(MCoreGPTDatasetConfig):
+        assert f.name in mine or f.name == "sequence_length", f.name  # sequence_length: seq_length's other name
+        if f.name in mine and f.default is not dataclasses.MISSING and f.name not in ("random_seed",):
+            assert getattr(GPTDatasetConfig(), f.name) == f.default, f.name
+    # what the ranks hand megatron-core builds megatron-core's own config
+    tok = TokenizerConfig(**BYTE_LEVEL)
+    tok.finalize()
+    fields = GPTDatasetConfig(seq_length=8, random_seed=1).megatron_fields()
+    assert MCoreGPTDatasetConfig(**{**fields, "tokenizer": build_tokenizer(tok)}).sequence_length == 8
+    with pytest.raises(TypeError, match="no_such_field"):
+        GPTDatasetConfig(seq_length=8, no_such_field=1)
+    with pytest.raises(ValueError, match=r"dataset\.object_storage_cache_path"):
+        MockGPTDatasetConfig(seq_length=8, object_storage_cache_path="/s3").finalize()
+    with pytest.raises(ValueError, match=r"dataset\.dataloader_type"):
+        MockGPTDatasetConfig(seq_length=8, dataloader_type="cyclic").finalize()
