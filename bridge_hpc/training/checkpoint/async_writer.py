@@ -107,15 +107,6 @@ def queue_api(on_gpu: bool) -> Tuple[type, type, str]:
 NVRX_WRITER_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
 
 
-def _megatron_save_takes_async_strategy() -> bool:
-    """megatron-core >= 0.19: ``dist_checkpointing.save`` takes ``async_strategy`` and, by default
-    ("nvrx"), writes an async save through nvidia-resiliency-ext's writer; older versions always
-    through their own."""
-    from megatron.core import dist_checkpointing
-
-    return "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
-
-
 def _writer_module(on_gpu: bool) -> str:
     """The module of the async writer whose function the worker runs, and whose module-global
     write-results queue an async save's planning takes (created at start-up in
@@ -123,7 +114,7 @@ def _writer_module(on_gpu: bool) -> str:
     module's queue made ready, the first save started a *spawn* Manager itself (10 s of imports
     inside its blocking part on an H200 host), and that Manager, never shut down, outlived the rank
     and held the job's output open (a torchrun job under ``subprocess.run`` never ended)."""
-    if on_gpu and not _megatron_save_takes_async_strategy():
+    if on_gpu and not checkpointing.megatron_save_takes_async_strategy():
         return "megatron.core.dist_checkpointing.strategies.filesystem_async"
     return NVRX_WRITER_MODULE
 
@@ -138,6 +129,15 @@ def _how_it_died(process) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with status {code}"
+
+
+def interval_save_ahead(cfg, step: int) -> bool:
+    """Whether a run at ``step`` will reach another ``checkpoint.save_interval`` save before
+    ``train.train_iters``: the only saves that run in the background (any save at an exit, the end
+    of training included, is synchronous), and so the only reason to warm the worker's staging up
+    (:meth:`AsyncCheckpointWriter.warm_up_staging`)."""
+    interval = cfg.checkpoint.save_interval
+    return bool(interval) and (step // interval + 1) * interval < cfg.train.train_iters
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,24 +390,33 @@ class AsyncCheckpointWriter:
                 channel.cancel_join_thread()
         self.queue = None
 
-    def close(self, abandon: bool = False) -> None:
-        """Stop the worker and the write-results Manager. After the loop's exit every save is
-        finalized and the worker idle: it holds nothing, and SIGKILL ends it at once (its own
-        shutdown takes a second of interpreter teardown, at every requeue). ``abandon``: the rank
-        is failing with a save perhaps in flight; its ``.tmp`` folder is removed by the next save."""
-        if self.pending is not None and not abandon:
-            logger.warning("rank %d stops its checkpoint worker with the save of iteration %d unfinished",
-                           checkpointing._rank(), self.pending.save.iteration)
+    def stop_processes(self) -> None:
+        """Kill the worker and the write-results Manager now, without waiting for them to end
+        (:meth:`close` waits). The loop calls it when it has decided to exit, once the save in flight
+        is finalized: the exit save is synchronous and needs neither, and the kernel's teardown of
+        the worker (its CUDA context and, after a background save, gigabytes of pinned host memory:
+        about a second on an H100 host) then overlaps that save instead of following it."""
         self.wait_until_started()
         worker = self.worker
         # Both killed before either is waited for: each exit (a CUDA context, a forked copy of the
         # rank's address space) takes the kernel a while, and they overlap.
         if worker is not None and worker.is_alive():
             worker.kill()
-        if self._results_manager is not None:
+        if self._results_manager is not None and self._results_manager[1]._process.is_alive():
             # Idle as the worker: killed rather than asked, which costs up to a second (its server
             # polls for the stop request once a second).
             self._results_manager[1]._process.kill()
+
+    def close(self, abandon: bool = False) -> None:
+        """Stop the worker and the write-results Manager. After the loop's exit every save is
+        finalized and the worker idle: nothing it holds needs an orderly shutdown, and SIGKILL ends
+        it (its own shutdown takes a second of interpreter teardown, at every requeue). ``abandon``: the rank
+        is failing with a save perhaps in flight; its ``.tmp`` folder is removed by the next save."""
+        if self.pending is not None and not abandon:
+            logger.warning("rank %d stops its checkpoint worker with the save of iteration %d unfinished",
+                           checkpointing._rank(), self.pending.save.iteration)
+        self.stop_processes()
+        worker = self.worker
         if worker is not None:
             worker.join(timeout=10)
             self._forget_dead_worker()
@@ -522,7 +531,7 @@ def _megatron_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str,
         "torch_dist", 1, thread_count=writers, cached_metadata=True))
     # Through nvidia-resiliency-ext's writer where megatron-core offers the choice (the module of
     # _writer_module), spelled out rather than left to megatron-core's default.
-    through = {"async_strategy": "nvrx"} if _megatron_save_takes_async_strategy() else {}
+    through = {"async_strategy": "nvrx"} if checkpointing.megatron_save_takes_async_strategy() else {}
     megatron_request = dist_checkpointing.save(sharded, tmp, sharded_strategy=strategy, async_sharded_save=True,
                                                **through)
     fields = megatron_request._asdict()

@@ -100,10 +100,10 @@ from bridge_hpc.training.checkpoint.megatron import (  # noqa: F401 - also re-ex
     _uses_megatron_dist,
     _without_empty_extra_state,
     check_optimizer_layout,
+    megatron_save_takes_async_strategy,
     megatron_save_tensors,
     megatron_sharded_state,
     saved_parallelism,
-    warm_up_host_buffers,
 )
 from bridge_hpc.training.engine import parallel
 from bridge_hpc.training.state import GlobalState

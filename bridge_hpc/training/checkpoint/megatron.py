@@ -3,7 +3,8 @@
 On CUDA the model and optimizer go through megatron-core's ``dist_checkpointing`` (its sharded state
 dicts, its save and load strategies); without CUDA through ``torch.distributed.checkpoint``. Where this
 toolkit reaches into megatron-core (the in-process write results instead of a spawned Manager, the
-parallel reader, the empty distributed-optimizer state, the kept Adam step) it does so here, in one
+synchronous save's write done by :mod:`~bridge_hpc.training.checkpoint.streamed_write`, the parallel
+reader, the empty distributed-optimizer state, the kept Adam step) it does so here, in one
 file, written against megatron-core 0.16-0.19 (the versions the tests run).
 """
 
@@ -11,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
+import inspect
 import json
 import logging
 import os
 import queue
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -25,7 +26,7 @@ import torch
 from torch.futures import Future
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.training.checkpoint.layout import RUN_CONFIG_FILE, _one_line, _rank, _space_error
+from bridge_hpc.training.checkpoint.layout import RUN_CONFIG_FILE, _rank, _space_error
 
 logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
@@ -288,35 +289,55 @@ def megatron_save_tensors(model, optimizer, save_optim: bool, fully_reshardable:
             if isinstance(v, ShardedTensor) and isinstance(v.data, torch.Tensor) and v.data.is_cuda]
 
 
-def warm_up_host_buffers(tensors: List[torch.Tensor]) -> threading.Thread:
-    """Pin host memory for a copy of each of ``tensors`` and give it back to torch's caching host
-    allocator, in a background thread; returns the thread (a save waits for it: ``join``).
+def megatron_save_takes_async_strategy() -> bool:
+    """megatron-core >= 0.19: ``dist_checkpointing.save`` takes ``async_strategy`` and, by default
+    ("nvrx"), writes an async save through nvidia-resiliency-ext's writer; older versions always
+    through their own."""
+    from megatron.core import dist_checkpointing
 
-    Why: a synchronous save copies every tensor to pinned host memory (megatron-core's
-    ``preload_tensors``), and the first save of a process pins all of it first: 2.66 s of an 8.15 s
-    save of the 370 M GPT's 5.2 GB on an H100, 0.1 s in later saves, which reuse the cached blocks
-    (benchmarks/checkpoint.py). An exit save is often a rank's first synchronous save, inside Slurm's
-    grace time. The blocks pinned here have the sizes the save asks for, so its copies find them
-    cached. The rank holds that much pinned host memory from then on, as after its first save."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    device = torch.cuda.current_device()
+    return "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
 
-    def pin() -> None:
-        torch.cuda.set_device(device)  # a new thread's device is 0: no context on another rank's GPU
-        started = time.perf_counter()
-        try:
-            blocks = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in sizes]
-        except RuntimeError as err:  # host memory short: the save pins what it needs itself, as before
-            logger.warning("could not pin %.2f GB of host memory ahead of synchronous saves (%s); the first "
-                           "such save pins it itself", sum(sizes) / 1e9, _one_line(str(err)))
-            return
-        del blocks
-        logger.info("pinned %.2f GB of host memory for synchronous saves in %.2fs", sum(sizes) / 1e9,
-                    time.perf_counter() - started)
 
-    thread = threading.Thread(target=pin, name="bridge-pin-host", daemon=True)
-    thread.start()
-    return thread
+#: megatron-core's write functions (``FileSystemWriterAsync``, 0.16-0.19) whose requests
+#: :func:`_execute_streamed` knows how to run itself: called with ``(rank, write_buckets,
+#: results_queue)`` after the ``functools.partial`` arguments ``(transform_list, use_msc)``.
+_MEGATRON_WRITE_FUNCTIONS = ("write_preloaded_data_multithread", "write_preloaded_data_multiproc")
+
+
+def _execute_streamed(request) -> None:
+    """Run megatron-core's synchronous save request as its ``execute_sync`` does (write, barrier,
+    finalize: ``.metadata`` and ``metadata.json``), with the write done by
+    :func:`streamed_write.write_buckets` instead of its staging to pinned host memory and its own
+    writer (see that module for why). A request of another shape (another writer, a
+    multi-storage-client path) is run by ``execute_sync`` itself."""
+    fn, args = request.async_fn, list(request.async_fn_args)
+    known = (isinstance(fn, functools.partial) and getattr(fn.func, "__name__", "") in _MEGATRON_WRITE_FUNCTIONS
+             and len(fn.args) == 2 and not fn.args[1] and not fn.keywords and not request.async_fn_kwargs
+             and request.preload_fn is not None and len(args) == 3 and isinstance(args[1], list))
+    if not known:
+        request.execute_sync()
+        return
+    from torch.distributed.checkpoint.filesystem import _write_item
+
+    from bridge_hpc.training.checkpoint import streamed_write
+
+    transform_list = list(fn.args[0])
+    extra = {}
+    if "serialization_format" in inspect.signature(_write_item).parameters:
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        extra["serialization_format"] = SerializationFormat.TORCH_SAVE
+
+    def write_one(stream, data, item, storage_key):  # as megatron-core's writer calls it
+        return _write_item(*transform_list, stream, data, item, storage_key, **extra)
+
+    torch.cuda.synchronize()  # the copies run on streams of their own: the steps' kernels are done
+    # The outcome goes where megatron-core's writer puts it; its finalization reads it, gathers every
+    # rank's and raises on all ranks if any failed (a CheckpointException naming the rank).
+    args[2].put(streamed_write.write_buckets(args[1], write_one))
+    torch.distributed.barrier()
+    for finalize in request.finalize_fns:
+        finalize()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,8 +387,13 @@ def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool, wri
 
         sharded = megatron_sharded_state(model, optimizer, save_optim, fully_reshardable)
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=writers)
+        # Planned as megatron-core plans its own synchronous save (its torch_dist strategy, its own
+        # writer: "mcore"), and written by streamed_write instead of that writer's staging and threads.
+        own_writer = {"async_strategy": "mcore"} if megatron_save_takes_async_strategy() else {}
         with _in_process_write_results():
-            dist_checkpointing.save(sharded, path, sharded_strategy=strategy)
+            request = dist_checkpointing.save(sharded, path, sharded_strategy=strategy, async_sharded_save=True,
+                                              **own_writer)
+            _execute_streamed(request)
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict

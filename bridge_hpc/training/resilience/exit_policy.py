@@ -138,9 +138,6 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     are off during the save and the parameters all-gathered before it (:func:`forward_pre_hooks_off`)."""
     timer = state.timers("save-checkpoint", log_level=0)
     timer.start(barrier=True)
-    pinning = checkpointing_context.get(HOST_BUFFERS)
-    if pinning is not None:
-        pinning.join()  # its pinned blocks are what the save's copies reuse
     ft = state.fault_tolerance
     with ft.checkpointing() if ft is not None else contextlib.nullcontext():  # a long save is not a hang
         with forward_pre_hooks_off(state, model):
@@ -154,10 +151,9 @@ def save_checkpoint_and_time(state: GlobalState, model, optimizer, opt_param_sch
     compute_throughputs_and_append_to_progress_log(state, num_floating_point_operations_so_far)
 
 
-#: ``checkpointing_context`` key: the thread that pins host memory for synchronous saves
-#: (:func:`checkpointing.warm_up_host_buffers`), started once per run after its first step (None
-#: where there is nothing to pin: CPU ranks).
-HOST_BUFFERS = "host_buffers_warm_up"
+#: ``checkpointing_context`` key: set once per run, after its first step, when the checkpoint
+#: worker's staging warm-up has been decided (:func:`checkpoint_and_decide_exit`).
+STAGING_DECIDED = "worker_staging_decided"
 #: ``checkpointing_context`` key: background saves that failed since the last one that finalized.
 FAILED_SAVES = "failed_saves_in_a_row"
 #: The progress log's event for a background save that failed (bridge_hpc's; Megatron has none).
@@ -364,17 +360,16 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
     cfg, step = state.cfg, state.train_state.step
     reasons = exit_reasons(state)
     writer = checkpointing_context.get(async_checkpoint.ASYNC_WRITER_KEY)
-    if HOST_BUFFERS not in checkpointing_context and cfg.checkpoint.save and not reasons and step > state.run_start_step:
-        # After this run's first step, when the optimizer's state exists: the first save's host-memory
-        # costs, paid in the background once (GPU only; decided once, None on CPU), by the worker for
-        # background saves and by the rank for its synchronous ones (the exit save).
-        checkpointing_context[HOST_BUFFERS] = None
-        if checkpointing._uses_megatron_dist(model):
-            tensors = checkpointing.megatron_save_tensors(model, optimizer, cfg.checkpoint.save_optim,
-                                                          cfg.checkpoint.dist_ckpt_optim_fully_reshardable)
-            if writer is not None:
-                writer.warm_up_staging(tensors)
-            checkpointing_context[HOST_BUFFERS] = checkpointing.warm_up_host_buffers(tensors)
+    if writer is not None and STAGING_DECIDED not in checkpointing_context and not reasons \
+            and step > state.run_start_step:
+        # After this run's first step, when the optimizer's state exists: the first background save's
+        # host-memory costs, paid by the worker in the background once (GPU only), and only where
+        # this run will make a background save (they leave gigabytes of host memory pinned in the
+        # worker, which its exit must unpin). Synchronous saves (the exit save) stage nothing.
+        checkpointing_context[STAGING_DECIDED] = True
+        if checkpointing._uses_megatron_dist(model) and async_checkpoint.interval_save_ahead(cfg, step):
+            writer.warm_up_staging(checkpointing.megatron_save_tensors(
+                model, optimizer, cfg.checkpoint.save_optim, cfg.checkpoint.dist_ckpt_optim_fully_reshardable))
     if async_checkpoint.in_flight_iteration(writer) is not None:
         maybe_finalize_async_save(state, checkpointing_context, blocking=False)
         in_flight = async_checkpoint.in_flight_iteration(writer)
@@ -383,6 +378,9 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
                 print(f"stopping at iteration {step}: the asynchronous checkpoint save of iteration {in_flight} "
                       f"is still being written; finishing it before the exit save", flush=True)
             maybe_finalize_async_save(state, checkpointing_context, blocking=True)
+    if reasons and writer is not None:
+        # Every save from here on is synchronous: the worker's teardown overlaps the exit save.
+        writer.stop_processes()
     can_save = bool(cfg.checkpoint.save)
     saved_now = checkpointing_context.get("last_saved_step") == step
     args = (state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, checkpointing_context)
