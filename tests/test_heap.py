@@ -69,3 +69,27 @@ def test_a_later_run_in_the_process_collects_what_the_runs_before_it_left_before
         assert first_garbage() is None and earlier_run_garbage() is None
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_imports_uncollected_keeps_the_collector_out_then_freezes_what_they_made():
+    assert gc.isenabled()
+    try:
+        with heap.imports_uncollected():
+            assert not gc.isenabled()
+            made = [_Cycle() for _ in range(1000)]  # what imports leave: live objects
+        assert gc.isenabled() and gc.get_freeze_count() >= 1000
+        assert gc.get_count()[0] < 100  # nothing young left for the next automatic collection to walk
+    finally:
+        gc.unfreeze()
+    del made
+
+
+def test_imports_uncollected_gives_a_disabled_collector_back_disabled():
+    gc.disable()
+    try:
+        with heap.imports_uncollected():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
