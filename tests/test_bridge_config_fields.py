@@ -242,3 +242,58 @@ def test_handle_mxfp8_param_buffer_copy_copies_only_when_both_flags_are_on():
     assert inner.copies == 0
     _handle_mxfp8_param_buffer_copy(chained, True, True)
     assert inner.copies == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The refused fields are the documented ones
+# ---------------------------------------------------------------------------------------------
+
+SECTIONS = [("rng", C.RNGConfig), ("dist", C.DistributedInitConfig), ("ddp", C.DistributedDataParallelConfig),
+            ("train", C.TrainingConfig), ("checkpoint", C.CheckpointConfig), ("logger", C.LoggerConfig),
+            ("validation", C.ValidationConfig), ("profiling", C.ProfilingConfig), ("optimizer", C.OptimizerConfig),
+            ("scheduler", C.SchedulerConfig), ("dataset", C.MockGPTDatasetConfig)]
+
+
+def _another_value(default, annotation):
+    """A value of the field's type other than its default."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default + 3
+    if isinstance(default, str):
+        return default + "x"
+    if isinstance(default, (list, tuple)):
+        return ["x"]
+    text = str(annotation)
+    for name, value in (("bool", True), ("int", 5), ("float", 0.5), ("List", ["x"]), ("Dict", {"a": "b"})):
+        if name in text:
+            return value
+    return "x"
+
+
+def _refused_fields():
+    """``(section, field)`` of every field that refuses a value other than its default."""
+    for section, cls in SECTIONS:
+        for name, default in _defaults(cls).items():
+            annotation = next(f.type for f in dataclasses.fields(cls) if f.name == name)
+            values = {**REQUIRED.get(cls, {}), name: _another_value(default, annotation)}
+            try:
+                cls(**values).finalize()
+            except ConfigError as err:
+                if err.key == f"{section}.{name}" and "left at its default" in err.message:
+                    yield section, name
+
+
+def test_every_refused_field_is_in_the_documented_table():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "training-api.md").read_text()
+    table = doc.split("## Config fields refused, and why", 1)[1]
+    rows = {line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `[")}
+    refused = list(_refused_fields())
+    assert len(refused) > 50  # the probe finds them (FSDP, FP8, Muon, ...)
+    for section, name in refused:
+        assert any(row.startswith(f"| `[{section}]`") and f"`{name}`" in row for row in rows), (section, name)
+    documented = {(row.split("`")[1].strip("[]"), name.strip("`")) for row in rows
+                  for name in row.split(" ", 2)[2].split(", ")}
+    assert documented <= set(refused), documented - set(refused)  # nothing listed that is accepted

@@ -446,7 +446,8 @@ def _start_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
                                          warmup=1 if p.profile_step_start - step > 0 else 0,
                                          active=p.profile_step_end - p.profile_step_start, repeat=1),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir),
-        record_shapes=p.record_shapes,
+        record_shapes=p.record_shapes or p.pytorch_profiler_collect_shapes,
+        with_stack=p.pytorch_profiler_collect_callstack,
     )
     prof.start()
     return prof
