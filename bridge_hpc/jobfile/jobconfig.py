@@ -695,6 +695,8 @@ _RUN_FOLDER_PATHS = (
     ("checkpoint", "load", None),
     ("logger", "tensorboard_dir", run_folder.TENSORBOARD_DIR),
     ("logger", "metrics_file", run_folder.METRICS_FILE),
+    ("logger", "save_config_filepath", None),
+    ("dist", "flight_recorder_dump_path", None),
 )
 #: Run-folder paths that an empty string turns off (what is then not written): ``tensorboard_dir = ""``
 #: is Megatron Bridge's "no TensorBoard" (its default, None, cannot be written in TOML).
@@ -716,6 +718,7 @@ _INPUT_PATHS = (
     ("tokenizer", "tokenizer_model"),
     ("tokenizer", "vocab_file"),
     ("tokenizer", "merge_file"),
+    ("dist", "nccl_communicator_config_path"),
 )
 
 

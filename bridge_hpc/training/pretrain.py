@@ -60,7 +60,7 @@ def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
     Initializes torch.distributed from the environment if the caller has not; leaves it up on
     return (the caller owns the process group).
     """
-    setup_logging(config.logger.logging_level)
+    setup_logging(config.logger.logging_level if config.logger.logging_level is not None else logging.INFO)
     state = GlobalState()
     state.cfg = config
     if config.inprocess_restart is not None and config.inprocess_restart.enabled:
@@ -165,7 +165,10 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     runtime_config_update(cfg)
     cuda_graphs.check_config(cfg, torch.cuda.is_available())  # before minutes of model building
     fused_kernels.check_config(cfg, torch.cuda.is_available())
+    configure_other_loggers(cfg.logger)
     cfg.log_non_default_values()  # rank 0's log: how this run differs from the defaults
+    if cfg.logger.save_config_filepath and state.rank == 0:
+        save_config_file(cfg, cfg.logger.save_config_filepath)
     if cfg.checkpoint.save:
         # Before anything writes into the folder (FT state, progress log, checkpoints): a second job
         # training into the same folder fails here, on every rank, naming the job that holds it.
@@ -287,6 +290,56 @@ def setup_logging(level: int) -> None:
     handler._bridge_hpc = True  # type: ignore[attr-defined]
     package.addHandler(handler)
     package.propagate = False
+
+
+def configure_other_loggers(log) -> None:
+    """Bridge's switches for the log records of other packages (megatron-core, torch, ...):
+    ``set_level_for_all_loggers`` gives every logger ``logging_level``; ``filter_warnings`` drops their
+    WARNING records (Bridge's default: megatron-core warns about every missing optional kernel);
+    ``modules_to_filter`` drops every record of the loggers under those names. bridge_hpc's own warnings
+    are never dropped: they are how a run says what it could not do. Applied to every logger that
+    exists now (pretrain runs after megatron-core and torch are imported) and to the root handlers,
+    for loggers made later."""
+    mine = ("bridge_hpc",)
+    modules = tuple(log.modules_to_filter or ())
+
+    def keep(record: logging.LogRecord) -> bool:
+        if record.name.startswith(mine):
+            return True
+        if log.filter_warnings and record.levelno == logging.WARNING:
+            return False
+        return not (modules and record.name.startswith(modules))
+
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if not name.startswith(mine)] + [logging.getLogger()]
+    for logger_ in loggers:
+        if isinstance(logger_, logging.Logger):
+            if log.set_level_for_all_loggers:
+                logger_.setLevel(log.logging_level)
+            if log.filter_warnings or modules:
+                logger_.addFilter(keep)
+    for handler in logging.getLogger().handlers:
+        if log.filter_warnings or modules:
+            handler.addFilter(keep)
+
+
+def save_config_file(cfg: ConfigContainer, path: str) -> None:
+    """``logger.save_config_filepath``: the resolved configuration (every section, as the checkpoints
+    record it) written to ``path`` at start, as YAML for a ``.yaml``/``.yml`` name, else JSON. Written to
+    a temporary name and renamed, so a reader never sees half a file."""
+    import json
+
+    data = cfg.to_dict()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            yaml.safe_dump(json.loads(json.dumps(data, default=str)), f, sort_keys=False)
+        else:
+            json.dump(data, f, indent=2, default=str)
+    os.replace(tmp, path)
 
 
 def _process_age_s() -> Optional[float]:

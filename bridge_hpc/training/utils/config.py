@@ -132,6 +132,11 @@ class LoggerConfig:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, str) and value.strip() != ""), f"logger.{name}",
                    "must be a non-empty string, or unset")
+        if self.save_config_filepath is not None and self.save_config_filepath.endswith((".yaml", ".yml")):
+            import importlib.util
+
+            _check(importlib.util.find_spec("yaml") is not None, "logger.save_config_filepath",
+                   "names a YAML file, and PyYAML is not installed here: install it, or name a .json file")
         for name, backend in (("wandb_exp_name", "wandb_project"), ("wandb_save_dir", "wandb_project"),
                               ("wandb_entity", "wandb_project"), ("mlflow_run_name", "mlflow_experiment"),
                               ("mlflow_tracking_uri", "mlflow_experiment"), ("mlflow_tags", "mlflow_experiment"),
