@@ -62,7 +62,7 @@ LABELS = {"wandb": "W&B", "mlflow": "MLflow", "comet": "Comet"}
 #: ``[logger]`` field that turns each on.
 SWITCHES = {"wandb": "wandb_project", "mlflow": "mlflow_experiment", "comet": "comet_project"}
 #: Seconds :meth:`LogBackends.close` waits for the backends to take the last steps and close their runs.
-CLOSE_TIMEOUT_S = 30.0
+CLOSE_TIMEOUT_S = 20.0
 #: Seconds between W&B's writes of its ``.wandb`` file (its default is 15): what a SIGTERM can lose.
 WANDB_FLUSH_INTERVAL_S = 1.0
 #: Steps waiting for their checkpoint beyond which the oldest go out anyway (a run without interval saves).
@@ -270,8 +270,11 @@ class MlflowBackend(_Backend):
 
     def start(self) -> Dict[str, Any]:
         # MLflow 3 refuses its file store unless asked: the run folder's store is what this toolkit offers
-        # by default (a user's own setting of the variable wins).
+        # by default. An unreachable server would take MLflow's default retries four minutes to give up on.
+        # (A job's own setting of these variables, in [env], wins.)
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
         import mlflow
         from mlflow.entities import Metric, Param, RunStatus
         from mlflow.tracking import MlflowClient
@@ -335,8 +338,10 @@ class CometBackend(_Backend):
             except Exception:  # noqa: BLE001 - no comet configuration at all: offline
                 key = None
         offline = key is None
+        # Bridge's settings (no automatic metrics: every series comes from here), less the copies of the
+        # source tree and its uncommitted changes that each run of the job would add, and the end summary.
         common = dict(project_name=self.log.comet_project, workspace=self.log.comet_workspace,
-                      auto_metric_logging=False)
+                      auto_metric_logging=False, log_code=False, log_git_patch=False, display_summary_level=0)
         if offline:
             common["offline_directory"] = os.path.join(self.home, run_folder.COMET_DIR)
             os.makedirs(common["offline_directory"], exist_ok=True)
@@ -383,9 +388,9 @@ _CLASSES: Dict[str, Callable[..., _Backend]] = {"wandb": WandbBackend, "mlflow":
 
 
 class LogBackends:
-    """The enabled backends of one run on the logging rank: steps collected, committed at checkpoints,
-    sent by one thread. Built on every rank (it imports nothing); only :meth:`open` on the logging rank
-    starts anything.
+    """The enabled backends of one run on the logging rank: steps collected, committed at checkpoints, sent
+    by one thread per backend (a slow or unreachable one holds up no other). Built on every rank (it imports
+    nothing); only :meth:`open` on the logging rank starts anything.
 
     ``add(step, values, only=None)`` merges scalars into a step (``only``: one backend's own values, from
     :class:`_Handle`); ``commit(step)`` sends every collected step up to ``step``; ``close()`` sends what is
@@ -402,9 +407,10 @@ class LogBackends:
         self._backends: Dict[str, _Backend] = {}
         self._failed: Dict[str, str] = {}
         self._runs: Dict[str, Dict[str, Any]] = {}
-        self._queue: "queue.Queue[Optional[Tuple[Callable[..., None], tuple]]]" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
-        self._started = threading.Event()
+        self._runs_lock = threading.Lock()
+        self._queues: Dict[str, "queue.Queue[Optional[Tuple[Callable[..., None], tuple]]]"] = {}
+        self._threads: Dict[str, threading.Thread] = {}
+        self._started: Dict[str, threading.Event] = {name: threading.Event() for name in self.names}
         self._resume_step = 0
         self.last_step = 0
         self._committed = 0
@@ -412,11 +418,15 @@ class LogBackends:
     # --- the loop's side -----------------------------------------------------------------------
 
     def open(self, resume_step: int, restart_count: int) -> None:
-        """Start the backends' runs (in the sender thread) for a run that resumes at ``resume_step``."""
+        """Start the backends' runs (each in its thread) for a run that resumes at ``resume_step``."""
         self._resume_step = self.last_step = self._committed = resume_step
-        self._thread = threading.Thread(target=self._serve, name="bridge_hpc-log-backends", daemon=True)
-        self._thread.start()
-        self._submit(self._start_all, restart_count)
+        self._runs = read_runs(self.home)
+        for name in self.names:
+            self._queues[name] = queue.Queue()
+            thread = threading.Thread(target=self._serve, args=(name,), name=f"bridge_hpc-{name}", daemon=True)
+            self._threads[name] = thread
+            thread.start()
+            self._queues[name].put((self._start, (name, restart_count)))
 
     def add(self, step: int, values: Dict[str, Any], only: Optional[str] = None) -> None:
         if not values or (only is not None and only not in self.names):
@@ -430,8 +440,11 @@ class LogBackends:
         """Steps up to ``step`` can no longer be trained again (their checkpoint is saved): send them."""
         self._committed = max(self._committed, step)
         ready = sorted(s for s in self._pending if s <= step)
-        if ready:
-            self._submit(self._send_all, [(s, self._pending.pop(s)) for s in ready])
+        if ready and self._threads:
+            items = [(s, self._pending.pop(s)) for s in ready]
+            for name in self.names:
+                if name not in self._failed:
+                    self._queues[name].put((self._send, (name, items)))
 
     def step_done(self, step: int) -> None:
         """Step ``step`` is logged; without checkpoints the one before it is final."""
@@ -440,51 +453,53 @@ class LogBackends:
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Send what is committed (everything, without checkpoints), drop the steps the next run trains
-        again, close the runs; wait at most ``timeout`` seconds."""
-        if self._thread is None:
+        again, close the runs; wait at most ``timeout`` seconds for all of it."""
+        if not self._threads:
             return
         self.commit(self.last_step if self.live else max(self._committed, self._resume_step))
-        dropped = len(self._pending)
-        self._pending.clear()
-        if dropped:
+        if self._pending:
             logger.debug("log backends: %d steps after the last checkpoint dropped (the next run trains them)",
-                         dropped)
-        self._submit(self._finish_all)
-        self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.warning("%s did not close within %.0f s; its last steps may be missing",
-                           " and ".join(LABELS[n] for n in self.names if n not in self._failed), timeout)
-        self._thread = None
+                         len(self._pending))
+        self._pending.clear()
+        began = time.monotonic()
+        for name in self.names:
+            self._queues[name].put((self._finish, (name,)))
+            self._queues[name].put(None)
+        late = []
+        for name, thread in self._threads.items():
+            thread.join(max(0.0, timeout - (time.monotonic() - began)))
+            if thread.is_alive():
+                late.append(LABELS[name])
+        if late:
+            logger.warning("%s did not close within %.0f s; its last steps may be missing", " and ".join(late), timeout)
+        logger.debug("log backends closed in %.2f s", time.monotonic() - began)
+        self._threads.clear()
 
     def handle(self, name: str) -> Optional["_Handle"]:
         """What GlobalState hands out for backend ``name`` (None while it is off, failed or not open)."""
-        if name not in self.names or name in self._failed or self._thread is None:
+        if name not in self._threads or name in self._failed:
             return None
         return _Handle(self, name)
 
     def backend(self, name: str, wait: float = 0.0) -> Optional[_Backend]:
-        """The started backend ``name`` (waiting up to ``wait`` s for the start), else None."""
-        if wait:
-            self._started.wait(wait)
+        """The started backend ``name`` (waiting up to ``wait`` s for its start), else None."""
+        if wait and name in self._started:
+            self._started[name].wait(wait)
         return None if name in self._failed else self._backends.get(name)
 
-    # --- the sender thread ---------------------------------------------------------------------
+    # --- each backend's thread -----------------------------------------------------------------
 
-    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
-        if self._thread is not None:
-            self._queue.put((fn, args))
-
-    def _serve(self) -> None:
+    def _serve(self, name: str) -> None:
+        jobs = self._queues[name]
         while True:
-            job = self._queue.get()
+            job = jobs.get()
             if job is None:
                 return
             fn, args = job
             try:
                 fn(*args)
-            except Exception as err:  # noqa: BLE001 - a bug here must not end the rank either
-                logger.warning("log backends: %s", _one_line(err))
+            except BaseException as err:  # noqa: BLE001 - a bug here must not end the rank either
+                self._fail(name, "its logger", err)
 
     def _fail(self, name: str, what: str, err: BaseException) -> None:
         if name in self._failed:
@@ -496,65 +511,63 @@ class LogBackends:
         logger.warning("%s logging is off for the rest of this run: %s failed (%s)%s; training goes on",
                        LABELS[name], what, self._failed[name], hint)
 
-    def _start_all(self, restart_count: int) -> None:
+    def _start(self, name: str, restart_count: int) -> None:
         try:
-            self._runs = read_runs(self.home)
-            for name in self.names:
-                backend = _CLASSES[name](self.cfg, self.home, self._runs.get(name), restart_count)
-                try:
-                    entry = backend.start()
-                except BaseException as err:  # noqa: BLE001 - SystemExit from a library included
-                    self._fail(name, "its start", err)
-                    continue
-                saved = self._runs.get(name) or {}
-                keep = saved.get("logged_through", 0) if all(saved.get(k) == v for k, v in entry.items()
-                                                              if k in ("id", "run_id", "key")) else 0
-                self._runs[name] = dict(entry, logged_through=keep)
-                self._backends[name] = backend
+            saved = self._runs.get(name) or {}
+            backend = _CLASSES[name](self.cfg, self.home, saved, restart_count)
+            try:
+                entry = backend.start()
+            except BaseException as err:  # noqa: BLE001 - SystemExit from a library included
+                self._fail(name, "its start", err)
+                return
+            same = all(saved.get(k) == v for k, v in entry.items() if k in ("id", "run_id", "key"))
+            with self._runs_lock:
+                self._runs[name] = dict(entry, logged_through=saved.get("logged_through", 0) if same else 0)
+            self._backends[name] = backend
             self._save_runs()
         finally:
-            self._started.set()
+            self._started[name].set()
 
-    def _send_all(self, items: List[Tuple[int, Dict[Optional[str], Dict[str, Any]]]]) -> None:
-        for name, backend in list(self._backends.items()):
-            if name in self._failed:
-                continue
-            through = self._runs[name].get("logged_through", 0)
-            records = [(step, {**parts.get(None, {}), **parts.get(name, {})}) for step, parts in items
-                       if step > through]
-            records = [(step, values) for step, values in records if values]
-            if not records:
-                continue
+    def _send(self, name: str, items: List[Tuple[int, Dict[Optional[str], Dict[str, Any]]]]) -> None:
+        backend = self._backends.get(name)
+        if backend is None or name in self._failed:
+            return
+        through = self._runs[name].get("logged_through", 0)
+        records = [(step, {**parts.get(None, {}), **parts.get(name, {})}) for step, parts in items if step > through]
+        records = [(step, values) for step, values in records if values]
+        if not records:
+            return
+        try:
+            backend.send(records)
+        except BaseException as err:  # noqa: BLE001
             try:
+                if not backend.recover(err):
+                    raise
                 backend.send(records)
-            except BaseException as err:  # noqa: BLE001
-                try:
-                    if not backend.recover(err):
-                        raise
-                    backend.send(records)
-                except BaseException as again:  # noqa: BLE001
-                    self._fail(name, "logging", again)
-                    continue
+            except BaseException as again:  # noqa: BLE001
+                self._fail(name, "logging", again)
+                return
+        with self._runs_lock:
             self._runs[name]["logged_through"] = records[-1][0]
         self._save_runs()
 
-    def _finish_all(self) -> None:
-        for name, backend in self._backends.items():
-            if name in self._failed:
-                continue
-            try:
-                backend.finish()
-            except BaseException as err:  # noqa: BLE001
-                self._fail(name, "closing its run", err)
-
-    def _save_runs(self) -> None:
-        if not self._backends:
+    def _finish(self, name: str) -> None:
+        backend = self._backends.get(name)
+        if backend is None or name in self._failed:
             return
         try:
-            _write_runs(self.home, self._runs)
-        except OSError as err:
-            logger.warning("log backends: cannot write %s (%s): a requeued run will start new runs",
-                           os.path.join(self.home, run_folder.LOGGER_RUNS_FILE), _one_line(err))
+            backend.finish()
+        except BaseException as err:  # noqa: BLE001
+            self._fail(name, "closing its run", err)
+
+    def _save_runs(self) -> None:
+        with self._runs_lock:
+            runs = {name: dict(entry) for name, entry in self._runs.items()}
+            try:
+                _write_runs(self.home, runs)
+            except OSError as err:
+                logger.warning("log backends: cannot write %s (%s): a requeued run will start new runs",
+                               os.path.join(self.home, run_folder.LOGGER_RUNS_FILE), _one_line(err))
 
 
 class _Handle:
