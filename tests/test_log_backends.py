@@ -233,3 +233,241 @@ def test_a_killed_run_loses_nothing_the_next_run_does_not_log(tmp_path):
         got.update(points)
     assert got == metrics
     assert sorted(mlflow_history(run_dir)[1]) == sorted(metrics.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures stop nothing
+# ---------------------------------------------------------------------------------------------
+
+#: Comet's package missing (``import comet_ml`` fails) and MLflow's server unreachable (nothing listens on
+#: port 1), W&B fine: each failure is one warning line, metrics.jsonl and W&B get every step.
+FAILING = """
+import sys
+sys.modules["comet_ml"] = None  # as if not installed: import comet_ml raises ImportError
+exec(compile(open(sys.argv.pop(1)).read(), "run", "exec"))
+"""
+
+
+def test_a_failing_backend_is_one_warning_and_training_goes_on(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(RUN)
+    run_dir = tmp_path / "run"
+    on = ALL_ON + ['logger.mlflow_tracking_uri="http://127.0.0.1:1"']
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", FAILING, str(script), str(run_dir), "0", "30", "0", "close", str(TINY),
+                           json.dumps(on)], capture_output=True, text=True, timeout=300,
+                          env=backend_env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0"))
+    assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-4000:]
+    assert time.monotonic() - began < 60
+    warnings = [line for line in proc.stderr.splitlines() if "logging is off for the rest of this run" in line]
+    assert len(warnings) == 2, proc.stderr[-4000:]
+    comet, = [w for w in warnings if "Comet logging" in w]
+    assert "ModuleNotFoundError: import of comet_ml" in comet and "pip install 'bridge_hpc[loggers]'" in comet
+    mlflow, = [w for w in warnings if "MLflow logging" in w]
+    assert "127.0.0.1:1" in mlflow and "its start failed" in mlflow
+    assert "Traceback" not in proc.stderr
+    assert sorted(read_metrics(str(run_dir / METRICS_FILE))) == list(range(1, 31))
+    (_, points), = wandb_history(run_dir)
+    assert sorted(points) == list(range(1, 31))
+    runs = json.loads((run_dir / LOGGER_RUNS_FILE).read_text())
+    assert set(runs) == {"wandb"} and not (run_dir / COMET_DIR).exists()
+
+
+def test_a_backend_that_fails_while_logging_is_off_after_one_warning(tmp_path, caplog):
+    """Any exception in a backend's send (here W&B's own run, finished behind its back twice: the restart
+    of its writer is tried once) is one warning; later steps of the run are dropped silently."""
+    from bridge_hpc.training.utils import log_backends as lb
+
+    class Broken(lb._Backend):
+        name = "wandb"
+        sends = 0
+
+        def start(self):
+            return {"id": "x"}
+
+        def send(self, records):
+            Broken.sends += 1
+            raise RuntimeError("connection lost\nsecond line")
+
+        def recover(self, err):
+            return True
+
+        def finish(self):
+            raise AssertionError("a failed backend is not closed")
+
+    cfg = _config(tmp_path, ['logger.wandb_project="p"'])
+    backends = lb.LogBackends(cfg)
+    real = lb._CLASSES["wandb"]
+    lb._CLASSES["wandb"] = Broken
+    try:
+        with caplog.at_level(logging.WARNING, logger="bridge_hpc"):
+            backends.open(0, 0)
+            for step in range(1, 31):
+                backends.add(step, {"lm loss": 1.0})
+                if step % 10 == 0:
+                    backends.commit(step)
+            backends.close()
+    finally:
+        lb._CLASSES["wandb"] = real
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert messages == ["W&B logging is off for the rest of this run: logging failed (RuntimeError: connection lost "
+                        "second line); training goes on"]
+    assert Broken.sends == 2  # the first send and its one retry; nothing after
+
+
+# ---------------------------------------------------------------------------------------------
+# GlobalState's loggers, the MoE fan-out, the defaults, secrets
+# ---------------------------------------------------------------------------------------------
+
+
+def _config(tmp_path, extra: List[str]):
+    from bridge_hpc.training.run import build_config
+
+    return build_config(str(TINY), [f"job.run_dir={tmp_path / 'run'}"] + extra)
+
+
+LOGGERS = """
+import json, sys, time, torch
+from bridge_hpc.training.run import build_config
+from bridge_hpc.training.state import GlobalState
+from bridge_hpc.training.engine.metrics import RunStart
+from bridge_hpc.training.utils.train_utils import _build_moe_metric_writer, _MoeMetricFanoutWriter
+state = GlobalState()
+state.cfg = build_config(sys.argv[2], [f"job.run_dir={sys.argv[1]}", "logger.tensorboard_dir=''"] + json.loads(sys.argv[3]))
+assert state.wandb_logger is None and state.mlflow_logger is None and state.comet_logger is None  # not open yet
+m = state.metrics
+m.open(0, RunStart(restart_count=0, load_s=None, started_at=time.time()))
+wb, ml, cm = state.wandb_logger, state.mlflow_logger, state.comet_logger
+writer = _build_moe_metric_writer(state.tensorboard_logger, cm, ml)
+assert isinstance(writer, _MoeMetricFanoutWriter)
+for step in range(1, 11):
+    wb.log({"custom/wandb": step * 2.0}, step)           # a forward step's own series, Bridge's call
+    ml.log_metrics({"custom/mlflow": step * 3.0}, step=step)
+    cm.log_metric("custom/comet", step * 4.0, step=step)
+    writer.add_scalar("moe/load_balancing_loss", torch.tensor(step / 10), step)  # megatron-core's MoE helper
+    m.log({"step": step, "loss": 1.0 + step})
+m.log_checkpoint_saved(10, 0.1)
+assert wb.run.id == json.load(open(sys.argv[1] + "/logger_runs.json"))["wandb"]["id"]  # the module's own attributes
+assert cm.get_key() == json.load(open(sys.argv[1] + "/logger_runs.json"))["comet"]["key"]
+ml.set_tag("note", "from the fluent API")
+state.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_bridge_loggers_and_the_moe_fanout_join_the_step(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", LOGGERS, str(run_dir), str(TINY), json.dumps(ALL_ON)],
+                          capture_output=True, text=True, timeout=300, env=backend_env())
+    assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-4000:]
+    steps = list(range(1, 11))
+    (_, wandb_own), = wandb_history(run_dir, "custom/wandb")
+    assert wandb_own == {s: s * 2.0 for s in steps}
+    (_, loss), = wandb_history(run_dir, "lm loss")
+    assert loss == {s: 1.0 + s for s in steps}
+    assert sorted(mlflow_history(run_dir, "custom/mlflow")[1]) == [(s, s * 3.0) for s in steps]
+    assert sorted(mlflow_history(run_dir, "moe/load_balancing_loss")[1]) == [(s, pytest.approx(s / 10)) for s in steps]
+    (_, comet_own), = comet_archives(run_dir, "custom/comet")
+    assert sorted(comet_own) == [(s, s * 4.0) for s in steps]
+    (_, moe), = comet_archives(run_dir, "moe/load_balancing_loss")
+    assert sorted(moe) == [(s, pytest.approx(s / 10)) for s in steps]
+    from mlflow.tracking import MlflowClient
+
+    entry = json.loads((run_dir / LOGGER_RUNS_FILE).read_text())["mlflow"]
+    assert MlflowClient(tracking_uri=entry["tracking_uri"]).get_run(entry["run_id"]).data.tags["note"] == \
+        "from the fluent API"
+
+
+DEFAULTS = """
+import sys, time
+from bridge_hpc.training.run import build_config
+from bridge_hpc.training.state import GlobalState
+from bridge_hpc.training.engine.metrics import RunStart
+state = GlobalState()
+state.cfg = build_config(sys.argv[2], [f"job.run_dir={sys.argv[1]}"])
+before = set(sys.modules)
+m = state.metrics
+m.open(0, RunStart(restart_count=0, load_s=None, started_at=time.time()))
+for step in range(1, 21):
+    m.log({"step": step, "loss": 1.0})
+    if step % 10 == 0:
+        m.log_checkpoint_saved(step, 0.1)
+state.close()
+new = set(sys.modules) - before
+print(sorted(n for n in new if n.split(".")[0] in ("wandb", "mlflow", "comet_ml", "bridge_hpc")))
+print(m.backends, state.wandb_logger, state.mlflow_logger, state.comet_logger)
+"""
+
+
+def test_the_defaults_import_no_backend_and_start_nothing(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", DEFAULTS, str(tmp_path / "run"), str(TINY)], capture_output=True,
+                          text=True, timeout=300, env=backend_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["[]", "None None None None"]
+    assert not (tmp_path / "run" / LOGGER_RUNS_FILE).exists()
+
+
+def test_a_comet_key_in_a_python_config_is_used_and_never_written(tmp_path, caplog):
+    from bridge_hpc.training.config import ConfigContainer
+    from bridge_hpc.training.state import GlobalState
+    from bridge_hpc.training.utils.log_backends import comet_api_key, config_for_backends
+
+    cfg = _config(tmp_path, ['logger.comet_project="c"'])
+    cfg.logger.comet_api_key = "sk-PYTHON-SECRET-42"
+    state = GlobalState()
+    state.cfg = cfg
+    assert cfg.logger.comet_api_key is None and comet_api_key(cfg.logger) == "sk-PYTHON-SECRET-42"
+    state.__init__()  # an in-process restart's fresh state, same config: the key is still there for Comet
+    state.cfg = cfg
+    assert comet_api_key(cfg.logger) == "sk-PYTHON-SECRET-42"
+    with caplog.at_level(logging.INFO, logger="bridge_hpc"):
+        cfg.log_non_default_values()
+    dumped = json.dumps(cfg.to_dict(), default=str) + json.dumps(config_for_backends(cfg)) + caplog.text
+    assert "SECRET" not in dumped
+    assert isinstance(cfg, ConfigContainer)
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[logger]\ncomet_api_key = "sk-SECRET-1"\n', "logger.comet_api_key"),
+    ("[logger]\ncomet_api_key = 123456789012345678901234567890\n", "logger.comet_api_key"),
+    ('[logger]\ncomet_api_key = "sk-SECRET-\\u0007\\n$(rm -rf ~)"\n', "logger.comet_api_key"),
+    ('[logger]\ncomet_api_key = ["sk-SECRET-2"]\n', "logger.comet_api_key"),
+    ('[logger]\ncomet_api_key = { key = "sk-SECRET-3" }\n', "logger.comet_api_key"),
+    ('[logger]\ncomet_api_key = ""\n', "logger.comet_api_key"),
+    ("[logger]\nwandb_project = 5\n", "logger.wandb_project"),
+    ('[logger]\nwandb_project = ""\n', "logger.wandb_project"),
+    ('[logger]\nwandb_project = ["a", "b"]\n', "logger.wandb_project"),
+    ('[logger]\nwandb_exp_name = "x"\n', "logger.wandb_exp_name"),
+    ('[logger]\nwandb_project = "p"\nwandb_entity = "  "\n', "logger.wandb_entity"),
+    ('[logger]\nmlflow_experiment = "e"\nmlflow_tags = "a=b"\n', "logger.mlflow_tags"),
+    ('[logger]\nmlflow_experiment = "e"\nmlflow_tracking_uri = "\\n"\n', "logger.mlflow_tracking_uri"),
+    ('[logger]\nmlflow_tracking_uri = "file:///x"\n', "logger.mlflow_tracking_uri"),
+    ('[logger]\ncomet_project = "c"\ncomet_tags = { a = 1 }\n', "logger.comet_tags"),
+    ('[logger]\ncomet_workspace = "w"\n', "logger.comet_workspace"),
+    ('[logger]\ncomet_project = "c$(id)\\u001b[2J"\n', "logger.comet_project"),
+])
+def test_bad_logger_keys_at_submission_are_one_line_exit_2(tmp_path, text, key):
+    job = tmp_path / "job.toml"
+    job.write_text(f'extends = "{TINY}"\n' + text)
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", str(job), "--dry-run"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and f"'{key}'" in proc.stderr, proc.stderr
+    assert "SECRET" not in proc.stderr and "rm -rf" not in proc.stderr
+
+
+def test_a_comet_key_given_by_set_or_a_profile_is_refused_naming_where(tmp_path):
+    profile = tmp_path / "profile.toml"
+    profile.write_text('[logger]\ncomet_api_key = "sk-SECRET-9"\n')
+    job = tmp_path / "job.toml"
+    job.write_text(f'extends = ["{TINY}", "{profile}"]\n')
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", str(job), "--dry-run"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2 and str(profile) in proc.stderr and "SECRET" not in proc.stderr, proc.stderr
+    assert 'COMET_API_KEY = { from_shell = "COMET_API_KEY" }' in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", str(TINY), "--dry-run", "--set",
+                           'logger.comet_api_key="sk-SECRET-8"'], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2 and "(--set logger.comet_api_key)" in proc.stderr and "SECRET" not in proc.stderr
