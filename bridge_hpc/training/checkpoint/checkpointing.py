@@ -213,6 +213,7 @@ class SaveInProgress:
     tmp: str
     world_size: int
     most_recent_k: int
+    save_retain_interval: Optional[int]
     common: Dict[str, Any]
     started: float  # time.perf_counter() when the save began
 
@@ -233,7 +234,8 @@ def begin_save(state: GlobalState, scheduler) -> SaveInProgress:
     if ft is not None:  # computed FT timeouts travel with the checkpoint (see fault_tolerance.py)
         common["fault_tolerance"] = ft.state_dict()
     save = SaveInProgress(iteration=iteration, root=cfg.save, final=final, tmp=final + ".tmp",
-                          world_size=_world_size(), most_recent_k=cfg.most_recent_k, common=copy.deepcopy(common),
+                          world_size=_world_size(), most_recent_k=cfg.most_recent_k,
+                          save_retain_interval=cfg.save_retain_interval, common=copy.deepcopy(common),
                           started=time.perf_counter())
 
     def prepare() -> None:
@@ -299,7 +301,8 @@ def commit_save(save: SaveInProgress) -> str:
     if rank == 0:
         shutil.rmtree(save.final + ".del", ignore_errors=True)
         try:
-            _remove_old_checkpoints(save.root, save.most_recent_k, save.iteration, save.world_size)
+            _remove_old_checkpoints(save.root, save.most_recent_k, save.iteration, save.world_size,
+                                    save.save_retain_interval)
         except OSError as err:  # the new checkpoint is complete; an old one left behind harms nothing
             logger.warning("could not remove old checkpoints in %s: %s", save.root, err)
         elapsed = time.perf_counter() - save.started
@@ -349,14 +352,22 @@ def _write_manifest(folder: str, iteration: int, world_size: int) -> None:
     _write_durable(os.path.join(folder, MANIFEST_FILE), json.dumps(manifest, indent=1).encode())
 
 
-def _remove_old_checkpoints(root: str, keep: int, newest: int, world_size: int) -> None:
+def _remove_old_checkpoints(root: str, keep: int, newest: int, world_size: int,
+                            retain_interval: Optional[int] = None) -> None:
     """Delete complete checkpoints beyond the ``keep`` newest up to iteration ``newest`` (the one just
-    saved). Newer ones (left from before a rollback) are not counted and not deleted, ``*.damaged``
-    folders never; and if none of the kept ones verifies, the newest older one that does is kept."""
+    saved). With ``retain_interval`` (``checkpoint.save_retain_interval``, Megatron's) the iterations
+    that are multiples of it are kept as well, and ``keep = -1`` then means the newest one only (as in
+    Megatron: retained ones plus the last). Newer ones (left from before a rollback) are not counted
+    and not deleted, ``*.damaged`` folders never; and if none of the kept ones verifies, the newest
+    older one that does is kept."""
+    if retain_interval is not None and keep <= 0:
+        keep = 1
     if keep <= 0:
         return
     candidates = [i for i in complete_iterations(root) if i <= newest]
     doomed, kept = candidates[:-keep], candidates[-keep:]
+    if retain_interval is not None:
+        doomed = [i for i in doomed if i % retain_interval != 0]
     if doomed and all(verify_checkpoint(iteration_dir(root, i), world_size) is not None for i in kept):
         for i in reversed(doomed):
             if verify_checkpoint(iteration_dir(root, i), world_size) is None:

@@ -131,7 +131,6 @@ class CheckpointConfig:
             **{name: dumps for name in ("save_params_interval", "save_activations_interval",
                                         "save_tokens_per_expert_interval", "save_wgrads_interval",
                                         "save_dgrads_interval")},
-            "save_retain_interval": "checkpoint.most_recent_k is bridge_hpc's retention setting",
             **{name: non_persistent for name in ("non_persistent_save_interval", "non_persistent_ckpt_type",
                                                  "non_persistent_global_ckpt_dir", "non_persistent_local_ckpt_dir",
                                                  "non_persistent_local_ckpt_algo", "replication",
@@ -167,6 +166,12 @@ class CheckpointConfig:
             "async_ckpt_use_cpu_shm": "the async writer stages tensors in its own pinned buffers",
             "verify_integrity": "every checkpoint is verified against its manifest (sizes) on load already",
         })
+        _check(self.save_retain_interval is None or self.save_retain_interval > 0, "checkpoint.save_retain_interval",
+               "must be > 0 (or unset)")
+        _check(self.save_retain_interval is None or self.save_interval is not None, "checkpoint.save_retain_interval",
+               "needs checkpoint.save_interval (the saves it keeps some of)")
         _check(self.ckpt_step is None, "checkpoint.ckpt_step",
-               "must be unset: the iteration to load is the one latest_checkpointed_iteration.txt in "
-               "checkpoint.load names (write an older iteration there to roll back; see docs/preemption.md)")
+               "must be unset: a fixed iteration would be loaded again after every requeue, throwing away what "
+               "the job trained since; the iteration to load is the one latest_checkpointed_iteration.txt in "
+               "checkpoint.load names, which each save moves on (write an older iteration there to roll back; "
+               "see docs/preemption.md)")
