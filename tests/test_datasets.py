@@ -491,3 +491,18 @@ def test_bridge_constructor_and_megatron_core_names():
         MockGPTDatasetConfig(seq_length=8, object_storage_cache_path="/s3").finalize()
     with pytest.raises(ValueError, match=r"dataset\.dataloader_type"):
         MockGPTDatasetConfig(seq_length=8, dataloader_type="cyclic").finalize()
+
+
+def test_a_gpt_dataset_config_given_no_data_is_megatron_cores_mock_mode(single_rank, tmp_path):
+    """As megatron-core's GPTDatasetConfig: no blend at all means mock data (a config built in Python)."""
+    from bridge_hpc.training.datasets.builders import MockGPTDataset, build_datasets
+
+    cfg = ConfigContainer.from_sections(_sections(tmp_path, {"random_seed": 5}, tokenizer=False), source="job.toml")
+    cfg.dataset = GPTDatasetConfig(random_seed=5)
+    cfg.dataset.finalize()
+    assert cfg.dataset.mock and cfg.dataset.split == "1,1,1"
+    cfg.validate(world_size=1)
+    assert cfg.dataset.seq_length == SEQ
+    train, valid, _ = build_datasets(cfg.dataset, cfg)
+    assert isinstance(train, MockGPTDataset) and len(train) == 6 * 4
+    assert int(train[0]["tokens"].max()) < cfg.model.vocab_size

@@ -583,6 +583,8 @@ class ConfigContainer:
             self.check_data_needs()
             if self.dataset.seq_length is None:
                 self.dataset.seq_length = m.seq_length
+        if isinstance(self.dataset, GPTDatasetConfig) and self.dataset.seq_length is None:
+            self.dataset.seq_length = m.seq_length  # mock mode too
         seq_length = getattr(self.dataset, "seq_length", None)
         _check(seq_length is None or seq_length == m.seq_length, "dataset.seq_length",
                f"{seq_length} differs from model.seq_length ({m.seq_length})")
@@ -842,8 +844,9 @@ def _non_default_values(section: Any) -> Dict[str, Tuple[Any, Any]]:
 
 def _reads_indexed_data(dataset: Any) -> bool:
     """A :class:`GPTDatasetConfig` that reads ``.bin``/``.idx`` files: not the mock one, which is a
-    GPTDatasetConfig too (as in Bridge) but reads nothing."""
-    return isinstance(dataset, GPTDatasetConfig) and not isinstance(dataset, MockGPTDatasetConfig)
+    GPTDatasetConfig too (as in Bridge) but reads nothing, nor one without any data (megatron-core's
+    mock mode, ``mock`` set by finalize)."""
+    return isinstance(dataset, GPTDatasetConfig) and not isinstance(dataset, MockGPTDatasetConfig) and not dataset.mock
 
 
 def _get_mcore_transformer_parent(model_config: Any) -> type:

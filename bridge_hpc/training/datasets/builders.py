@@ -235,13 +235,16 @@ def build_data_iterator(dataset: Optional[Dataset], consumed_samples: int, micro
                           stop_signals, global_batch_size)
 
 
-def build_mock_datasets(config: MockGPTDatasetConfig, context: DatasetBuildContext) -> tuple:
-    """``(train, valid, test)`` of :class:`MockGPTDataset`, each sized as the context asks (None for 0)."""
+def build_mock_datasets(config: GPTDatasetConfig, context: DatasetBuildContext) -> tuple:
+    """``(train, valid, test)`` of :class:`MockGPTDataset`, each sized as the context asks (None for 0):
+    for a :class:`MockGPTDatasetConfig`, or a :class:`GPTDatasetConfig` given no data (megatron-core's
+    mock mode), whose token ids stay below the model's vocabulary size."""
+    vocab_size = config.vocab_size if isinstance(config, MockGPTDatasetConfig) else context.vocab_size
 
     def split(name: str, n: int) -> Optional[MockGPTDataset]:
         if n <= 0:
             return None
-        return MockGPTDataset(n, config.seq_length, config.vocab_size, config.random_seed, name)
+        return MockGPTDataset(n, config.seq_length, vocab_size, config.random_seed, name)
 
     return split("train", context.train_samples), split("valid", context.valid_samples), split(
         "test", context.test_samples)
@@ -286,6 +289,8 @@ def build_gpt_datasets(config: GPTDatasetConfig, context: DatasetBuildContext) -
     from megatron.core.datasets.gpt_dataset import GPTDataset
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MCoreGPTDatasetConfig
 
+    if config.mock:  # no data given (megatron-core's mock mode): the toolkit's mock samples
+        return build_mock_datasets(config, context)
     if context.tokenizer is None:
         raise ValueError("GPTDatasetConfig needs the run's tokenizer: build it with "
                          "bridge_hpc.training.tokenizers.build_tokenizer_for(cfg) and pass it to build_datasets")

@@ -496,6 +496,12 @@ class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
             self._finalize_given_blends()
             return
         per_split = {k: getattr(self, k) for k in GPT_DATASET_PATH_KEYS[1:] if getattr(self, k) is not None}
+        if self.data_path is None and not per_split and not isinstance(self, GPTFIMDatasetConfig):
+            # megatron-core's rule: no blend at all means mock data (a config built in Python; a job
+            # file without data paths gets MockGPTDatasetConfig, see dataset_config_class).
+            self.mock, self.split = True, self.split or "1,1,1"
+            _check(self.seq_length is None or self.seq_length > 0, "dataset.seq_length", "must be > 0")
+            return
         _check(self.data_path is not None or per_split, "dataset.data_path",
                "must be set (or train_data_path / valid_data_path / test_data_path)")
         _check(self.data_path is None or not per_split, f"dataset.{next(iter(per_split), 'train_data_path')}",
