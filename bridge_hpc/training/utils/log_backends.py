@@ -224,6 +224,10 @@ class _Backend:
 
 class WandbBackend(_Backend):
     name = "wandb"
+    #: What :meth:`recover` may have to send again: the batches sent to the current writer process in the
+    #: last KEEP_S seconds (a stop signal comes this long at most before the exit checkpoint's batch finds
+    #: the process gone), and the last KEEP_BATCHES in any case.
+    KEEP_S, KEEP_BATCHES = 120.0, 2
 
     def start(self) -> Dict[str, Any]:
         import wandb
@@ -237,6 +241,7 @@ class WandbBackend(_Backend):
                                  config=config_for_backends(self.cfg), settings=self._settings())
         self.run = wandb.init(**self._init_kwargs)
         self.handle = wandb
+        self._recent: List[Tuple[float, List[Record]]] = []
         return {"id": run_id, "project": self.log.wandb_project, "dir": save_dir}
 
     def _settings(self):
@@ -246,21 +251,61 @@ class WandbBackend(_Backend):
         return self.wandb.Settings(**extra)
 
     def send(self, records: List[Record]) -> None:
+        now = time.monotonic()
+        self._recent = [(t, batch) for i, (t, batch) in enumerate(self._recent)
+                        if now - t < self.KEEP_S or i >= len(self._recent) - self.KEEP_BATCHES] + [(now, records)]
         for step, values in records:
             self.run.log(values, step=step, commit=True)
 
     def recover(self, err: BaseException) -> bool:
-        """wandb-core is gone (it exits on SIGTERM, which Slurm sends every process of a preempted job):
-        start a new one on the same run."""
-        try:
-            self.run.finish()
-        except Exception:  # noqa: BLE001 - the old run's process is gone already
-            pass
+        """wandb-core is gone (it exits on SIGTERM, which Slurm sends every process of a preempted job, and
+        drops what it has not written): start a new one on the same run, and send again what the old one
+        had not written: the steps of the recent batches (see :attr:`KEEP_S`) past the last one in its
+        ``.wandb`` file, as ``wandb leet inspect`` reads it (all of them when it cannot be read). The batch
+        that failed is sent again by the caller."""
+        old_file = getattr(self.run.settings, "sync_file", None)
+        for stop in (self.run.finish, self.wandb.teardown):  # the old run, then the connection to its process
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - the process is gone already
+                pass
+        durable = _wandb_last_step(old_file) if old_file else None
+        recent = [r for _, batch in self._recent[:-1] for r in batch if durable is None or r[0] > durable]
+        self._recent = self._recent[-1:]
         self.run = self.wandb.init(**self._init_kwargs)
+        logger.warning("W&B's writer process (wandb-core) was gone, most likely stopped by SIGTERM: a new one "
+                       "continues run %s%s", self._init_kwargs["id"],
+                       f"; steps {recent[0][0]}-{recent[-1][0]} sent again" if recent else "")
+        for step, values in recent:
+            self.run.log(values, step=step, commit=True)
         return True
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def _wandb_last_step(path: str) -> Optional[int]:
+    """The last history step in the ``.wandb`` file ``path`` (``wandb leet inspect --json``, W&B's own
+    reader), 0 for none; None when it cannot be read."""
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", path], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    last = 0
+    for line in proc.stdout.splitlines():
+        if '"history"' in line:
+            try:
+                record = json.loads(line)
+                last = max(last, int(record["history"]["item"]["_step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return last
 
 
 class MlflowBackend(_Backend):
