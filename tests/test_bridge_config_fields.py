@@ -297,3 +297,24 @@ def test_every_refused_field_is_in_the_documented_table():
     documented = {(row.split("`")[1].strip("[]"), name.strip("`")) for row in rows
                   for name in row.split(" ", 2)[2].split(", ")}
     assert documented <= set(refused), documented - set(refused)  # nothing listed that is accepted
+
+
+@pytest.mark.parametrize("change, key", [
+    (lambda cfg: setattr(cfg.scheduler, "lr_decay_iters", 0), "scheduler.lr_decay_iters"),
+    (lambda cfg: setattr(cfg.model, "context_parallel_size", 3), "model.seq_length"),
+    (lambda cfg: (setattr(cfg.checkpoint, "async_save", True), setattr(cfg.checkpoint, "save", None)),
+     "checkpoint.async_save"),
+])
+def test_bridges_cross_checks_are_made(change, key):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_seed_config import _python_built
+
+    cfg = _python_built()
+    change(cfg)
+    cfg.scheduler.lr_warmup_fraction = None
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        cfg.finalize_sections()
+        cfg.validate(world_size=3 if cfg.model.context_parallel_size == 3 else 1)

@@ -583,6 +583,10 @@ class ConfigContainer:
             self.check_data_needs()
             if self.dataset.seq_length is None:
                 self.dataset.seq_length = m.seq_length
+        if m.context_parallel_size > 1:  # megatron-core splits each sequence into 2 x cp chunks (load balance)
+            _check(m.seq_length % (2 * m.context_parallel_size) == 0, "model.seq_length",
+                   f"{m.seq_length} is not divisible by 2 x model.context_parallel_size "
+                   f"({2 * m.context_parallel_size}), which context parallelism needs")
         if isinstance(self.dataset, GPTDatasetConfig) and self.dataset.seq_length is None:
             self.dataset.seq_length = m.seq_length  # mock mode too
         seq_length = getattr(self.dataset, "seq_length", None)
@@ -665,6 +669,9 @@ class ConfigContainer:
             s.wsd_decay_steps = s.lr_wsd_decay_samples or None
             warmup = s.lr_warmup_samples
             key, decay_key = "scheduler.lr_warmup_samples", "lr_decay_samples (by default train.train_samples)"
+        _check(s.lr_decay_steps > 0 or t.train_iters == 0,
+               "scheduler.lr_decay_iters" if t.train_samples is None else "scheduler.lr_decay_samples",
+               "must be > 0: the learning rate decays over it (lr_decay_steps must be > 0)")
         s.lr_warmup_steps = int(s.lr_warmup_fraction * s.lr_decay_steps) if s.lr_warmup_fraction is not None else warmup
         # megatron-core's scheduler asserts warm-up steps < decay steps, whatever the decay style.
         _check(s.lr_warmup_steps < max(s.lr_decay_steps, 1),

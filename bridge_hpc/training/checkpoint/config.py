@@ -166,6 +166,8 @@ class CheckpointConfig:
             "async_ckpt_use_cpu_shm": "the async writer stages tensors in its own pinned buffers",
             "verify_integrity": "every checkpoint is verified against its manifest (sizes) on load already",
         })
+        _check(not self.async_save or self.save is not None, "checkpoint.async_save",
+               "needs checkpoint.save (the folder the background saves write)")
         _check(self.save_retain_interval is None or self.save_retain_interval > 0, "checkpoint.save_retain_interval",
                "must be > 0 (or unset)")
         _check(self.save_retain_interval is None or self.save_interval is not None, "checkpoint.save_retain_interval",
