@@ -1,0 +1,100 @@
+"""``[dist]``'s megatron settings act on the real torch.distributed / megatron-core set-up: gloo groups,
+the rank order, the timeout after the first step, the JIT fuser (issue 27)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from bridge_hpc.training.config import DistributedInitConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bridge_test_helpers import free_port  # noqa: E402
+from test_seed_config import _python_built  # noqa: E402
+
+
+@pytest.fixture
+def gloo_world():
+    """A torch.distributed gloo world of one, without megatron-core's groups (the test makes them)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("use_gloo", [True, False])
+def test_use_gloo_process_groups_decides_whether_megatron_core_makes_them(gloo_world, use_gloo):
+    from megatron.core import parallel_state
+
+    from bridge_hpc.training.engine import parallel
+
+    cfg = _python_built()
+    cfg.dist.use_gloo_process_groups = use_gloo
+    parallel.initialize(cfg)
+    assert (parallel_state._DATA_PARALLEL_GROUP_GLOO is not None) == use_gloo
+
+
+def test_use_tp_pp_dp_mapping_is_megatron_cores_rank_order(gloo_world, monkeypatch):
+    from megatron.core import parallel_state
+
+    from bridge_hpc.training.engine import parallel
+
+    seen = {}
+    real = parallel_state.initialize_model_parallel
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda **kw: (seen.update(kw), real(**kw)))
+    cfg = _python_built()
+    cfg.dist.use_tp_pp_dp_mapping = True
+    parallel.initialize(cfg)
+    assert seen["order"] == "tp-cp-ep-pp-dp" and seen["create_gloo_process_groups"] is True
+
+
+def test_the_short_timeout_reaches_every_process_group_after_the_first_step(gloo_world, monkeypatch):
+    import datetime
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from bridge_hpc.training.engine import parallel
+
+    set_to = []
+    monkeypatch.setattr(c10d, "_set_pg_timeout", lambda timeout, group: set_to.append((timeout, group)))
+    cfg = _python_built()
+    parallel.set_timeout_after_init(cfg)
+    assert set_to == []  # unset: start-up's timeout stays
+    cfg.dist.distributed_timeout_seconds_after_init = 45
+    parallel.set_timeout_after_init(cfg)
+    assert set_to and all(t == datetime.timedelta(seconds=45) for t, _ in set_to)
+    assert {g for _, g in set_to} == set(c10d._world.pg_map)
+
+
+def test_disable_jit_fuser_turns_torchscripts_fusers_off():
+    from bridge_hpc.training.pretrain import disable_jit_fuser
+
+    before = (torch._C._jit_texpr_fuser_enabled(), torch._C._jit_can_fuse_on_cpu(), torch._C._jit_can_fuse_on_gpu())
+    try:
+        disable_jit_fuser()
+        assert (torch._C._jit_texpr_fuser_enabled(), torch._C._jit_can_fuse_on_cpu(),
+                torch._C._jit_can_fuse_on_gpu()) == (False, False, False)
+    finally:
+        torch._C._jit_set_texpr_fuser_enabled(before[0])
+        torch._C._jit_override_can_fuse_on_cpu(before[1])
+        torch._C._jit_override_can_fuse_on_gpu(before[2])
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"sharp_enabled_group": "dp"}, "dist.sharp_enabled_group"),
+    ({"high_priority_stream_groups": ["dpp"]}, "dist.high_priority_stream_groups"),
+    ({"distributed_timeout_seconds_after_init": 0}, "dist.distributed_timeout_seconds_after_init"),
+])
+def test_bad_dist_values_name_the_key(values, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        DistributedInitConfig(**values).finalize()
