@@ -98,3 +98,37 @@ def test_disable_jit_fuser_turns_torchscripts_fusers_off():
 def test_bad_dist_values_name_the_key(values, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         DistributedInitConfig(**values).finalize()
+
+
+WEIGHT_HASH_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from megatron.core import parallel_state
+from bridge_hpc.training.train import check_weight_hashes_across_dp_replicas
+dist.init_process_group("gloo")
+parallel_state.initialize_model_parallel(1, 1)
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 4)
+check_weight_hashes_across_dp_replicas([model], 5)  # equal replicas: nothing happens
+with torch.no_grad():
+    model.bias[0] += rank  # replica 1 drifts
+try:
+    check_weight_hashes_across_dp_replicas([model], 10)
+except RuntimeError as err:
+    print(f"rank {rank}: {err}", flush=True)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+def test_replicas_whose_weights_differ_stop_the_run_naming_the_parameters(tmp_path):
+    import subprocess
+
+    script = tmp_path / "hash.py"
+    script.write_text(WEIGHT_HASH_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for rank in (0, 1):  # every rank stops, so none waits in the next collective
+        assert f"rank {rank}: at iteration 10 the data-parallel replicas' weights differ (1 parameters, e.g. 0:bias)" \
+            in proc.stdout
