@@ -381,6 +381,7 @@ def test_bridge_loggers_and_the_moe_fanout_join_the_step(tmp_path):
 
 DEFAULTS = """
 import sys, time
+import bridge_hpc.training.pretrain  # everything a rank imports (megatron-core imports wandb itself when installed)
 from bridge_hpc.training.run import build_config
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.engine.metrics import RunStart
@@ -395,7 +396,8 @@ for step in range(1, 21):
         m.log_checkpoint_saved(step, 0.1)
 state.close()
 new = set(sys.modules) - before
-print(sorted(n for n in new if n.split(".")[0] in ("wandb", "mlflow", "comet_ml", "bridge_hpc")))
+print(sorted(n for n in new if n.split(".")[0] in ("wandb", "mlflow", "comet_ml", "bridge_hpc")),
+      "bridge_hpc.training.utils.log_backends" in sys.modules)
 print(m.backends, state.wandb_logger, state.mlflow_logger, state.comet_logger)
 """
 
@@ -404,7 +406,7 @@ def test_the_defaults_import_no_backend_and_start_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-c", DEFAULTS, str(tmp_path / "run"), str(TINY)], capture_output=True,
                           text=True, timeout=300, env=backend_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["[]", "None None None None"]
+    assert proc.stdout.splitlines() == ["[] False", "None None None None"]
     assert not (tmp_path / "run" / LOGGER_RUNS_FILE).exists()
 
 

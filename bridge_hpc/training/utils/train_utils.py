@@ -40,7 +40,6 @@ from bridge_hpc.contracts import metrics_file
 from bridge_hpc.training.config import ProfilingConfig, TrainingConfig
 from bridge_hpc.training.engine.collectives import comm_device
 from bridge_hpc.training.state import GlobalState, TrainState
-from bridge_hpc.training.utils.log_backends import sanitize_mlflow_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -671,6 +670,8 @@ class _MoeMetricFanoutWriter:
         if self._tb_writer is not None:
             self._tb_writer.add_scalar(name, value, iteration)
         if self._mlflow_logger is not None or self._comet_logger is not None:
+            from bridge_hpc.training.utils.log_backends import sanitize_mlflow_metrics
+
             metrics = {name: self._sanitize(value)}
             if self._mlflow_logger is not None:
                 self._mlflow_logger.log_metrics(sanitize_mlflow_metrics(metrics), step=iteration)
