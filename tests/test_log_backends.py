@@ -473,3 +473,38 @@ def test_a_comet_key_given_by_set_or_a_profile_is_refused_naming_where(tmp_path)
                            'logger.comet_api_key="sk-SECRET-8"'], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 2 and "(--set logger.comet_api_key)" in proc.stderr and "SECRET" not in proc.stderr
+
+
+def test_a_run_that_cannot_be_continued_is_a_new_one_named_with_the_restart_count(tmp_path):
+    """Comet cannot continue an online experiment offline (nor the reverse), MLflow a run of another store:
+    a new experiment / run named ``<name> (restart N)``, which later runs of the job continue."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = {"comet": {"key": "f" * 32, "offline": False, "logged_through": 20},  # an online experiment before
+           "mlflow": {"run_id": "0" * 32, "tracking_uri": "file:///elsewhere", "logged_through": 20}}
+    (run_dir / LOGGER_RUNS_FILE).write_text(json.dumps(old))
+    on = ['logger.mlflow_experiment="bridge-test"', 'logger.mlflow_run_name="tiny"',
+          'logger.comet_project="bridge-test"', 'logger.comet_experiment_name="tiny"']
+    run_of_job(run_dir, 20, 30, 3, on=on)
+    run_of_job(run_dir, 30, 40, 4, on=on)
+    runs = json.loads((run_dir / LOGGER_RUNS_FILE).read_text())
+    assert runs["comet"]["key"] != "f" * 32 and runs["comet"]["offline"] is True
+    assert runs["mlflow"]["run_id"] != "0" * 32 and runs["mlflow"]["logged_through"] == 40
+    from comet_ml.config import OFFLINE_EXPERIMENT_MESSAGES_JSON_FILE_NAME
+
+    names = []
+    for path in glob.glob(str(run_dir / COMET_DIR / "*.zip")):
+        with zipfile.ZipFile(path) as archive:
+            for line in archive.read(OFFLINE_EXPERIMENT_MESSAGES_JSON_FILE_NAME).decode().splitlines():
+                payload = json.loads(line)["payload"]
+                if payload.get("key") == "Name":
+                    names.append(payload["value"])
+    assert names == ["tiny (restart 3)"]  # set once, by the run that created it; run 4 continued it
+    assert sorted(p for _, pts in comet_archives(run_dir) for p in pts) == [(s, 40.0 + s / 100) for s in range(21, 31)] + \
+        [(s, 50.0 + s / 100) for s in range(31, 41)]
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=runs["mlflow"]["tracking_uri"])
+    assert client.get_run(runs["mlflow"]["run_id"]).info.run_name == "tiny (restart 3)"
+    assert [m.step for m in client.get_metric_history(runs["mlflow"]["run_id"], "lm loss")] == list(range(21, 41))

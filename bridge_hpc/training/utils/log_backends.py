@@ -155,8 +155,13 @@ def _scalar(value: Any) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def _one_line(err: BaseException) -> str:
+def _one_line(err: BaseException, logger_cfg: Any = None) -> str:
+    """``err`` as one line of at most ~300 characters, without any API key it may quote."""
     text = " ".join(str(err).split())
+    for secret in (os.environ.get("WANDB_API_KEY"), os.environ.get("COMET_API_KEY"),
+                   comet_api_key(logger_cfg) if logger_cfg is not None else None):
+        if secret and len(secret.strip()) >= 4:
+            text = text.replace(secret.strip(), REDACTED)
     return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
 
 
@@ -343,10 +348,13 @@ class MlflowBackend(_Backend):
                 name = f"{name} (restart {self.restart_count})"
             tags = {str(k): str(v) for k, v in (self.log.mlflow_tags or {}).items()}
             run_id = client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
-            params = [Param(key[:250], str(value)[: self.PARAM_CHARS])
+            params = [Param(_MLFLOW_BAD.sub("_", key)[:250], str(value)[: self.PARAM_CHARS])
                       for key, value in flatten(config_for_backends(self.cfg)).items()]
-            for i in range(0, len(params), self.PARAMS):
-                client.log_batch(run_id, params=params[i:i + self.PARAMS])
+            try:
+                for i in range(0, len(params), self.PARAMS):
+                    client.log_batch(run_id, params=params[i:i + self.PARAMS])
+            except Exception as err:  # noqa: BLE001 - the config is a record; the metrics matter more
+                logger.warning("MLflow: the config was not recorded as params (%s)", _one_line(err))
         self.run_id = run_id
         mlflow.set_tracking_uri(uri)  # for the fluent calls GlobalState.mlflow_logger passes on
         self.handle = mlflow
@@ -400,7 +408,7 @@ class CometBackend(_Backend):
                 experiment = cls(experiment_key=previous, **common)
             except Exception as err:  # noqa: BLE001 - a new experiment instead, named with the restart
                 logger.warning("Comet experiment %s cannot be continued (%s): starting a new one", previous,
-                               _one_line(err))
+                               _one_line(err, self.log))
         if experiment is None:
             cls = comet_ml.OfflineExperiment if offline else comet_ml.Experiment
             experiment = cls(experiment_key=uuid.uuid4().hex, **common)
@@ -549,7 +557,7 @@ class LogBackends:
     def _fail(self, name: str, what: str, err: BaseException) -> None:
         if name in self._failed:
             return
-        self._failed[name] = _one_line(err)
+        self._failed[name] = _one_line(err, self.cfg.logger)
         hint = ""
         if isinstance(err, ImportError):
             hint = f" (pip install 'bridge_hpc[loggers]', or unset logger.{SWITCHES[name]})"
