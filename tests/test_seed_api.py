@@ -84,6 +84,16 @@ SEED_NAMES = [
     "training.utils.train_utils.report_throughput",
     "training.utils.train_utils.start_memory_history_recording",
     "training.utils.train_utils.training_log",
+    # private helpers the pages document
+    "training.config._get_key_config_values",
+    "training.config._get_mcore_transformer_parent",
+    "training.config._get_non_default_values",
+    "training.train._finish_train",
+    "training.train._handle_mxfp8_param_buffer_copy",
+    "training.utils.train_utils._MoeMetricFanoutWriter",
+    "training.utils.train_utils._build_moe_metric_writer",
+    "training.utils.train_utils._ensure_model_list",
+    "training.utils.train_utils._freeze_parameter_if_present",
 ]
 
 #: Functions called positionally by Bridge users' code: Bridge's parameter names, in order.
@@ -97,6 +107,17 @@ SIGNATURES = {
     "training.train.enable_forward_pre_hook": ["model"],
     "training.train.disable_forward_pre_hook": ["model", "param_sync"],
     "training.config.runtime_config_update": ["cfg"],
+    "training.config._get_non_default_values": ["config_obj", "mcore_class"],
+    "training.config._get_key_config_values": ["config_obj"],
+    "training.config._get_mcore_transformer_parent": ["model_config"],
+    "training.train._finish_train": ["global_state"],
+    "training.train._handle_mxfp8_param_buffer_copy": ["optimizer", "reuse_grad_buf_for_mxfp8_param_ag",
+                                                        "overlap_param_gather"],
+    "training.utils.train_utils._build_moe_metric_writer": ["tb_writer", "comet_logger", "mlflow_logger"],
+    "training.utils.train_utils.training_log": [
+        "loss_dict", "total_loss_dict", "learning_rate", "decoupled_learning_rate", "loss_scale", "report_memory_flag",
+        "skipped_iter", "grad_norm", "params_norm", "num_zeros_in_grad", "config", "global_state", "history_wct",
+        "model", "pg_collection", "log_max_attention_logit", "loaded_iteration", "seq_length"],
 }
 
 
