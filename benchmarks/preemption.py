@@ -24,8 +24,9 @@ requeued run cost beyond the median step, and each part against its floor on thi
 measured after the cycles where the run writes: the state's bytes over the disk's write bandwidth
 (4 files written at once, fsynced) for the exit save, over the page cache's read bandwidth for the
 load, and a process start (Python, torch imported, CUDA initialized). Then (unless
-``--no-compare``) the same job is trained from scratch without a stop to the last step the
-preempted runs reached, and every step's loss is compared bit for bit. ``--new-node`` drops the
+``--no-compare``) the bitwise check: the same job with ``model.deterministic_mode`` (with the
+job's defaults two uninterrupted runs differ from the second step on) is preempted once and
+resumed, and every step's loss is compared bit for bit with that job trained without a stop. ``--new-node`` drops the
 checkpoints from the page cache before each restart, as a requeued job finds them on another node
 (where the rank reads its checkpoint ahead while it imports). ``--tiny`` runs the same cycles with a
 small model on CPU: it checks the script (and the direct start, signal and resume path), not the
@@ -151,7 +152,7 @@ def preempt_every(run_dir: Path, iters: int, every: int) -> dict:
             "goodput": report["totals"]["goodput"], "runs": report["totals"]["runs"]}
 
 
-def _gpu_job(folder: Path, tiny: bool) -> Path:
+def _gpu_job(folder: Path, tiny: bool, deterministic: bool = False) -> Path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from indexed_vs_mock import GPT_370M, TINY, job_toml, mock_section
 
@@ -160,6 +161,8 @@ def _gpu_job(folder: Path, tiny: bool) -> Path:
     text = text.replace("[checkpoint]\n", "[checkpoint]\nasync_save = true\n")
     # progress.txt gives the start-up, load and lost steps of each run (the Slurm path's jobs log it too).
     text = text.replace("[logger]\n", "[logger]\nlog_progress = true\n")
+    if deterministic:
+        text = text.replace("[model]\n", "[model]\ndeterministic_mode = true\n")
     job = folder / "job.toml"
     job.write_text(text)
     return job
@@ -192,13 +195,14 @@ def _run_until(proc: subprocess.Popen, run_dir: Path, step: int, what: str) -> N
         time.sleep(0.05)
 
 
-def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False, new_node: bool = False) -> dict:
+def gpu_preemptions(folder: Path, cycles: int, steps: int, tiny: bool = False, new_node: bool = False,
+                    deterministic: bool = False) -> dict:
     """``cycles`` preemptions of a one-GPU run, ``steps`` steps after each start (see the module doc).
     ``new_node``: before each restart the checkpoints are dropped from the page cache, as a requeued
-    job finds them on another node."""
+    job finds them on another node. ``deterministic``: the job sets ``model.deterministic_mode``."""
     import signal
 
-    job, run_dir = _gpu_job(folder, tiny), folder / "run"
+    job, run_dir = _gpu_job(folder, tiny, deterministic), folder / "run"
     exits = []
     for cycle in range(cycles + 1):
         log = open(folder / f"run{cycle}.log", "w")
@@ -380,13 +384,20 @@ def gpu_main(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="bridge-preemption-gpu-", dir=args.dir))
     r = gpu_preemptions(work, args.cycles, args.steps, args.tiny, args.new_node)
     if args.compare:
-        # Resumed bit for bit: every step of the preempted runs against a run that never stopped.
-        preempted = losses(work / "run")
-        straight = uninterrupted_losses(work, Path(r["job"]), r["final_step"])
+        # Resumed bit for bit: the losses of a run preempted once against a run that never stopped.
+        # With the job's defaults two uninterrupted runs already differ from step 2 on (on an H100:
+        # SDPA's flash backward accumulates in no fixed order), so the pair sets deterministic_mode.
+        exact = work / "exact"
+        exact.mkdir()
+        e = gpu_preemptions(exact, 1, args.compare_steps, args.tiny, deterministic=True)
+        preempted = losses(exact / "run")
+        straight = uninterrupted_losses(exact, Path(e["job"]), e["final_step"])
         steps = sorted(set(preempted) & set(straight))
         differ = [s for s in steps if preempted[s] != straight[s]]
-        r["compared_steps"], r["differing_steps"] = len(steps), differ[:20]
-        r["losses_bitwise_equal"] = not differ and steps == list(range(1, r["final_step"] + 1))
+        r["exact"] = {"preempted_at": e["exits"][0]["at_step"], "final_step": e["final_step"],
+                      "compared_steps": len(steps), "differing_steps": differ[:20],
+                      "lost_per_preemption_s": e["lost_per_preemption_s"],
+                      "losses_bitwise_equal": not differ and steps == list(range(1, e["final_step"] + 1))}
     if not args.tiny:
         r["state_bytes"] = checkpoint_bytes(work / "run")
         r["floors"] = measure_floors(work, r["state_bytes"])
@@ -405,9 +416,11 @@ def gpu_main(args) -> int:
         print("(checkpoints dropped from the page cache before each restart: a requeue onto another node)")
     print(f"first run's start-up to its first step: {r['startup_to_first_step_s'][0]:.1f} s; step {r['step_s']:.3f} s")
     if args.compare:
-        print(f"losses of steps 1-{r['final_step']} against an uninterrupted run: "
-              + ("bitwise equal" if r["losses_bitwise_equal"] else
-                 f"NOT equal ({r['compared_steps']} compared; differing steps {r['differing_steps']})"))
+        x = r["exact"]
+        print(f"deterministic_mode, preempted at step {x['preempted_at']} (lost {x['lost_per_preemption_s'][0]:.2f} s): "
+              f"losses of steps 1-{x['final_step']} against an uninterrupted run: "
+              + ("bitwise equal" if x["losses_bitwise_equal"] else
+                 f"NOT equal ({x['compared_steps']} compared; differing steps {x['differing_steps']})"))
     print_startup_phases(r["startup_phases_s"])
     if "floors" in r:
         print_floors(r)
@@ -430,7 +443,10 @@ def main() -> int:
                    help="cuda: a small model on CPU instead: checks the script, not the figure")
     p.add_argument("--dir", default=None, help="cuda: where the run folder goes (default: a temporary folder)")
     p.add_argument("--no-compare", dest="compare", action="store_false",
-                   help="cuda: skip the uninterrupted run whose losses the preempted runs' are compared with")
+                   help="cuda: skip the bitwise check (a run with model.deterministic_mode preempted once, "
+                        "and the same run uninterrupted)")
+    p.add_argument("--compare-steps", type=int, default=12,
+                   help="cuda: steps of each run of the bitwise check (default 12)")
     p.add_argument("--new-node", action="store_true",
                    help="cuda: drop the checkpoints from the page cache before each restart, as a requeued job "
                         "finds them on another node (the checkpoint is then read ahead while the rank imports)")
