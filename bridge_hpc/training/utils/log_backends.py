@@ -244,7 +244,15 @@ class WandbBackend(_Backend):
         self._init_kwargs = dict(project=self.log.wandb_project, entity=self.log.wandb_entity,
                                  name=self.log.wandb_exp_name, dir=save_dir, id=run_id, resume="allow",
                                  config=config_for_backends(self.cfg), settings=self._settings())
-        self.run = wandb.init(**self._init_kwargs)
+        try:
+            self.run = wandb.init(**self._init_kwargs)
+        except Exception as err:  # noqa: BLE001 - wandb-core can fail to come up once (seen: exit code 128)
+            logger.info("W&B did not start (%s): trying once more", _one_line(err, self.log))
+            try:
+                wandb.teardown()
+            except Exception:  # noqa: BLE001
+                pass
+            self.run = wandb.init(**self._init_kwargs)
         self.handle = wandb
         self._recent: List[Tuple[float, List[Record]]] = []
         return {"id": run_id, "project": self.log.wandb_project, "dir": save_dir}
