@@ -146,6 +146,8 @@ def _parallel_reader(base: type) -> type:
                 else:
                     read_with_torch(share)
 
+            if mapped and torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # the targets' earlier GPU work is done (mapped_read's copies use streams of their own)
             if count == 1:
                 read(groups[0])
             else:
