@@ -43,18 +43,22 @@ class TrainState:
 
 
 class _Timer:
-    """Wall-clock timer; synchronizes CUDA so GPU work is counted where it ran."""
+    """Wall-clock timer; synchronizes CUDA so GPU work is counted where it ran. With ``nvtx`` its
+    interval is also an NVTX range of its name (``profiling.nvtx_ranges``, for nsys)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, nvtx: bool = False):
         self.name = name
         self._elapsed = 0.0
         self._start: Optional[float] = None
+        self._nvtx = nvtx and torch.cuda.is_available()
 
     def start(self, barrier: bool = False) -> None:
         if barrier and torch.distributed.is_initialized():
             torch.distributed.barrier()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        if self._nvtx:
+            torch.cuda.nvtx.range_push(self.name)
         self._start = time.perf_counter()
 
     def stop(self, barrier: bool = False) -> None:
@@ -64,6 +68,8 @@ class _Timer:
             torch.distributed.barrier()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        if self._nvtx:
+            torch.cuda.nvtx.range_pop()
         self._elapsed += time.perf_counter() - self._start
         self._start = None
 
@@ -91,23 +97,49 @@ class _NullTimer:
         return 0.0
 
 
+class _NvtxRange(_NullTimer):
+    """A timer that times nothing but marks its interval as an NVTX range (``profiling.nvtx_ranges``
+    with timing off: nsys sees the phases, the step pays no synchronization)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._open = False
+
+    def start(self, barrier: bool = False) -> None:
+        torch.cuda.nvtx.range_push(self.name)
+        self._open = True
+
+    def stop(self, barrier: bool = False) -> None:
+        if self._open:
+            torch.cuda.nvtx.range_pop()
+            self._open = False
+
+
 class Timers:
     """``timers(name, log_level).start()/.stop()/.elapsed()`` as megatron's Timers.
 
     megatron-core's own Timers call ``torch.cuda`` unconditionally, hence this small replacement.
-    Timers above ``timing_log_level`` are no-ops, so fine-grained timing costs nothing when off.
+    Timers above ``timing_log_level`` are no-ops, so fine-grained timing costs nothing when off (with
+    ``nvtx`` they still mark NVTX ranges on GPUs). ``log_option`` is ``logger.timing_log_option``:
+    how :func:`bridge_hpc.training.utils.train_utils.training_log` reduces the ranks' times (``max``,
+    ``minmax`` or ``all``), as Megatron's Timers(log_level, log_option).
     """
 
-    def __init__(self, log_level: int):
+    def __init__(self, log_level: int, log_option: str = "minmax", nvtx: bool = False):
         self.log_level = log_level
+        self.log_option = log_option
+        self.nvtx = nvtx and torch.cuda.is_available()
         self._timers: Dict[str, _Timer] = {}
         self._null = _NullTimer()
+        self._ranges: Dict[str, _NvtxRange] = {}
 
     def __call__(self, name: str, log_level: int = 0):
         if log_level > self.log_level:
+            if self.nvtx:
+                return self._ranges.setdefault(name, _NvtxRange(name))
             return self._null
         if name not in self._timers:
-            self._timers[name] = _Timer(name)
+            self._timers[name] = _Timer(name, nvtx=self.nvtx)
         return self._timers[name]
 
     def elapsed_all(self, reset: bool = True) -> Dict[str, float]:
@@ -196,8 +228,11 @@ class GlobalState:
     @property
     def timers(self) -> Timers:
         if self._timers is None:
-            level = self.cfg.logger.timing_log_level if self.cfg is not None else 0
-            self._timers = Timers(level)
+            if self.cfg is not None:
+                log = self.cfg.logger
+                self._timers = Timers(log.timing_log_level, log.timing_log_option, self.cfg.profiling.nvtx_ranges)
+            else:
+                self._timers = Timers(0)
         return self._timers
 
     @property
@@ -244,7 +279,8 @@ class GlobalState:
 
                 backends = LogBackends(self.cfg)
             self._metrics = MetricsLogger(log.metrics_file, self.rank, self.world_size, log.tensorboard_dir,
-                                          log.tensorboard_log_interval, backends=backends)
+                                          log.tensorboard_log_interval, backends=backends,
+                                          tensorboard_queue_size=log.tensorboard_queue_size)
         return self._metrics
 
     def close(self) -> None:

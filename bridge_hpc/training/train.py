@@ -233,7 +233,8 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
 
     graph = global_state.full_iteration_graph  # model.cuda_graph_impl = "full_iteration"
 
-    timers("forward-backward", log_level=1).start()
+    barrier = cfg.logger.barrier_with_L1_time  # level-1 timers start and stop together on every rank
+    timers("forward-backward", log_level=1).start(barrier=barrier)
     while rerun_state_machine.should_run_forward_backward(data_iterator):
         zero_grads(model, optimizer)
         _handle_mxfp8_param_buffer_copy(optimizer, cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag,
@@ -255,7 +256,7 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
         reports, "train", local_observations(global_state))
     if cfg.train.empty_unused_memory_level >= 2 and torch.cuda.is_available():
         torch.cuda.empty_cache()  # Megatron's level 2: also between forward-backward and the optimizer step
-    timers("optimizer", log_level=1).start()
+    timers("optimizer", log_level=1).start(barrier=barrier)
     update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     timers("optimizer", log_level=1).stop()
     if cfg.model.model_parallel_size > 1:  # ranks that hold parts of one model agree
@@ -333,7 +334,7 @@ def evaluate_and_print_results(state: GlobalState, prefix: str, forward_step_fun
         for key, value in values.items():
             parts.append(f"{key} value: {value:.6E} | {key} PPL: {math.exp(min(20.0, value)):.6E}")
         print(" | ".join(parts), flush=True)
-    state.metrics.validation(step, values)
+    state.metrics.validation(step, values, perplexity=state.cfg.logger.log_validation_ppl_to_tensorboard)
     if collected is not None:
         process_non_loss_data_func(collected, step, state.tensorboard_logger)
     return values
@@ -535,10 +536,10 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
                 with forward_pre_hooks_off(global_state, model):
                     evaluate_and_print_results(global_state, f"iteration {ts.step}", forward_step_func,
                                                valid_data_iterator, model, process_non_loss_data_func, non_loss_data_func)
-            learning_rate = optimizer.param_groups[0]["lr"] if optimizer.param_groups else None
+            learning_rate, decoupled_learning_rate = _learning_rates(optimizer, cfg)
             if not cfg.logger.skip_train_metrics_log:
-                # loss_scale 1.0: training_log does not record it (reading it would synchronize the device)
-                report_memory_flag = training_log(loss_dict, total_loss_dict, learning_rate, None, 1.0,
+                report_memory_flag = training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate,
+                                                  _loss_scale(optimizer, cfg, ts.step),
                                                   report_memory_flag, skipped_iter, grad_norm, None, num_zeros_in_grad,
                                                   cfg, global_state, history_wct, model, step_time_s=step_time_s)
             post_training_step_callbacks(model, step_flops, None, ts.step, prof, cfg)
@@ -579,6 +580,27 @@ def _handle_mxfp8_param_buffer_copy(optimizer, reuse_grad_buf_for_mxfp8_param_ag
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(inner, DistributedOptimizer):
             inner._copy_main_params_to_param_buffer()
+
+
+def _learning_rates(optimizer, cfg) -> Tuple[Optional[float], Optional[float]]:
+    """The learning rate of the first parameter group without a decoupled one, and with
+    ``optimizer.decoupled_lr`` the rate of the groups that follow it (the embedding and output layer's;
+    see ``engine.config.default_config_overrides``), as Bridge's loop reports both."""
+    groups = optimizer.param_groups
+    decoupled = cfg.optimizer.decoupled_lr
+    if decoupled is None:
+        return (groups[0]["lr"] if groups else None), None
+    plain = [g["lr"] for g in groups if g.get("max_lr") != decoupled]
+    coupled = [g["lr"] for g in groups if g.get("max_lr") == decoupled]
+    return (plain[0] if plain else None), (coupled[0] if coupled else None)
+
+
+def _loss_scale(optimizer, cfg, step: int) -> float:
+    """The fp16 loss scale, read on log steps only (reading it waits for the device); 1.0 otherwise and
+    without a scaler (bf16, fp32, CPU)."""
+    if step % cfg.logger.log_interval != 0:
+        return 1.0
+    return float(optimizer.get_loss_scale())
 
 
 def skip_iteration(state: GlobalState, data_iterator) -> None:

@@ -32,6 +32,7 @@ requeued (that module says why and how).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ TENSORBOARD_TAGS = {
     "skipped": "skipped-iterations",
     "num_zeros_in_grad": "num-zeros",
     "decoupled_lr": "decoupled-learning-rate",
+    "loss_scale": "loss-scale",
+    "world_size": "world-size",
+    "device_memory_used_gb": "mem-device-memory-used-gb",
 }
 #: Seconds one checkpoint save blocked training, at the saved step (Megatron's ``save-checkpoint`` timer).
 SAVE_TAG = "save-checkpoint-time"
@@ -89,15 +93,17 @@ class MetricsLogger:
     ``tensorboard_dir`` None or "" turns TensorBoard off. Per step, the TensorBoard rank only queues
     scalars, and only every ``tensorboard_log_interval`` steps: SummaryWriter's own thread writes them.
     ``backends``: the job's W&B / MLflow / Comet (a :class:`~bridge_hpc.training.utils.log_backends.LogBackends`,
-    given on every rank; only the last rank opens it), None when all are off.
+    given on every rank; only the last rank opens it), None when all are off. ``tensorboard_queue_size``
+    (``logger.tensorboard_queue_size``): events the writer holds before it writes them.
     """
 
     def __init__(self, path: Optional[str], rank: int, world_size: int, tensorboard_dir: Optional[str],
-                 tensorboard_log_interval: int = 1, backends: Any = None):
+                 tensorboard_log_interval: int = 1, backends: Any = None, tensorboard_queue_size: int = 1000):
         self.path = path if rank == 0 else None
         self._rank, self._world_size = rank, world_size
         self._tensorboard_dir = tensorboard_dir or None
         self._tb_interval = tensorboard_log_interval
+        self._queue_size = tensorboard_queue_size
         self._file = None
         #: The SummaryWriter (last rank, TensorBoard on, after :meth:`open`), else None.
         self.writer = None
@@ -151,7 +157,7 @@ class MetricsLogger:
             raise ConfigError(f"TensorBoard is on ({self._tensorboard_dir}) but cannot be imported here ({err}); "
                               'install it (pip install tensorboard) or set logger.tensorboard_dir = ""',
                               key="logger.tensorboard_dir") from None
-        self.writer = SummaryWriter(log_dir=self._tensorboard_dir, purge_step=first, max_queue=1000)
+        self.writer = SummaryWriter(log_dir=self._tensorboard_dir, purge_step=first, max_queue=self._queue_size)
         self._add(values, first)
         self._startup_from = run.started_at
 
@@ -192,13 +198,18 @@ class MetricsLogger:
         if self.backends is not None:
             self.backends.add(step, values)
 
-    def validation(self, step: int, values: Dict[str, float]) -> None:
+    def validation(self, step: int, values: Dict[str, float], perplexity: bool = False) -> None:
         """An evaluation at ``step`` (``{loss name: value}``): to TensorBoard now (``<name> validation``,
-        Megatron's tags), and its ``lm loss`` (else its first loss) into metrics.jsonl's record of
-        ``step``, which :meth:`log` writes next."""
+        Megatron's tags; with ``perplexity``, ``logger.log_validation_ppl_to_tensorboard``, also
+        ``<name> validation ppl``, exp of the loss capped at exp(20) as Megatron caps it), and its
+        ``lm loss`` (else its first loss) into metrics.jsonl's record of ``step``, which :meth:`log`
+        writes next."""
         if values:
             self._validation = (step, values.get("lm loss", next(iter(values.values()))))
-        self.log_scalars({f"{key} validation": value for key, value in values.items()}, step)
+        scalars = {f"{key} validation": value for key, value in values.items()}
+        if perplexity:
+            scalars.update({f"{key} validation ppl": math.exp(min(20.0, value)) for key, value in values.items()})
+        self.log_scalars(scalars, step)
 
     def log_checkpoint_saved(self, step: int, save_s: float) -> None:
         """A checkpoint of ``step`` was saved in ``save_s`` seconds. The event file is flushed: whatever

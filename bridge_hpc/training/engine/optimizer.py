@@ -216,6 +216,10 @@ class TorchOptimizer:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
+    def get_loss_scale(self) -> torch.Tensor:
+        """megatron's interface: no loss scaling on CPU (there is no fp16 training there)."""
+        return torch.tensor(1.0)
+
     def step(self):
         # Counted before clipping, as megatron-core counts them (``optimizer.log_num_zeros_in_grad``).
         zeros = self._num_zeros_in_grad() if self.count_zeros else None

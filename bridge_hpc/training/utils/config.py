@@ -112,9 +112,6 @@ class LoggerConfig:
                "logger.tensorboard_dir", f'expected a folder path, or "" to turn TensorBoard off, got {self.tensorboard_dir!r}')
         if self.tensorboard_dir == "":
             self.tensorboard_dir = None
-        _check(self.timing_log_level <= 0, "logger.timing_log_level",
-               "must be -1 or 0: bridge_hpc times whole steps (iteration time, throughput), it has no per-operation "
-               "timers for levels 1 and 2")
         for name, why in (
             ("log_max_attention_logit", "megatron-core records it only for its MoE/MLA QK-clip attention, which "
                                         "bridge_hpc's GPTs do not use"),

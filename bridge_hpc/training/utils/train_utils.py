@@ -679,6 +679,41 @@ class _MoeMetricFanoutWriter:
                 self._comet_logger.log_metrics(metrics, step=iteration)
 
 
+def _timer_reports(global_state: GlobalState, record: Optional[Dict[str, Any]]) -> List[str]:
+    """With ``logger.timing_log_level`` >= 1: each timer's milliseconds per step since the last log step,
+    reduced over the ranks as ``logger.timing_log_option`` says (``max``; ``minmax``: the fastest and
+    the slowest rank; ``all``: every rank), as Megatron's timers report them. Added to ``record`` (the
+    max, ``<name>-time``) when given; returns the console lines (rank 0 prints them). A collective on
+    log steps, which every rank reaches (the loop calls :func:`training_log` on every rank)."""
+    cfg, timers = global_state.cfg, global_state.timers
+    if cfg.logger.timing_log_level < 1:
+        return []
+    steps = max(cfg.logger.log_interval, 1)
+    names = sorted(timers.elapsed_all(reset=False))
+    if not names:
+        return []
+    local = torch.tensor([timers(name, 0).elapsed(reset=True) * 1000 / steps for name in names], dtype=torch.float64)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        device = comm_device()
+        gathered = [torch.empty_like(local, device=device) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(gathered, local.to(device))
+        per_rank = torch.stack([g.cpu() for g in gathered])
+    else:
+        per_rank = local.unsqueeze(0)
+    if record is not None:
+        record.update({f"{name}-time": float(per_rank[:, i].max()) for i, name in enumerate(names)})
+    option = timers.log_option
+    if option == "max":
+        cells = [f"{name}: {float(per_rank[:, i].max()):.2f}" for i, name in enumerate(names)]
+    elif option == "minmax":
+        cells = [f"{name}: ({float(per_rank[:, i].min()):.2f}, {float(per_rank[:, i].max()):.2f})"
+                 for i, name in enumerate(names)]
+    else:
+        cells = [f"{name}: " + ", ".join(f"{float(v):.2f}" for v in per_rank[:, i]) for i, name in enumerate(names)]
+    what = {"max": "max", "minmax": "(min, max)", "all": "per rank"}[option]
+    return [f"(ms per step, {what}) " + " | ".join(cells)]
+
+
 def _build_moe_metric_writer(tb_writer: Optional[Any], comet_logger: Optional[Any],
                              mlflow_logger: Optional[Any]) -> Optional[Any]:
     """Return a writer suitable for megatron-core's MoE/MTP metric helpers: the TB writer itself when
@@ -726,7 +761,8 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
     Args (Bridge's, in Bridge's order): ``loss_dict`` (this step's reduced losses); ``total_loss_dict``
     (accumulates Megatron's interval totals, ``advanced iterations``, ``skipped iterations``, ``nan
     iterations`` and each loss's sum, reset on log steps); ``learning_rate``; ``decoupled_learning_rate``
-    (recorded as ``decoupled_lr`` when not None); ``loss_scale`` (not recorded); ``report_memory_flag``;
+    (recorded as ``decoupled_lr`` when not None); ``loss_scale`` (recorded on log steps with
+    ``logger.log_loss_scale_to_tensorboard``, Megatron's ``loss-scale``); ``report_memory_flag``;
     ``skipped_iter``; ``grad_norm``; ``params_norm`` (used when given, else computed on log steps with
     ``logger.log_params_norm``); ``num_zeros_in_grad``; ``config``; ``global_state``; ``history_wct`` (end
     times of recent steps, ``time.time() - global_state.start_time``); ``model``; ``pg_collection`` (its
@@ -746,7 +782,12 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
     ``model``), ``log_memory_to_tensorboard`` (``memory/...``, the MAX over pipeline stages),
     ``log_throughput_to_tensorboard`` (``throughput/...`` over the last ``throughput_window_size`` times
     of ``history_wct``), ``log_runtime_to_tensorboard`` (``time/...``) and
-    ``log_l2_norm_grad_to_tensorboard`` (``l2_norm/grad/...``; needs ``model``). TensorBoard writes a
+    ``log_l2_norm_grad_to_tensorboard`` (``l2_norm/grad/...``; needs ``model``),
+    ``log_loss_scale_to_tensorboard`` (``loss-scale``), ``log_world_size_to_tensorboard`` (``world-size``),
+    ``log_device_memory_used`` (``mem-device-memory-used-gb``, what the driver reports as used on this
+    rank's GPU), and with ``timing_log_level`` >= 1 the step's timers (:func:`_timer_reports`: on the
+    console line, and with ``log_timers_to_tensorboard`` as ``<name>-time``). Every
+    ``log_memory_interval`` steps rank 0 of each data-parallel group prints its memory report. TensorBoard writes a
     record on multiples of ``tensorboard_log_interval``, so keep it a divisor of ``log_interval``.
     With ``report_memory_flag`` the log step prints this rank's memory report once per data-parallel
     group (as Bridge, until the run's second step: by then the optimizer state is allocated). At step
@@ -755,7 +796,7 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
     The reports that are collectives (parameter norm, memory over PP) must be called by every rank
     on the same steps: this function is, by the loop.
     """
-    del loss_scale, log_max_attention_logit, loaded_iteration
+    del log_max_attention_logit, loaded_iteration
     metrics = global_state.metrics if metrics is None else metrics
     if step_time_s is None:
         step_time_s = history_wct[-1] - history_wct[-2] if history_wct is not None and len(history_wct) >= 2 else 0.0
@@ -785,6 +826,14 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
         record.update(_log_step_reports(global_state, model, history_wct, pg_collection))
         if params_norm is not None:
             record["params_norm"] = float(params_norm)
+        log = cfg.logger
+        if log.log_loss_scale_to_tensorboard:
+            record["loss_scale"] = float(loss_scale)
+        if log.log_world_size_to_tensorboard:
+            record["world_size"] = global_state.world_size
+        if log.log_device_memory_used and torch.cuda.is_available():
+            record["device_memory_used_gb"] = torch.cuda.device_memory_used() / 2**30
+        timer_lines = _timer_reports(global_state, record if log.log_timers_to_tensorboard else None)
         for key in list(total_loss_dict):  # Megatron's interval totals start again
             total_loss_dict[key] = 0 if key in (ADVANCED_ITERS_KEY, SKIPPED_ITERS_KEY, NAN_ITERS_KEY) else 0.0
     metrics.log(record)
@@ -808,9 +857,18 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
             parts.append(f"grad norm: {float(grad_norm):.3f}")
         if "params_norm" in record:
             parts.append(f"params norm: {record['params_norm']:.3f}")
+        if cfg.optimizer.fp16:
+            parts.append(f"loss scale: {float(loss_scale):.1f}")
+        if "num_zeros_in_grad" in record:
+            parts.append(f"num zeros: {record['num_zeros_in_grad']}")
+        if "decoupled_lr" in record:
+            parts.append(f"decoupled learning rate: {record['decoupled_lr']:.6E}")
         parts.append(f"number of skipped iterations: {skipped_iter:3d}")
         print(" | ".join(parts), flush=True)
-    if log_step and report_memory_flag:
+        for line in timer_lines:
+            print(line, flush=True)
+    interval = cfg.logger.log_memory_interval
+    if (log_step and report_memory_flag) or (interval and ts.step % interval == 0):
         memory = report_memory(cfg.logger.memory_keys)
         dp_rank = parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
         if memory and dp_rank == 0:
