@@ -74,3 +74,23 @@ def test_save_config_filepath_writes_the_resolved_config(tmp_path, name):
     data = (yaml.safe_load if name.endswith(".yaml") else json.loads)(path.read_text())
     assert data["train"]["train_iters"] == 8 and data["optimizer"]["lr"] == 1e-3
     assert [p.name for p in path.parent.iterdir()] == [name]  # no temporary file left behind
+
+
+def test_a_comet_key_is_never_in_the_saved_or_logged_config(tmp_path, caplog):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_seed_config import _python_built
+
+    cfg = _python_built()
+    cfg.logger.comet_api_key = "sk-NEVER-WRITTEN-7"
+    cfg.logger.comet_project = "p"
+    cfg.finalize_sections()
+    cfg.validate(world_size=1)
+    assert cfg.to_dict()["logger"]["comet_api_key"] == "<redacted>"
+    save_config_file(cfg, str(tmp_path / "c.json"))
+    assert "sk-NEVER" not in (tmp_path / "c.json").read_text()
+    with caplog.at_level(logging.INFO, logger="bridge_hpc.training.config"):
+        cfg.log_non_default_values()
+    assert "comet_api_key" in caplog.text and "sk-NEVER" not in caplog.text

@@ -696,6 +696,7 @@ _RUN_FOLDER_PATHS = (
     ("logger", "tensorboard_dir", run_folder.TENSORBOARD_DIR),
     ("logger", "metrics_file", run_folder.METRICS_FILE),
     ("logger", "save_config_filepath", None),
+    ("logger", "wandb_save_dir", None),
     ("dist", "flight_recorder_dump_path", None),
 )
 #: Run-folder paths that an empty string turns off (what is then not written): ``tensorboard_dir = ""``

@@ -715,15 +715,22 @@ class ConfigContainer:
 
         for name, section in self.sections():
             changed = _non_default_values(section)
+            for section_name, key in SECRET_FIELDS:
+                if section_name == name and key in changed:
+                    changed[key] = (REDACTED, changed[key][1])
             if changed:
                 logger.info("config [%s] differs from the defaults: %s", name, ", ".join(
                     f"{key} = {shown(value)}" if default is _REQUIRED else f"{key} = {shown(value)} (default {shown(default)})"
                     for key, (value, default) in changed.items()))
 
     def to_dict(self) -> Dict[str, Any]:
-        """The resolved configuration as plain data (saved in every checkpoint)."""
+        """The resolved configuration as plain data (saved in every checkpoint, written by
+        ``logger.save_config_filepath``); secrets (``logger.comet_api_key``) as :data:`REDACTED`."""
         out = {name: dataclasses.asdict(section) for name, section in self.sections()}
         out["dataset"]["_class"] = f"{type(self.dataset).__module__}.{type(self.dataset).__qualname__}"
+        for section, key in SECRET_FIELDS:
+            if out.get(section, {}).get(key) is not None:
+                out[section][key] = REDACTED
         return out
 
 
@@ -823,6 +830,10 @@ def _validate_mixed_precision_consistency(config: ConfigContainer) -> None:
 # Helpers: checking keys and types
 # ---------------------------------------------------------------------------------------------
 
+
+#: Fields that hold secrets: never logged, never saved (what stands in for them: :data:`REDACTED`).
+SECRET_FIELDS = (("logger", "comet_api_key"),)
+REDACTED = "<redacted>"
 
 #: The longest value :meth:`ConfigContainer.log_non_default_values` writes whole.
 LOGGED_VALUE_CHARS = 200
