@@ -119,7 +119,8 @@ def install_schedule_hooks(model: List[torch.nn.Module], optimizer, cfg) -> None
     """Set the model config's hooks that megatron-core's pipeline schedules call, as Megatron-LM's
     ``setup_model_and_optimizer`` does: no gradient sync until a chunk's last micro-batch (and, with
     overlapped reduce, each chunk's reduce started as its backward ends), the parameter all-gather
-    of the next step per chunk (``comm_overlap.align_param_gather``), the gradient finalization
+    of the next step per chunk (``comm_overlap.align_param_gather``; the reduce's start per chunk only
+    with ``dist.align_grad_reduce``, Megatron-LM's rule), the gradient finalization
     and the loss scale. Pipeline communication: ``comm_overlap.overlap_p2p_comm`` /
     ``batch_p2p_comm`` (Bridge's defaults: overlapped with virtual stages, batched without)."""
     from megatron.core.distributed import finalize_model_grads
@@ -130,7 +131,8 @@ def install_schedule_hooks(model: List[torch.nn.Module], optimizer, cfg) -> None
     d = cfg.ddp
     if d.overlap_grad_reduce:
         config.no_sync_func = one([chunk.no_sync for chunk in model])
-        config.grad_sync_func = one([chunk.start_grad_sync for chunk in model])
+        if cfg.dist.align_grad_reduce:  # Megatron-LM's rule: false lets every stage reduce at its own time
+            config.grad_sync_func = one([chunk.start_grad_sync for chunk in model])
     overlap = cfg.comm_overlap
     interleaved = len(model) > 1
     align = overlap.align_param_gather if overlap is not None and overlap.align_param_gather is not None else interleaved
