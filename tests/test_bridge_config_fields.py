@@ -110,6 +110,27 @@ def test_a_config_with_every_field_spelled_out_at_its_default_builds_and_finaliz
             assert getattr(section, name) == value, name
 
 
+#: The config page's other classes: every field at its default builds; finalize runs where the class
+#: needs nothing else (indexed FIM data and fine-tuning data need their files).
+OTHER_CLASSES = [C.RerunStateMachineConfig, C.DataloaderConfig, C.GPTDatasetConfig, C.MockGPTDatasetConfig,
+                 C.TensorInspectConfig, C.FaultToleranceConfig, C.StragglerDetectionConfig,
+                 C.NVRxStragglerDetectionConfig, C.InProcessRestartConfig, C.GPTFIMDatasetConfig,
+                 C.FinetuningDatasetConfig]
+
+
+@pytest.mark.parametrize("cls", OTHER_CLASSES, ids=lambda c: c.__name__)
+def test_the_other_config_classes_build_with_every_field_at_its_default(cls):
+    values = _defaults(cls)
+    section = cls(**values)
+    for name, value in values.items():
+        assert getattr(section, name) == value, name
+    if cls in (C.GPTFIMDatasetConfig, C.FinetuningDatasetConfig):
+        with pytest.raises(ValueError, match="dataset.data_path|dataset.dataset_root"):
+            section.finalize()
+    else:
+        section.finalize()
+
+
 @pytest.mark.parametrize("ours, theirs", [("OptimizerConfig", "megatron.core.optimizer"),
                                           ("DistributedDataParallelConfig", "megatron.core.distributed")])
 def test_every_megatron_core_field_is_declared_with_megatron_cores_default(ours, theirs):
