@@ -115,18 +115,16 @@ def _in_process_write_results() -> Iterator[None]:
 
 def _parallel_reader(base: type) -> type:
     """``base`` (a DCP ``FileSystemReader``) reading the items of a load in :data:`LOAD_READ_THREADS`
-    threads, each its share of the plan (items balanced by bytes, in file order). A share's tensors
-    are copied into their targets straight out of the page cache (:mod:`~bridge_hpc.training.checkpoint
-    .mapped_read`) where the installed torch allows it; the rest, or everything where it does not, is
-    read by ``base.read_data``. File reads, unpickling and the copies into the model release the GIL."""
-    from bridge_hpc.training.checkpoint import mapped_read
-
-    mapped = mapped_read.available()
+    threads. Each thread runs ``base.read_data`` on its share of the plan (items balanced by bytes,
+    in file order), so the reading itself stays torch's; file reads, unpickling and the copies into
+    the model release the GIL."""
 
     class _ParallelReader(base):
         def read_data(self, plan, planner):
             items = list(plan.items)
-            count = max(min(LOAD_READ_THREADS, len(items)), 1)
+            count = min(LOAD_READ_THREADS, len(items))
+            if count <= 1:
+                return super().read_data(plan, planner)
             info = self.storage_data
             groups: List[list] = [[] for _ in range(count)]
             sizes = [0] * count
@@ -134,26 +132,13 @@ def _parallel_reader(base: type) -> type:
                 k = sizes.index(min(sizes))
                 groups[k].append(item)
                 sizes[k] += info[item.storage_index].length
-
-            def read_with_torch(share: list) -> None:
-                super(_ParallelReader, self).read_data(dataclasses.replace(plan, items=sorted(
-                    share, key=lambda i: (info[i.storage_index].relative_path, info[i.storage_index].offset))),
-                    planner).wait()
-
-            def read(share: list) -> None:
-                if mapped:
-                    mapped_read.read_items(self, share, planner, read_with_torch)
-                else:
-                    read_with_torch(share)
-
-            if mapped and torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()  # the targets' earlier GPU work is done (mapped_read's copies use streams of their own)
-            if count == 1:
-                read(groups[0])
-            else:
-                with ThreadPoolExecutor(count, thread_name_prefix="ckpt-read") as pool:
-                    for future in [pool.submit(read, group) for group in groups]:
-                        future.result()  # raises the first failed read's error here
+            read = super().read_data
+            with ThreadPoolExecutor(count, thread_name_prefix="ckpt-read") as pool:
+                futures = [pool.submit(read, dataclasses.replace(plan, items=sorted(
+                    group, key=lambda i: (info[i.storage_index].relative_path, info[i.storage_index].offset))),
+                    planner) for group in groups]
+                for future in futures:
+                    future.result().wait()  # raises the first failed read's error here
             done: Future = Future()
             done.set_result(None)
             return done
