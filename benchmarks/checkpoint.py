@@ -38,10 +38,10 @@ Notes (where the first save's time goes on the toolkit's path)
   ``results_manager`` shows what is left of it (expected: 0 s).
 - GPU: the first GPU->host copy cost 2.9 s, later ones 0.1 s: megatron-core copies with
   ``tensor.to("cpu", non_blocking=True)``, which allocates pinned host memory through torch's caching
-  host allocator; the blocks are cached and reused by later saves of the same process (the sync
-  save in the rank, the async save in the persistent worker). Training runs pin the rank's blocks
-  after their first step (``checkpointing.warm_up_host_buffers``), so that an exit save does not pay
-  it; this benchmark's sync mode times the save itself, cold. The worker creates its CUDA context
+  host allocator; the blocks are cached and reused by later saves of the same process (the async
+  save in the persistent worker). A synchronous save pins nothing: its files are written straight
+  from GPU memory through small pageable buffers (``checkpoint/streamed_write.py``, 2026-11-27;
+  before, training runs pinned the rank's blocks after their first step). The worker creates its CUDA context
   at start-up, and after the first training step it stages the whole state once in the background
   (``checkpoint_worker.stage_once``: CUDA memory opened in the worker, pinned blocks allocated), so
   the first save's ``handoff`` costs what a later one does. Measured with 13.0 s of the first async

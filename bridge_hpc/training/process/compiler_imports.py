@@ -5,7 +5,8 @@ fused bias-GeLU/GeGLU/SwiGLU kernels, the MoE router) and ``torch.compiler.disab
 Each of these calls imports ``torch._dynamo`` and ``torch._inductor`` on the spot, although
 compilation itself only happens at the first call: 2.2 s of the 4-5.8 s a requeued rank spent in its
 imports on an H100 host (benchmarks/results/device-2026-11-27c), paid at every preemption even by a
-model that never calls one of those functions (the fusions are off by default).
+model that never calls one of those functions (one with the fusions off). Deferred, importing the
+training core took 3.0-4.3 s instead of 4.7-5.8 s there (2026-11-27, in-process, 2 runs each).
 
 :func:`deferred`, around the rank's imports of the training code (``bridge_hpc.training.run``),
 replaces both decorators for that time with ones that return a stand-in, and restores torch's own

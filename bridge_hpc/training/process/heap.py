@@ -38,8 +38,9 @@ def imports_uncollected() -> Iterator[None]:
     Why: the imports make the objects the collector tracks by the hundred thousand, and its automatic
     collections walk them again and again while the heap grows; import-time garbage in reference
     cycles is negligible. Importing the training core with megatron-core 0.19 took 2.9 s with the
-    collector on and 2.3 s with it off (a 2-core CPU host, 3 runs each), time a requeued run pays
-    before its first step."""
+    collector on and 2.3 s with it off (a 2-core CPU host, 3 runs each); on an H100 host 4.7-5.8 s
+    and 4.4-4.8 s, with torch's compiler imports deferred as well 3.0-4.3 s and 2.6-3.5 s (2 runs
+    each). A requeued run pays it before its first step."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
