@@ -105,3 +105,53 @@ def test_decoupled_weight_decay_picks_adamw_or_adam_on_cpu(decoupled, expected):
     model[0].bias.grad = torch.ones(4)
     _, _, zeros = optimizer.step()
     assert zeros == 16  # log_num_zeros_in_grad: counted on CPU too
+
+
+def test_exit_signal_handler_for_training_adds_sigint_and_sigterm():
+    from bridge_hpc.training.config import TrainingConfig
+
+    t = TrainingConfig(train_iters=4, micro_batch_size=1, global_batch_size=1, exit_signal=["SIGUSR1"],
+                       exit_signal_handler_for_training=True)
+    t.finalize()
+    assert t.exit_signal == ["SIGUSR1", "SIGINT", "SIGTERM"]
+
+
+def test_manual_gc_eval_collects_around_each_evaluation(monkeypatch):
+    import gc
+
+    from bridge_hpc.training.state import GlobalState
+
+    events = []
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append("collect"))
+    monkeypatch.setattr(train_module, "evaluate", lambda *a, **k: (events.append("evaluate"), ({}, None))[1])
+    state = GlobalState()
+    state.cfg = _python_built()
+    state.cfg.train.manual_gc = True
+
+    class Metrics:
+        def validation(self, step, values, perplexity=False):
+            events.append("logged")
+
+    monkeypatch.setattr(GlobalState, "metrics", property(lambda self: Metrics()))
+    train_module.evaluate_and_print_results(state, "x", None, None, [])
+    assert events == ["collect", "evaluate", "collect", "logged"]
+    events.clear()
+    state.cfg.train.manual_gc_eval = False
+    train_module.evaluate_and_print_results(state, "x", None, None, [])
+    assert events == ["evaluate", "logged"]
+
+
+def test_sharp_nccl_config_and_stream_priorities_reach_megatron_core(monkeypatch):
+    from megatron.core import parallel_state
+
+    from bridge_hpc.training.engine import parallel
+
+    seen = {}
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda **kw: seen.update(kw))
+    cfg = _python_built()
+    d = cfg.dist
+    d.use_sharp, d.sharp_enabled_group = True, "dp_replica"
+    d.nccl_communicator_config_path, d.high_priority_stream_groups = "/etc/nccl.yaml", ["dp", "tp"]
+    parallel.initialize(cfg)
+    assert (seen["use_sharp"], seen["sharp_enabled_group"], seen["nccl_communicator_config_path"],
+            seen["high_priority_stream_groups"]) == (True, "dp_replica", "/etc/nccl.yaml", ["dp", "tp"])
