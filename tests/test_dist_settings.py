@@ -22,6 +22,10 @@ def gloo_world():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    # The rendezvous variables are put back afterwards: a MASTER_PORT left in this process's
+    # environment would reach every job a later test submits (sbatch exports it), and two such jobs
+    # on one node would then bind the same port.
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
@@ -30,6 +34,11 @@ def gloo_world():
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.mark.parametrize("use_gloo", [True, False])

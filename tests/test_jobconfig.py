@@ -543,3 +543,17 @@ def test_a_job_writes_the_progress_log_unless_it_says_otherwise(tmp_path: Path):
     assert cfg.training.logger.log_progress is True and cfg.raw["logger"]["log_progress"] is True
     off = load_job_config(tmp_path / "job.toml", overrides=["logger.log_progress=false"], cwd=tmp_path)
     assert off.training.logger.log_progress is False and off.raw["logger"]["log_progress"] is False
+
+
+@pytest.mark.parametrize("overrides, expected", [((), "unset"), (("env.MASTER_PORT='23456'",), "23456")])
+def test_a_rendezvous_port_of_the_submitting_shell_does_not_reach_the_ranks(job_dir, overrides, expected):
+    """Slurm's --export=ALL carries the submitting shell's variables into the job: a MASTER_PORT there would
+    be shared by every job that shell submits, and two of them on one node would bind the same port. The
+    script unsets it before [env], which may still set one on purpose."""
+    script = render_script(load_job_config(job_dir / "job.toml", list(overrides), cwd=job_dir))
+    start = script.index("# --- environment")
+    part = script[start:script.index("\n# ---", start + 1)]
+    env = {**os.environ, "MASTER_PORT": "28484", "MASTER_ADDR": "10.0.0.9"}
+    out = subprocess.run(["bash", "-c", part + '\necho "${MASTER_PORT-unset} ${MASTER_ADDR-unset}"'], env=env,
+                         capture_output=True, text=True).stdout.split()
+    assert out == [expected, "unset"]

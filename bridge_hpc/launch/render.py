@@ -27,6 +27,7 @@ from bridge_hpc.contracts.errors import EXIT_BAD_INPUT, ConfigError
 from bridge_hpc.contracts.requeue import REQUEUE_FILE_ENV
 from bridge_hpc.contracts.text import has_control_chars
 from bridge_hpc.jobfile.jobconfig import JobConfig
+from bridge_hpc.slurm.job_environment import INHERITED_RENDEZVOUS_VARIABLES
 from bridge_hpc.slurm.query import STOP_CAUSE_COMMAND
 
 _PLAIN = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
@@ -135,6 +136,7 @@ def render_script(cfg: JobConfig) -> str:
         stop_cause=f"{SLURM_QUERY_MODULE} {STOP_CAUSE_COMMAND}",
         ft_launch=ft_launch_command(cfg),
         exit_bad_input=EXIT_BAD_INPUT,
+        inherited_rendezvous=INHERITED_RENDEZVOUS_VARIABLES,
     )
 
 

@@ -83,6 +83,13 @@ def array_task_index(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     return int(value) if value.isdigit() else None
 
 
+#: The rendezvous variables the ranks read if set (:meth:`JobEnvironment.from_env`), else derive from the
+#: job. The batch script unsets them before ``[env]`` (which may set them on purpose): Slurm's
+#: ``--export=ALL`` would otherwise carry a submitting shell's ``MASTER_PORT`` into every job it submits,
+#: and two of those jobs sharing a node would bind the same port.
+INHERITED_RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
+
+
 @dataclass(frozen=True)
 class JobEnvironment:
     """Where this process sits in the job: launcher, rank, world and the rendezvous point."""
