@@ -506,3 +506,12 @@ def test_a_gpt_dataset_config_given_no_data_is_megatron_cores_mock_mode(single_r
     train, valid, _ = build_datasets(cfg.dataset, cfg)
     assert isinstance(train, MockGPTDataset) and len(train) == 6 * 4
     assert int(train[0]["tokens"].max()) < cfg.model.vocab_size
+
+
+def test_finalizing_twice_is_harmless_and_data_path_makes_the_blend(corpus):
+    a = next(iter(corpus))
+    cfg = GPTDatasetConfig(seq_length=SEQ, data_path=[a], split="1,0,0", num_workers=0)
+    cfg.finalize()
+    blend = cfg.blend
+    cfg.finalize()  # the blend made from data_path is made again, not taken for a second one
+    assert cfg.blend == blend == ([a], None)

@@ -492,10 +492,10 @@ class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
     def finalize(self) -> None:
         super().finalize()
         self._check_megatron_options()
-        if self.blend is not None or self.blend_per_split is not None:
+        per_split = {k: getattr(self, k) for k in GPT_DATASET_PATH_KEYS[1:] if getattr(self, k) is not None}
+        if self.data_path is None and not per_split and (self.blend is not None or self.blend_per_split is not None):
             self._finalize_given_blends()
             return
-        per_split = {k: getattr(self, k) for k in GPT_DATASET_PATH_KEYS[1:] if getattr(self, k) is not None}
         if self.data_path is None and not per_split and not isinstance(self, GPTFIMDatasetConfig):
             # megatron-core's rule: no blend at all means mock data (a config built in Python; a job
             # file without data paths gets MockGPTDatasetConfig, see dataset_config_class).
@@ -542,9 +542,8 @@ class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
 
     def _finalize_given_blends(self) -> None:
         """``blend`` / ``blend_per_split`` given directly (megatron-core's way, in Python): checked the
-        way megatron-core checks them, and every prefix's ``.idx`` read."""
-        _check(self.data_path is None and not any(getattr(self, k) for k in GPT_DATASET_PATH_KEYS[1:]),
-               "dataset.blend", "and dataset.data_path (or the per-split paths) are two ways to say the same: give one")
+        way megatron-core checks them, and every prefix's ``.idx`` read. (Data paths, when given, make the
+        blends again in :meth:`finalize`, as Bridge's ``data_path`` does; so finalizing twice is harmless.)"""
         _check(self.blend is None or self.blend_per_split is None, "dataset.blend_per_split",
                "and dataset.blend are incompatible (megatron-core)")
         blends = [("dataset.blend", self.blend)] if self.blend is not None else [
