@@ -17,6 +17,7 @@ the ranks see the same signal as without ``B:``. Stdlib only.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 from dataclasses import dataclass
@@ -103,6 +104,23 @@ def default_rank_signals() -> Tuple[str, ...]:
 
 
 def ignore(names) -> None:
-    """Set the named signals (``"SIGUSR1"``) to SIG_IGN in this process."""
-    for name in names:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    """Set the named signals (``"SIGUSR1"``) to SIG_IGN in this process, then unblock them: one that
+    arrived while they were blocked (see :func:`blocked`) is discarded, not delivered."""
+    numbers = [getattr(signal, name) for name in names]
+    for number in numbers:
+        signal.signal(number, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, numbers)
+
+
+@contextlib.contextmanager
+def blocked(names):
+    """The named signals blocked in this thread for the ``with`` body, then delivered if they came.
+
+    Around forking data-loader workers: a child inherits the mask, so a stop signal that reaches it
+    before it has set the signal to SIG_IGN (its :func:`ignore`) waits instead of killing it."""
+    numbers = [getattr(signal, name) for name in names]
+    signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, numbers)

@@ -161,13 +161,14 @@ class SampleIterator:
         # The loader draws its workers' base seed from its generator; a private one keeps the global
         # torch RNG (dropout) untouched, which exact resume depends on.
         generator = torch.Generator().manual_seed(seed)
+        self._stop_signals = tuple(stop_signals or signals.default_rank_signals())
         self._loader = DataLoader(
             dataset, batch_sampler=sampler, num_workers=dataloader.num_workers,
             collate_fn=getattr(dataset, "collate_fn", None),
             pin_memory=dataloader.pin_memory and torch.cuda.is_available(),
             persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0,
             generator=generator,
-            worker_init_fn=functools.partial(_ignore_stop_signals, tuple(stop_signals or signals.default_rank_signals())),
+            worker_init_fn=functools.partial(_ignore_stop_signals, self._stop_signals),
         )
         self._iter: Optional[Iterator] = None
         self._pending: List[Any] = []
@@ -177,7 +178,10 @@ class SampleIterator:
 
     def __next__(self) -> Any:
         if self._iter is None:
-            self._iter = iter(self._loader)
+            # The workers are forked here: with the stop signals blocked until each has set them to
+            # SIG_IGN, a signal in between cannot kill one (torch would then raise in this rank's step).
+            with signals.blocked(self._stop_signals):
+                self._iter = iter(self._loader)
         if not self._pending:
             self._pending = self._micro_batches(next(self._iter))
         batch = self._pending.pop(0)
