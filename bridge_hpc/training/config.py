@@ -569,14 +569,8 @@ class ConfigContainer:
         """
         m, t = self.model, self.train
         self.data_parallel_size = self.get_data_parallel_size(world_size or _world_size())
-        _check(t.global_batch_size % (t.micro_batch_size * self.data_parallel_size) == 0, "train.global_batch_size",
-               f"{t.global_batch_size} is not divisible by micro_batch_size ({t.micro_batch_size}) "
-               f"x data-parallel size ({self.data_parallel_size})")
-        if (m.virtual_pipeline_model_parallel_size or 1) > 1:
-            microbatches = t.global_batch_size // (t.micro_batch_size * self.data_parallel_size)
-            _check(microbatches % m.pipeline_model_parallel_size == 0, "train.global_batch_size",
-                   f"gives {microbatches} micro-batches per step, which the interleaved pipeline schedule needs "
-                   f"to be a multiple of model.pipeline_model_parallel_size ({m.pipeline_model_parallel_size})")
+        self._check_batch_sizes(t.global_batch_size, t.micro_batch_size, "train.global_batch_size",
+                                "micro_batch_size", "step")
         if _reads_indexed_data(self.dataset):
             self._validate_gpt_dataset()
         if isinstance(self.dataset, FinetuningDatasetConfig):
@@ -621,17 +615,22 @@ class ConfigContainer:
             v.eval_micro_batch_size = t.micro_batch_size
         if v.eval_global_batch_size is None:
             v.eval_global_batch_size = t.global_batch_size
-        _check(v.eval_global_batch_size % (v.eval_micro_batch_size * self.data_parallel_size) == 0,
-               "validation.eval_global_batch_size",
-               f"{v.eval_global_batch_size} is not divisible by validation.eval_micro_batch_size "
-               f"({v.eval_micro_batch_size}) x data-parallel size ({self.data_parallel_size})")
-        if (m.virtual_pipeline_model_parallel_size or 1) > 1:
-            microbatches = v.eval_global_batch_size // (v.eval_micro_batch_size * self.data_parallel_size)
-            _check(microbatches % m.pipeline_model_parallel_size == 0, "validation.eval_global_batch_size",
-                   f"gives {microbatches} micro-batches per evaluation batch, which the interleaved pipeline schedule "
-                   f"needs to be a multiple of model.pipeline_model_parallel_size ({m.pipeline_model_parallel_size})")
+        self._check_batch_sizes(v.eval_global_batch_size, v.eval_micro_batch_size, "validation.eval_global_batch_size",
+                                "validation.eval_micro_batch_size", "evaluation batch")
         _check(v.eval_interval in (None, 0) or (v.eval_iters or 0) > 0, key("eval_iters"),
                f"must be > 0 when {key('eval_interval')} is set")
+
+    def _check_batch_sizes(self, global_batch: int, micro_batch: int, key: str, micro_name: str, what: str) -> None:
+        """A global batch (training's or evaluation's) splits into whole micro-batches on every
+        data-parallel rank, and with virtual pipeline stages into a multiple of the pipeline size."""
+        dp, m = self.data_parallel_size, self.model
+        _check(global_batch % (micro_batch * dp) == 0, key,
+               f"{global_batch} is not divisible by {micro_name} ({micro_batch}) x data-parallel size ({dp})")
+        if (m.virtual_pipeline_model_parallel_size or 1) > 1:
+            microbatches = global_batch // (micro_batch * dp)
+            _check(microbatches % m.pipeline_model_parallel_size == 0, key,
+                   f"gives {microbatches} micro-batches per {what}, which the interleaved pipeline schedule needs "
+                   f"to be a multiple of model.pipeline_model_parallel_size ({m.pipeline_model_parallel_size})")
 
     def _validate_training_scheduler_compatibility(self) -> None:
         """Training counted in iterations takes the scheduler's ``*_iters`` fields, in samples its
