@@ -352,16 +352,20 @@ def kill_tree(proc: subprocess.Popen) -> None:
 _RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
-def single_rank_world():
-    """A generator for a pytest fixture: a gloo world of one with megatron-core's model-parallel state
-    (TP = PP = 1), as pretrain has it; the rank variables are restored afterwards."""
+def single_rank_world(backend: str = "gloo"):
+    """A generator for a pytest fixture: a world of one (``backend``: gloo, or nccl on GPU 0) with
+    megatron-core's model-parallel state (TP = PP = 1), as pretrain has it; the rank variables are
+    restored afterwards."""
+    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     saved = {k: os.environ.get(k) for k in _RANK_VARIABLES}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     try:
         yield

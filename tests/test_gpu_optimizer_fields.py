@@ -4,8 +4,6 @@ the device): fp16 dynamic loss scaling (``initial_loss_scale``, ``loss_scale_win
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -14,23 +12,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.fixture(scope="module")
 def one_gpu():
-    import torch.distributed as dist
-    from bridge_test_helpers import free_port
-    from megatron.core import parallel_state
+    from bridge_test_helpers import single_rank_world
 
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    yield from single_rank_world("nccl")
 
 
 def _build(optimizer: dict, precision: str = "fp16"):
