@@ -28,7 +28,7 @@ from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.progress_log import ProgressLog, longest_recent_save_s
 from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
-from bridge_hpc.training.checkpoint import checkpointing
+from bridge_hpc.training.checkpoint import checkpointing, pretrained
 from bridge_hpc.training.config import (
     ConfigContainer,
     DistributedDataParallelConfig,
@@ -454,10 +454,19 @@ def set_random_seed(seed: int, use_cudagraphable_rng: bool = False, te_rng_track
                                                         use_cudagraphable_rng=use_cudagraphable_rng)
 
 
-def setup_model(cfg: ConfigContainer) -> List[torch.nn.Module]:
+def setup_model(cfg: ConfigContainer,
+                pre_wrap_hook: Optional[Callable[[List[torch.nn.Module]], List[torch.nn.Module]]] = None
+                ) -> List[torch.nn.Module]:
     """The GPT, wrapped for data parallelism; a list of chunks as Bridge passes it around (one, or
-    with virtual pipeline stages one per stage this rank holds: :func:`parallel.build_model_chunks`)."""
+    with virtual pipeline stages one per stage this rank holds: :func:`parallel.build_model_chunks`).
+
+    Between building and wrapping, as in Megatron Bridge: the pretrained weights are read into the
+    bare chunks (:func:`pretrained.load_pretrained_weights`, when the run starts from them), then
+    ``pre_wrap_hook`` (Bridge's name) may transform the chunks and returns the ones to wrap."""
     chunks = parallel.build_model_chunks(cfg.model, gpt_model_provider)
+    pretrained.load_pretrained_weights(cfg.checkpoint, chunks)
+    if pre_wrap_hook is not None:
+        chunks = pre_wrap_hook(chunks)
     return [_wrap_ddp(cfg, chunk, first_chunk=i == 0) for i, chunk in enumerate(chunks)]
 
 

@@ -460,9 +460,9 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
     nothing was loaded. Collective.
 
     A checkpoint that fails verification or loading is set aside and the next older one tried; if
-    only damaged ones exist, :class:`CheckpointLoadError`. Falls back to
-    ``checkpoint.pretrained_checkpoint`` for model weights only (a fresh run that starts from
-    pretrained weights). RNG states are restored last, after everything that might draw random
+    only damaged ones exist, :class:`CheckpointLoadError`. A run without a checkpoint of its own
+    started from ``checkpoint.pretrained_checkpoint``, whose weights were read before the model was
+    wrapped (:mod:`bridge_hpc.training.checkpoint.pretrained`). RNG states are restored last, after everything that might draw random
     numbers, so the next step draws exactly what it drew in the original run.
     """
     cfg = state.cfg.checkpoint
@@ -511,14 +511,8 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
     if path is None or loaded is None:
         if cfg.load and cfg.exit_on_missing_checkpoint:
             raise FileNotFoundError(f"no complete checkpoint under {cfg.load}")
-        if cfg.pretrained_checkpoint:
-            pretrained = _resolve_checkpoint_dir(cfg.pretrained_checkpoint)
-            if pretrained is None:
-                raise FileNotFoundError(f"no complete checkpoint under {cfg.pretrained_checkpoint}")
-            _load_model_and_optimizer(model, optimizer, pretrained, load_optim=False)
-            if rank == 0:
-                print(f"loaded pretrained weights from {pretrained}", flush=True)
-        elif rank == 0:
+        # (with checkpoint.pretrained_checkpoint, its weights were read into the bare model already)
+        if rank == 0 and not cfg.pretrained_checkpoint:
             print(f"no checkpoint found under {cfg.load!r}: starting from scratch", flush=True)
         return None
 
