@@ -27,18 +27,22 @@ TORCH_FREE_TRAINING = (
     "bridge_hpc.training.resilience.config", "bridge_hpc.training.tokenizers",
     "bridge_hpc.training.tokenizers.config",
 )
+#: The models modules jobfile may import (the login node's checks of a Hugging Face folder): torch-free.
+TORCH_FREE_MODELS = ("bridge_hpc.models", "bridge_hpc.models.hf", "bridge_hpc.models.hf.families",
+                     "bridge_hpc.models.hf.safetensors_files", "bridge_hpc.models.hf.mapping")
 #: side -> the sides it may import (besides itself); "training" means only TORCH_FREE_TRAINING for
-#: the sides in LOGIN_SIDE and jobfile.
+#: the sides in LOGIN_SIDE and jobfile; "models" only TORCH_FREE_MODELS for jobfile.
 ALLOWED = {
     "contracts": set(),
     "slurm": {"contracts"},
-    "jobfile": {"contracts", "training"},
-    "training": {"contracts", "slurm", "jobfile"},
+    "jobfile": {"contracts", "training", "models"},
+    "training": {"contracts", "slurm", "jobfile", "models"},
+    "models": {"contracts", "training"},
     "launch": {"contracts", "slurm", "jobfile", "training"},
     "report": {"contracts"},
     "local_slurm": {"contracts"},
     "prepare": {"contracts", "training"},
-    "cli": {"contracts", "slurm", "jobfile", "launch", "report", "local_slurm", "prepare", "training"},
+    "cli": {"contracts", "slurm", "jobfile", "launch", "report", "local_slurm", "prepare", "training", "models"},
 }
 #: Sides that run on the login node (or in a batch script before the ranks): no torch at module level,
 #: and of the training package only TORCH_FREE_TRAINING.
@@ -92,6 +96,8 @@ def test_each_side_imports_only_what_its_rules_allow():
             if mine in LOGIN_SIDE and theirs == "training" and dep not in TORCH_FREE_TRAINING:
                 wrong.append(f"{module} -> {dep} (the login side reads only the torch-free training configs and "
                              "tokenizer builder)")
+            if mine == "jobfile" and theirs == "models" and dep not in TORCH_FREE_MODELS:
+                wrong.append(f"{module} -> {dep} (jobfile reads only the torch-free Hugging Face checks)")
     assert not wrong, wrong
 
 
@@ -157,7 +163,7 @@ def test_login_side_modules_import_no_torch_at_module_level():
     wrong = []
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
-        if side(name) not in LOGIN_SIDE and name not in TORCH_FREE_TRAINING:
+        if side(name) not in LOGIN_SIDE and name not in TORCH_FREE_TRAINING + TORCH_FREE_MODELS:
             continue
         for imported in imports(path, top_level_only=True):
             if imported.split(".")[0] in heavy:

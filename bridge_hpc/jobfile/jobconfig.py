@@ -11,6 +11,7 @@ No torch here: this module runs on the login node.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -30,10 +31,13 @@ from bridge_hpc.contracts import bytecode_cache, run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 from bridge_hpc.contracts.text import has_control_chars
+from bridge_hpc.models.hf import families as hf_families
+from bridge_hpc.models.hf import mapping as hf_mapping
 from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
 from bridge_hpc.training.config import (
     ConfigContainer,
     GPTDatasetConfig,
+    GPTModelConfig,
     MockGPTDatasetConfig,
     absolute_dataset_paths,
     dataset_config_class,
@@ -715,6 +719,7 @@ _JOB_DEFAULTS = (("logger", "log_progress", True),)
 #: ``job.run_dir`` and ``job.forward_step``. (Dataset prefixes: :func:`absolute_dataset_paths`.)
 _INPUT_PATHS = (
     ("checkpoint", "pretrained_checkpoint"),
+    ("model", "hf_config"),
     ("dataset", "dataset_root"),
     ("tokenizer", "tokenizer_model"),
     ("tokenizer", "vocab_file"),
@@ -750,6 +755,7 @@ def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, s
             except ValueError as err:
                 raise where.error(f"{section}.{key}", str(err)) from None
             training[section][key] = str(path if path.is_absolute() else base / path)
+    _hugging_face_sections(training, where)
     dataset = training.get("dataset")
     indexed = dataset is not None and issubclass(dataset_config_class(dataset), GPTDatasetConfig) and not issubclass(
         dataset_config_class(dataset), MockGPTDatasetConfig)  # mock data is a GPTDatasetConfig that reads no files
@@ -795,6 +801,37 @@ def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, s
                               f"(slurm.signal = {stop_signal.sbatch_value!r}) and a rank without a handler dies "
                               "without a checkpoint; leave train.exit_signal unset to follow slurm.signal")
     return training
+
+
+def _hugging_face_sections(training: Dict[str, Dict[str, Any]], where: "_Where") -> None:
+    """``[model] hf_config`` (also implied by a Hugging Face folder as ``checkpoint.pretrained_checkpoint``):
+    the model section filled from the folder's config.json (:func:`bridge_hpc.models.hf.families.fill_model_section`:
+    explicit keys win, contradictions refused), the folder's tokenizer unless ``[tokenizer]`` is given,
+    and a Hugging Face ``pretrained_checkpoint`` checked against the model from its safetensors headers
+    (missing, truncated or misshapen tensors), so that none of it fails on the ranks."""
+    model = training.get("model")
+    pretrained = training.get("checkpoint", {}).get("pretrained_checkpoint")
+    hf_pretrained = isinstance(pretrained, str) and hf_families.is_hf_folder(pretrained)
+    if hf_pretrained and (model is None or model.get("hf_config") is None):
+        model = training.setdefault("model", {})
+        model["hf_config"] = pretrained
+    folder = model.get("hf_config") if isinstance(model, dict) else None
+    if folder is None:
+        return
+    if not isinstance(folder, str) or not folder.strip():
+        raise where.error("model.hf_config", f"expected a Hugging Face model folder (with config.json), got {folder!r}")
+    try:
+        filled, _ = hf_families.fill_model_section(model, folder)
+        if hf_pretrained:
+            finalized = build_dataclass(GPTModelConfig, "model", filled, lambda key, message: ConfigError(message, key=key))
+            finalized.finalize()
+            hf_mapping.check_folder(pretrained, dataclasses.asdict(finalized))
+    except ConfigError as err:
+        raise (where.error(err.key, err.message) if err.key and not err.path else err) from None
+    training["model"] = filled
+    if "tokenizer" not in training and any(os.path.isfile(os.path.join(folder, name))
+                                           for name in hf_families.TOKENIZER_FILES):
+        training["tokenizer"] = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": folder}
 
 
 def _resolve_forward_step(spec: str, base: Path, where: "_Where") -> str:

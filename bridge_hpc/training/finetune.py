@@ -5,7 +5,7 @@ check, as in Bridge. The starting point comes from :func:`bridge_hpc.training.ch
 a run whose ``checkpoint.load`` holds a checkpoint of its own resumes from it exactly (iteration,
 optimizer, scheduler, RNG and data position), as a preempted pretraining run does; otherwise only the
 model weights are read from ``checkpoint.pretrained_checkpoint`` (a run folder's checkpoints or one
-``iter_NNNNNNN`` folder), and the optimizer, the scheduler and the iteration count start fresh.
+``iter_NNNNNNN`` folder, or a Hugging Face model folder), and the optimizer, the scheduler and the iteration count start fresh.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 from typing import Callable
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.models.hf import families
 from bridge_hpc.training.checkpoint import checkpointing
 from bridge_hpc.training.config import CheckpointConfig, ConfigContainer
 from bridge_hpc.training.pretrain import pretrain
@@ -53,9 +54,12 @@ def check_starting_point(ckpt: CheckpointConfig) -> None:
     if not ckpt.pretrained_checkpoint:
         raise ConfigError("must be set for fine-tuning: the checkpoint folder (or one iter_NNNNNNN folder) of the "
                           "pretrained model whose weights the run starts from", key="checkpoint.pretrained_checkpoint")
+    if families.is_hf_folder(ckpt.pretrained_checkpoint):
+        return  # a Hugging Face folder, checked in full at submission (bridge_hpc.models.hf.mapping.check_folder)
     if checkpointing._resolve_checkpoint_dir(ckpt.pretrained_checkpoint) is None:
         raise ConfigError(f"{ckpt.pretrained_checkpoint!r} holds no complete checkpoint (expected a folder with "
-                          "iter_NNNNNNN checkpoints, or one of them)", key="checkpoint.pretrained_checkpoint")
+                          "iter_NNNNNNN checkpoints, or one of them, or a Hugging Face folder with config.json)",
+                          key="checkpoint.pretrained_checkpoint")
 
 
 def _inside(path: str, folder: str) -> bool:

@@ -9,6 +9,10 @@ happen before the wrapper buckets the gradients.
 A run with a complete checkpoint of its own under ``checkpoint.load`` resumes from that instead and
 reads nothing here (:func:`starts_from_pretrained`); the run's own load happens after the wrap
 (:func:`bridge_hpc.training.checkpoint.checkpointing.load_checkpoint`).
+
+``pretrained_checkpoint`` is a toolkit checkpoint (a run's ``checkpoints/`` folder or one
+``iter_NNNNNNN``) or a Hugging Face folder (``config.json`` and ``*.safetensors``), whose tensors each
+rank converts and reads its slices of (:mod:`bridge_hpc.models.hf.load`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import List, Optional
 
 import torch
 
+from bridge_hpc.models.hf import families
+from bridge_hpc.models.hf.load import load_hf_weights
 from bridge_hpc.training.checkpoint.config import CheckpointConfig
 from bridge_hpc.training.checkpoint.layout import _rank, _resolve_checkpoint_dir, complete_iterations
 from bridge_hpc.training.checkpoint.megatron import _load_model_and_optimizer
@@ -37,6 +43,12 @@ def load_pretrained_weights(cfg: CheckpointConfig, chunks: List[torch.nn.Module]
     """
     if not starts_from_pretrained(cfg):
         return None
+    if families.is_hf_folder(cfg.pretrained_checkpoint):  # a Hugging Face folder: its safetensors, converted
+        read = load_hf_weights(cfg.pretrained_checkpoint, chunks)
+        if _rank() == 0:
+            print(f"loaded pretrained weights from Hugging Face folder {cfg.pretrained_checkpoint} "
+                  f"({read / 2**20:.1f} MiB on rank 0)", flush=True)
+        return cfg.pretrained_checkpoint
     folder = _resolve_checkpoint_dir(cfg.pretrained_checkpoint)
     if folder is None:
         raise FileNotFoundError(f"no complete checkpoint under {cfg.pretrained_checkpoint}")

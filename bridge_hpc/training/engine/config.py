@@ -373,8 +373,17 @@ class GPTModelConfig:
     pipeline schedules), ``virtual_pipeline_model_parallel_size`` gives each stage that many
     interleaved chunks, and ``context_parallel_size`` splits the sequence (its attention needs
     Transformer Engine). The data-parallel size is what is left of the world.
+
+    The architecture fields Hugging Face families need carry megatron-core's (and Megatron Bridge's
+    providers') names: ``add_qkv_bias`` (Qwen2), ``qk_layernorm`` (Qwen3), ``rope_scaling`` with
+    ``rope_scaling_factor`` (Llama 3.1's frequency scaling, megatron-core's RotaryEmbedding),
+    ``activation_func = "openai_gelu"`` (GPT-2's tanh-approximated gelu, Megatron-LM's name).
+    ``hf_config`` names the Hugging Face folder whose ``config.json`` filled this section on the login
+    node (:mod:`bridge_hpc.models.hf.families`); the ranks read nothing from it but its weights, when
+    ``checkpoint.pretrained_checkpoint`` names it too.
     """
 
+    hf_config: Optional[str] = None
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -388,10 +397,14 @@ class GPTModelConfig:
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
     rotary_base: int = 10000
     rotary_percent: float = 1.0
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     layernorm_epsilon: float = 1e-5
-    activation_func: Literal["gelu", "silu", "swiglu"] = "gelu"
+    activation_func: Literal["gelu", "openai_gelu", "silu", "swiglu"] = "gelu"
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
     share_embeddings_and_output_weights: bool = True
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -450,6 +463,8 @@ class GPTModelConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        _check(not self.rope_scaling or self.position_embedding_type == "rope", "model.rope_scaling",
+               "scales rotary frequencies: needs model.position_embedding_type = \"rope\"")
         _check(self.max_position_embeddings >= self.seq_length, "model.max_position_embeddings",
                "must be >= model.seq_length")
         _check(0 <= self.hidden_dropout < 1, "model.hidden_dropout", "must be in [0, 1)")
@@ -458,8 +473,8 @@ class GPTModelConfig:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             _check(isinstance(getattr(self, key), int) and getattr(self, key) >= 1, f"model.{key}", "must be an integer >= 1")
         if self.bias_activation_fusion:
-            _check(self.activation_func != "silu", "model.bias_activation_fusion",
-                   "fuses gelu or swiglu only (model.activation_func = \"silu\" has no fused kernel)")
+            _check(self.activation_func not in ("silu", "openai_gelu"), "model.bias_activation_fusion",
+                   f"fuses gelu or swiglu only (model.activation_func = \"{self.activation_func}\" has no fused kernel)")
             _check(self.activation_func != "gelu" or self.add_bias_linear, "model.bias_activation_fusion",
                    "with model.activation_func = \"gelu\" needs model.add_bias_linear = true (it fuses the bias)")
         if self.fused_kernels:

@@ -11,12 +11,14 @@ with SDPA. The forward step lives in :mod:`bridge_hpc.training.gpt_step` (re-exp
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib.util
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
@@ -71,25 +73,29 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * dim)
 
 
+#: GPTModelConfig fields that share a TransformerConfig field's name but not its meaning, so are not
+#: passed through: the activation is named here and a function there; ``transformer_impl`` picks the
+#: layer spec (:func:`_layer_spec`), ``cuda_graph_*`` the toolkit's whole-step graph
+#: (:mod:`bridge_hpc.training.engine.cuda_graphs`), not megatron-core's per-layer graphs.
+_NOT_PASSED_THROUGH = frozenset({"activation_func", "transformer_impl", "cuda_graph_impl", "cuda_graph_warmup_steps"})
+
+#: ``model.activation_func`` -> (megatron-core's activation function, gated linear unit).
+_ACTIVATIONS = {"gelu": (F.gelu, False), "openai_gelu": (functools.partial(F.gelu, approximate="tanh"), False),
+                "silu": (F.silu, False), "swiglu": (F.silu, True)}
+
+
 def transformer_config(cfg: GPTModelConfig) -> TransformerConfig:
-    """megatron-core's TransformerConfig for ``cfg``; CPU initialization when there is no GPU."""
-    activation = {"gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}[cfg.activation_func]
+    """megatron-core's TransformerConfig for ``cfg``; CPU initialization when there is no GPU.
+
+    Every ``[model]`` field that is also a TransformerConfig field is passed by name (so a field added
+    to both needs no line here), except :data:`_NOT_PASSED_THROUGH`; the rest is derived."""
+    activation, gated = _ACTIVATIONS[cfg.activation_func]
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+    names = {f.name for f in dataclasses.fields(TransformerConfig)} - _NOT_PASSED_THROUGH
+    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
     return TransformerConfig(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups, ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=cfg.kv_channels,
-        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
-        init_method_std=cfg.init_method_std, normalization=cfg.normalization,
-        layernorm_epsilon=cfg.layernorm_epsilon, add_bias_linear=cfg.add_bias_linear,
-        activation_func=activation, gated_linear_unit=cfg.activation_func == "swiglu",
-        bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=dtype, pipeline_dtype=dtype,
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size, sequence_parallel=cfg.sequence_parallel,
-        deterministic_mode=cfg.deterministic_mode,
-        bias_activation_fusion=cfg.bias_activation_fusion, bias_dropout_fusion=cfg.bias_dropout_fusion,
-        cross_entropy_loss_fusion=cfg.cross_entropy_loss_fusion, cross_entropy_fusion_impl="native",
+        **shared, activation_func=activation, gated_linear_unit=gated,
+        params_dtype=dtype, pipeline_dtype=dtype, cross_entropy_fusion_impl="native",
         use_cpu_initialization=not torch.cuda.is_available(),
     )
 
@@ -99,7 +105,7 @@ def _layer_spec(cfg: GPTModelConfig):
             and importlib.util.find_spec("transformer_engine") is not None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     # The local layers stand in for Transformer Engine's where it is missing, except for what only
     # its layers do (megatron-core's own assertion would end the rank with a traceback).
     for key, needed in (("model.sequence_parallel", cfg.sequence_parallel),
@@ -108,7 +114,7 @@ def _layer_spec(cfg: GPTModelConfig):
             raise ConfigError(f"needs Transformer Engine on the ranks' GPUs (pip install '.[gpu]'); this rank has "
                               f"{'no CUDA' if not torch.cuda.is_available() else 'no transformer_engine package'}",
                               key=key)
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=cfg.normalization))
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm))
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
@@ -146,6 +152,21 @@ class TritonLossGPTModel(GPTModel):
         return loss.transpose(0, 1).contiguous()
 
 
+class HostRotaryEmbedding(RotaryEmbedding):
+    """megatron-core's rotary embedding where there is no CUDA: its ``get_emb`` moves the frequencies to
+    ``torch.cuda.current_device()`` at the first forward, which fails on a CPU rank; this one computes the
+    same embedding ([seq, 1, 1, dim], halves not interleaved unless ``rotary_interleaved``) where the
+    frequencies are."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+
 def padded_vocab_size(cfg: GPTModelConfig) -> int:
     """Vocabulary rounded up to ``make_vocab_size_divisible_by`` (megatron's convention)."""
     multiple = cfg.make_vocab_size_divisible_by * cfg.tensor_model_parallel_size
@@ -165,14 +186,17 @@ def gpt_model_provider(cfg: GPTModelConfig, pre_process: bool = True, post_proce
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
         position_embedding_type=cfg.position_embedding_type, rotary_percent=cfg.rotary_percent,
-        rotary_base=cfg.rotary_base, **extra,
+        rotary_base=cfg.rotary_base, rope_scaling=cfg.rope_scaling, rope_scaling_factor=cfg.rope_scaling_factor,
+        **extra,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    elif isinstance(getattr(model, "rotary_pos_emb", None), RotaryEmbedding):
+        model.rotary_pos_emb.__class__ = HostRotaryEmbedding
     return model
 
 
 # The forward step and its loss moved to gpt_step and losses (Bridge's modules); these names stay
 # importable from here, where job files and forward steps written before found them.
-__all__ = ["SDPACoreAttention", "TritonLossGPTModel", "transformer_config", "gpt_model_provider", "padded_vocab_size",
+__all__ = ["SDPACoreAttention", "TritonLossGPTModel", "HostRotaryEmbedding", "transformer_config", "gpt_model_provider", "padded_vocab_size",
            "forward_step", "get_batch", "masked_next_token_loss", "masked_token_loss"]

@@ -1,0 +1,294 @@
+"""Hugging Face ``config.json`` <-> the ``[model]`` section, per supported family. Torch-free: the login
+node reads a folder's config here before anything is submitted, and ``bridge-hf export`` writes one.
+
+A checkpoint fixes its architecture (:data:`ARCHITECTURE_KEYS`: shapes, norms, activation, biases,
+positions, tied output): a ``[model]`` key that contradicts it is refused by name, since its weights
+could not be loaded into that model. The other keys it fills (:data:`TRAINING_KEYS`: dropout, norm
+epsilon, rotary base and scaling, initialization, context length) are the checkpoint's values unless
+``[model]`` sets them: explicit keys win there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
+
+from bridge_hpc.contracts.errors import ConfigError
+
+CONFIG_FILE = "config.json"
+#: ``model_type`` values this toolkit converts (Megatron Bridge's names for the same families).
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+#: The rotary families (Llama-shaped: RMSNorm, SwiGLU, rotary positions, no linear biases).
+ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+#: Fields a checkpoint's weights fix; a ``[model]`` value that differs is refused.
+ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "kv_channels", "vocab_size", "normalization", "activation_func", "add_bias_linear",
+                     "add_qkv_bias", "qk_layernorm", "position_embedding_type", "share_embeddings_and_output_weights")
+#: Fields a checkpoint suggests; a ``[model]`` value wins.
+TRAINING_KEYS = ("layernorm_epsilon", "rotary_base", "rope_scaling", "rope_scaling_factor", "hidden_dropout",
+                 "attention_dropout", "init_method_std", "max_position_embeddings", "make_vocab_size_divisible_by")
+#: Llama 3.1's frequency scaling as megatron-core implements it (``RotaryEmbedding._apply_scaling``:
+#: only the factor is a parameter; these are fixed).
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+#: Files a Hugging Face folder keeps its tokenizer in (``bridge-hf export`` copies those present).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+
+def read_config(folder: str) -> Dict[str, Any]:
+    """The folder's ``config.json`` as a dict; ConfigError naming the file when it is missing or not a
+    JSON object, or its ``model_type`` is not one of :data:`SUPPORTED`."""
+    path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isdir(folder):
+        raise ConfigError("expected a Hugging Face model folder (with config.json); there is no such folder", path=folder)
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError("missing: a Hugging Face model folder has its config.json (nothing is downloaded)",
+                          path=path) from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"not readable as JSON ({type(err).__name__}: {err})", path=path) from None
+    if not isinstance(hf, dict):
+        raise ConfigError("expected a JSON object", path=path)
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ConfigError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}",
+                          path=path, key="model_type")
+    return hf
+
+
+def is_hf_folder(path: str) -> bool:
+    """Whether ``path`` is a Hugging Face model folder (it has a ``config.json``; the toolkit's
+    checkpoint folders never do)."""
+    return bool(path) and os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def _get(hf: Dict[str, Any], key: str, kind: type, path: str, default: Any = ...) -> Any:
+    value = hf.get(key, default)
+    if value is ...:
+        raise ConfigError(f"missing (a {hf['model_type']} config has it)", path=path, key=key)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if value is not None and not (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
+        raise ConfigError(f"expected {kind.__name__}, got {value!r}", path=path, key=key)
+    return value
+
+
+def _positive(hf: Dict[str, Any], key: str, path: str, default: Any = ...) -> int:
+    value = _get(hf, key, int, path, default)
+    if value is None or value <= 0:
+        raise ConfigError(f"expected an integer > 0, got {value!r}", path=path, key=key)
+    return value
+
+
+def _rope(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
+    """The rotary fields from transformers 5's ``rope_parameters`` or 4's ``rope_theta`` + ``rope_scaling``."""
+    params = hf.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params = dict(hf.get("rope_scaling") or {})
+        key = "rope_scaling"
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise ConfigError(f"expected an object, got {params!r}", path=path, key=key)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0 or float(theta) != int(theta):
+        raise ConfigError(f"rope_theta must be a positive whole number (megatron-core's rotary_base), got {theta!r}",
+                          path=path, key=key)
+    out: Dict[str, Any] = {"rotary_base": int(theta), "rope_scaling": False}
+    if rope_type == "llama3":
+        for name, fixed in LLAMA3_FIXED.items():
+            if float(params.get(name, fixed)) != fixed:
+                raise ConfigError(f"{name} = {params.get(name)!r}: megatron-core's llama3 rope scaling fixes it at "
+                                  f"{fixed:g}", path=path, key=f"{key}.{name}")
+        factor = params.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+            raise ConfigError(f"expected a factor > 0, got {factor!r}", path=path, key=f"{key}.factor")
+        out.update(rope_scaling=True, rope_scaling_factor=float(factor))
+    elif rope_type != "default":
+        raise ConfigError(f"rope_type {rope_type!r} is not supported (supported: default, llama3)", path=path,
+                          key=f"{key}.rope_type")
+    return out
+
+
+def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
+    """The ``[model]`` fields (:data:`ARCHITECTURE_KEYS` and :data:`TRAINING_KEYS`) of a checkpoint
+    whose ``config.json`` (at ``path``) is ``hf``; ConfigError naming the config key it cannot follow."""
+    family = hf["model_type"]
+    if family == "gpt2":
+        return _gpt2_fields(hf, path)
+    hidden = _positive(hf, "hidden_size", path)
+    heads = _positive(hf, "num_attention_heads", path)
+    groups = _positive(hf, "num_key_value_heads", path, heads) if hf.get("num_key_value_heads") is not None else heads
+    head_dim = hf.get("head_dim")
+    head_dim = _positive(hf, "head_dim", path) if head_dim is not None else hidden // heads
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {hf.get('hidden_act')!r}: the {family} family here is SwiGLU (silu)",
+                          path=path, key="hidden_act")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ConfigError(f"{flag} = true is not supported (megatron-core biases either every linear layer "
+                              "or only the QKV projection)", path=path, key=flag)
+    fields: Dict[str, Any] = {
+        "num_layers": _positive(hf, "num_hidden_layers", path), "hidden_size": hidden,
+        "num_attention_heads": heads, "num_query_groups": groups,
+        "ffn_hidden_size": _positive(hf, "intermediate_size", path),
+        "kv_channels": head_dim, "vocab_size": _positive(hf, "vocab_size", path),
+        "normalization": "RMSNorm", "activation_func": "swiglu", "add_bias_linear": False,
+        "add_qkv_bias": family == "qwen2", "qk_layernorm": family == "qwen3",
+        "position_embedding_type": "rope",
+        "share_embeddings_and_output_weights": bool(_get(hf, "tie_word_embeddings", bool, path, False)),
+        "layernorm_epsilon": _get(hf, "rms_norm_eps", float, path, 1e-6),
+        "hidden_dropout": 0.0, "attention_dropout": _get(hf, "attention_dropout", float, path, 0.0),
+        "init_method_std": _get(hf, "initializer_range", float, path, 0.02),
+        "max_position_embeddings": _positive(hf, "max_position_embeddings", path),
+        "make_vocab_size_divisible_by": 1,
+    }
+    fields.update(_rope(hf, path))
+    return fields
+
+
+def _gpt2_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
+    hidden = _positive(hf, "n_embd", path)
+    activation = {"gelu_new": "openai_gelu", "gelu_pytorch_tanh": "openai_gelu", "gelu": "gelu"}.get(
+        hf.get("activation_function", "gelu_new"))
+    if activation is None:
+        raise ConfigError(f"activation_function {hf.get('activation_function')!r} is not supported (gelu_new, "
+                          "gelu_pytorch_tanh, gelu)", path=path, key="activation_function")
+    for flag, wanted in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                         ("add_cross_attention", False)):
+        if hf.get(flag, wanted) != wanted:
+            raise ConfigError(f"{flag} = {hf.get(flag)!r} is not supported (megatron-core's attention: "
+                              f"{flag} = {wanted})", path=path, key=flag)
+    n_inner = hf.get("n_inner")
+    return {
+        "num_layers": _positive(hf, "n_layer", path), "hidden_size": hidden,
+        "num_attention_heads": _positive(hf, "n_head", path), "num_query_groups": None,
+        "ffn_hidden_size": _positive(hf, "n_inner", path) if n_inner is not None else 4 * hidden,
+        "kv_channels": None, "vocab_size": _positive(hf, "vocab_size", path),
+        "normalization": "LayerNorm", "activation_func": activation, "add_bias_linear": True,
+        "add_qkv_bias": False, "qk_layernorm": False, "position_embedding_type": "learned_absolute",
+        "share_embeddings_and_output_weights": bool(_get(hf, "tie_word_embeddings", bool, path, True)),
+        "layernorm_epsilon": _get(hf, "layer_norm_epsilon", float, path, 1e-5),
+        "hidden_dropout": _get(hf, "resid_pdrop", float, path, 0.1),
+        "attention_dropout": _get(hf, "attn_pdrop", float, path, 0.1),
+        "init_method_std": _get(hf, "initializer_range", float, path, 0.02),
+        "max_position_embeddings": _positive(hf, "n_positions", path),
+        "make_vocab_size_divisible_by": 1,
+    }
+
+
+def fill_model_section(section: Dict[str, Any], folder: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``[model]`` filled from the Hugging Face folder ``folder``: the checkpoint's fields, with the
+    section's own values where it sets them. Returns ``(filled section, config.json as a dict)``.
+
+    Explicit :data:`TRAINING_KEYS` win; an explicit :data:`ARCHITECTURE_KEYS` value that differs from
+    the checkpoint's raises ConfigError naming ``model.<key>`` (``num_query_groups`` and ``kv_channels``
+    compare after their defaults are applied: the head count, and hidden size / heads)."""
+    hf = read_config(folder)
+    path = os.path.join(folder, CONFIG_FILE)
+    fields = model_fields(hf, path)
+    for key in ARCHITECTURE_KEYS:
+        if key not in section:
+            continue
+        mine, theirs = section[key], fields[key]
+        if key == "num_query_groups" and theirs is None:
+            theirs = fields["num_attention_heads"]
+        if key == "kv_channels" and theirs is None:
+            theirs = fields["hidden_size"] // fields["num_attention_heads"]
+        if mine is None and key in ("num_query_groups", "kv_channels"):
+            continue  # "the default": filled from the checkpoint
+        if mine != theirs:
+            raise ConfigError(f"is {mine!r}, but the checkpoint in {folder} has {theirs!r} ({hf['model_type']} "
+                              f"{CONFIG_FILE}); leave it out to take the checkpoint's", key=f"model.{key}")
+    filled = {k: v for k, v in fields.items() if v is not None}
+    filled.update(section)
+    seq_length = filled.get("seq_length")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", hf["model_type"] == "mistral") else None
+    if isinstance(window, int) and isinstance(seq_length, int) and seq_length > window:
+        raise ConfigError(f"{seq_length} exceeds the checkpoint's sliding_window ({window}, {path}): attention over "
+                          "a sliding window is not implemented here, so sequences must fit in it", key="model.seq_length")
+    return filled, hf
+
+
+def family_of(model: Dict[str, Any]) -> Optional[str]:
+    """The family a ``[model]`` section (as ``run_config.json`` records it) exports as, or None when no
+    supported family has its architecture (the caller names what does not fit: :func:`misfit`)."""
+    return None if misfit(model) else _family_guess(model)
+
+
+def _family_guess(model: Dict[str, Any]) -> str:
+    if model.get("position_embedding_type") == "learned_absolute":
+        return "gpt2"
+    if model.get("qk_layernorm"):
+        return "qwen3"
+    return "qwen2" if model.get("add_qkv_bias") else "llama"
+
+
+def misfit(model: Dict[str, Any]) -> Optional[Tuple[str, str]]:
+    """``(model.<key>, what the family needs)`` for the first field that no supported family has, or None."""
+    family = _family_guess(model)
+    if family == "gpt2":
+        wanted = {"normalization": "LayerNorm", "add_bias_linear": True, "add_qkv_bias": False,
+                  "qk_layernorm": False, "rope_scaling": False}
+        if model.get("activation_func") not in ("gelu", "openai_gelu"):
+            return "model.activation_func", "gelu or openai_gelu (GPT-2)"
+        if model.get("num_query_groups") not in (None, model.get("num_attention_heads")):
+            return "model.num_query_groups", "the number of heads (GPT-2 has no grouped-query attention)"
+    else:
+        wanted = {"normalization": "RMSNorm", "activation_func": "swiglu", "add_bias_linear": False,
+                  "position_embedding_type": "rope"}
+        if model.get("rotary_percent", 1.0) != 1.0:
+            return "model.rotary_percent", "1.0 (Llama-family rotary embeddings cover the whole head)"
+    for key, value in wanted.items():
+        if model.get(key) != value:
+            return f"model.{key}", f"{value!r} (the {family} family)"
+    return None
+
+
+def hf_config(model: Dict[str, Any], base: Optional[Dict[str, Any]], dtype: str) -> Dict[str, Any]:
+    """The ``config.json`` of an exported model: ``base`` (the ``config.json`` the run started from, when
+    it had one) with the model's fields written over it, or a fresh one for the model's family.
+    ``dtype``: the dtype name the tensors are saved in."""
+    family = base["model_type"] if base else _family_guess(model)
+    out: Dict[str, Any] = dict(base or {})
+    out["model_type"] = family
+    vocab = model["vocab_size"]
+    if family == "gpt2":
+        out.update(architectures=["GPT2LMHeadModel"], n_embd=model["hidden_size"], n_layer=model["num_layers"],
+                   n_head=model["num_attention_heads"], n_inner=model["ffn_hidden_size"],
+                   n_positions=model["max_position_embeddings"], vocab_size=vocab,
+                   activation_function="gelu_new" if model["activation_func"] == "openai_gelu" else "gelu",
+                   layer_norm_epsilon=model["layernorm_epsilon"],
+                   tie_word_embeddings=model["share_embeddings_and_output_weights"],
+                   resid_pdrop=model["hidden_dropout"], embd_pdrop=model["hidden_dropout"],
+                   attn_pdrop=model["attention_dropout"], initializer_range=model["init_method_std"])
+        out.setdefault("n_ctx", model["max_position_embeddings"])
+    else:
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}[family]
+        head_dim = model.get("kv_channels") or model["hidden_size"] // model["num_attention_heads"]
+        rope: Dict[str, Any] = {"rope_theta": float(model["rotary_base"]), "rope_type": "default"}
+        if model.get("rope_scaling"):
+            rope.update(rope_type="llama3", factor=float(model["rope_scaling_factor"]), **LLAMA3_FIXED)
+        out.pop("rope_scaling", None)
+        out.pop("rope_theta", None)
+        out.update(architectures=[arch], hidden_size=model["hidden_size"], num_hidden_layers=model["num_layers"],
+                   num_attention_heads=model["num_attention_heads"],
+                   num_key_value_heads=model.get("num_query_groups") or model["num_attention_heads"],
+                   head_dim=head_dim, intermediate_size=model["ffn_hidden_size"], vocab_size=vocab,
+                   hidden_act="silu", rms_norm_eps=model["layernorm_epsilon"],
+                   max_position_embeddings=model["max_position_embeddings"],
+                   tie_word_embeddings=model["share_embeddings_and_output_weights"],
+                   attention_dropout=model["attention_dropout"], initializer_range=model["init_method_std"],
+                   rope_parameters=rope)
+        if family in ("llama", "qwen3"):
+            out.update(attention_bias=False)
+        if family == "llama":
+            out.update(mlp_bias=False)
+    out["dtype"] = dtype
+    out.pop("torch_dtype", None)
+    return out

@@ -1,0 +1,77 @@
+"""Small random Hugging Face checkpoints of each supported family, made with transformers (nothing is
+downloaded), and the toolkit's model built from one: what the tests of bridge_hpc.models.hf share.
+
+Weights are drawn with a large ``initializer_range`` and the norms and biases moved off their
+initial ones/zeros, so a wrong mapping (a swapped key head, a missed rope scaling, an untransposed
+Conv1D) changes the logits by far more than the parity tolerance (checked in test_hf_import)."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+VOCAB = 100
+SEQ = 16
+
+
+def hf_config(family: str):
+    import transformers as T
+
+    common = dict(initializer_range=0.3, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    if family == "llama":  # Llama 3.1's rope scaling, untied output
+        return T.LlamaConfig(**common, rope_theta=500000.0, tie_word_embeddings=False,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    if family == "mistral":
+        return T.MistralConfig(**common, sliding_window=None)
+    if family == "qwen2":  # qkv bias, tied
+        return T.Qwen2Config(**common, tie_word_embeddings=True)
+    if family == "qwen3":  # qk-norm, head_dim != hidden / heads
+        return T.Qwen3Config(**common, head_dim=32)
+    return T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB, initializer_range=0.3,
+                        bos_token_id=0, eos_token_id=0)
+
+
+def make_hf_model(family: str, folder: str, seed: int = 0):
+    """A random ``family`` model saved to ``folder`` (model.safetensors, config.json); returns it in eval mode."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(hf_config(family))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def model_config(folder: str, **extra):
+    """The finalized GPTModelConfig ``[model] hf_config = folder`` gives (dropout off)."""
+    from bridge_hpc.models.hf import families
+    from bridge_hpc.training.config import GPTModelConfig
+
+    section = {"hf_config": folder, "seq_length": SEQ, "hidden_dropout": 0.0, "attention_dropout": 0.0, **extra}
+    filled, _ = families.fill_model_section(section, folder)
+    cfg = GPTModelConfig(**filled)
+    cfg.finalize()
+    return cfg
+
+
+def batch(seed: int = 1) -> Dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    return {"tokens": tokens, "position_ids": torch.arange(SEQ).unsqueeze(0).expand(2, -1)}
+
+
+def hf_logits(folder: str, tokens: torch.Tensor) -> torch.Tensor:
+    import transformers as T
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
