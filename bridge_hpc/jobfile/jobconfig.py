@@ -27,10 +27,11 @@ try:  # TOML 1.0 as the standard library reads it (Python >= 3.11); the toml pac
 except ImportError:  # pragma: no cover - Python 3.10
     _tomllib = None
 
-from bridge_hpc.contracts import bytecode_cache, run_folder, signals
+from bridge_hpc.contracts import bytecode_cache, fast_path, run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 from bridge_hpc.contracts.text import has_control_chars
+from bridge_hpc.jobfile import speed_defaults
 from bridge_hpc.models.hf import families as hf_families
 from bridge_hpc.models.hf import mapping as hf_mapping
 from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
@@ -107,6 +108,9 @@ class JobSection:
     # ($XDG_CACHE_HOME/bridge_hpc/pycache), "off", or an absolute folder. See
     # bridge_hpc.training.process.bytecode_cache.
     bytecode_cache: str = "auto"
+    # What the fast path chose for a job on GPUs: written by bridge-submit into resolved.toml and read
+    # back by the ranks (bridge_hpc.jobfile.speed_defaults); a job file leaves it out.
+    fast_path: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -680,13 +684,16 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     if job.forward_step != DEFAULT_FORWARD_STEP:
         resolved["job"]["forward_step"] = job.forward_step
     sections = _resolved_training_sections(doc, job.run_dir, base, stop_signal, where)
-    resolved.update(sections)
+    resolved["job"].pop(fast_path.TOML_KEY, None)
     container_cfg = None
     if training or any(key in doc for key in TRAINING_SECTIONS):
-        try:
-            container_cfg = ConfigContainer.from_sections(sections, source=str(path))
+        try:  # the fast path for the keys a job on GPUs leaves unset, recorded in resolved.toml
+            sections, container_cfg, record = speed_defaults.resolve(
+                sections, job.fast_path, slurm.gpus_per_node > 0, slurm.nodes * slurm.ntasks_per_node, str(path))
         except ConfigError as err:
             raise (where.error(err.key, err.message) if err.key else err) from None
+        resolved["job"][fast_path.TOML_KEY] = record.to_toml()
+    resolved.update(sections)
     return JobConfig(
         path=path, job=job, slurm=slurm, env=env, container=container, setup=setup,
         cluster=cluster, training=container_cfg, raw=resolved, stop_signal=stop_signal, where=where,

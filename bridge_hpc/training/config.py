@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from bridge_hpc.contracts import run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.fast_path import FastPath
 from bridge_hpc.contracts.schema import (
     LAUNCHER_SECTIONS,
     build_dataclass,
@@ -415,6 +416,9 @@ class ConfigContainer:
     validation_keys_in_train: Tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     #: Whether every section's deferred finalize() has run (:meth:`finalize_sections`).
     sections_finalized: bool = field(default=False, init=False, repr=False, compare=False)
+    #: bridge_hpc's: what the fast path chose for a job on GPUs and why not the rest (resolved.toml's
+    #: ``[job] fast_path``; :mod:`bridge_hpc.jobfile.speed_defaults`). None for a config built in Python.
+    fast_path: Optional[FastPath] = field(default=None, init=False, repr=False, compare=False)
 
     # -- construction ---------------------------------------------------------------------
     @classmethod

@@ -9,6 +9,7 @@ CUDA; megatron-core DDP and ``get_megatron_optimizer`` with it.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import inspect
 import logging
 import os
@@ -26,6 +27,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.progress_log import ProgressLog, longest_recent_save_s
+from bridge_hpc.jobfile import speed_defaults
 from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
 from bridge_hpc.training.checkpoint import checkpointing, pretrained
@@ -160,6 +162,12 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     # the model. (A config built in Python gets its sections finalized first, as the tokenizer needs;
     # runtime_config_update does not finalize them twice.)
     cfg.finalize_sections()
+    # The fast path's choices that only a rank can check (a CPU rank turns them back off and trains as
+    # before); rank 0 logs what runs and what does not, and why (bridge_hpc.jobfile.speed_defaults).
+    fast_path = speed_defaults.settle_on_rank(cfg, torch.cuda.is_available(), importlib.util.find_spec("triton") is not None,
+                                              state.world_size)
+    if fast_path is not None:
+        logger.info(fast_path)
     parallel.check_supported(cfg)
     state.tokenizer = build_tokenizer_for(cfg)
     runtime_config_update(cfg)

@@ -1,0 +1,202 @@
+"""Fast by default: a job on GPUs gets the fastest settings its model and layout allow, unasked.
+
+Megatron Bridge's config classes keep megatron-core's defaults (unfused, eager steps, synchronous
+saves: tests/test_bridge_config_fields.py), which suit a script but leave a GPU job at 1.09x a bare
+loop where 1.4x is there (issue 30). So the job file's loader resolves, once, each fast-path key
+(:data:`CHOICES`) that the job file, its profiles and its ``--set`` overrides leave unset:
+
+- on a job that asks for no GPUs (``[slurm] gpus_per_node = 0``) nothing changes;
+- on a job on GPUs a key left unset gets its fast value where the model, the layout and the data
+  allow it (:func:`refusal`), else it stays at its default with the reason recorded;
+- a key the job sets, to anything (``false`` and ``"none"`` too), is never changed.
+
+The record (:class:`~bridge_hpc.contracts.fast_path.FastPath`) goes into resolved.toml as
+``[job] fast_path`` and onto the ranks' ``ConfigContainer.fast_path``. The ranks read resolved.toml
+with the same loader: the keys the record says were set here count as unset again, so a second
+resolution gives the same sections and the same record. On the ranks, :func:`settle_on_rank` turns
+back off what a rank cannot run (no CUDA: a CPU rank trains exactly as before; no triton; a world
+whose data-parallel overlap the graph cannot hold) and returns the line rank 0 logs. Whether the
+forward step can be captured is known only when it is captured: ``engine/cuda_graphs.py`` then falls
+back to eager steps. docs/gpu-speed.md has the table.
+
+Torch-free: bridge-submit runs it on the login node; the ranks pass in what only they can tell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.fast_path import FastPath
+from bridge_hpc.contracts.schema import field_default
+from bridge_hpc.training.config import ConfigContainer, FinetuningDatasetConfig
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One fast-path key and its fast value."""
+
+    section: str
+    key: str
+    fast: Any
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.key}"
+
+
+FUSIONS = (Choice("model", "bias_activation_fusion", True), Choice("model", "bias_dropout_fusion", True),
+           Choice("model", "cross_entropy_loss_fusion", True))
+FUSED_KERNELS = Choice("model", "fused_kernels", True)
+CUDA_GRAPH = Choice("model", "cuda_graph_impl", "full_iteration")
+FUSED_STEP = Choice("optimizer", "fused_step", True)
+ASYNC_SAVE = Choice("checkpoint", "async_save", True)
+#: Every fast-path key, in the order the log line names them. ``optimizer.fused_step`` is on by its
+#: own default already; it is listed so that the line and the record say when a job turned it off.
+CHOICES = FUSIONS + (FUSED_KERNELS, CUDA_GRAPH, FUSED_STEP, ASYNC_SAVE)
+_BY_KEY = {c.dotted: c for c in CHOICES}
+
+NO_GPUS = "the job asks for no GPUs ([slurm] gpus_per_node = 0)"
+NO_CUDA = "this rank has no CUDA"
+NO_TRITON = "this rank's torch has no triton"
+FINETUNING_SHAPES = ("fine-tuning batches are padded to their longest sample, so their shape changes from step to "
+                     "step and a replay cannot follow")
+
+
+def _section(cfg: ConfigContainer, name: str) -> Any:
+    return {"model": cfg.model, "optimizer": cfg.optimizer, "checkpoint": cfg.checkpoint}[name]
+
+
+def _finalize_refuses(section: Any, key: str, value: Any) -> Optional[str]:
+    """What the section's own ``finalize`` says against ``key = value``, or None: the limits of each
+    setting are defined once, where the section checks them."""
+    try:
+        dataclasses.replace(section, **{key: value}).finalize()
+    except ConfigError as err:
+        return err.message
+    return None
+
+
+def param_gather_overlapped(cfg: ConfigContainer, world_size: int) -> bool:
+    """Whether ``ddp.overlap_param_gather`` will be on on ranks in a world of ``world_size``: set in
+    ``[ddp]``, or turned on by ``[comm_overlap]`` (``CommOverlapConfig.setup``: with the distributed
+    optimizer of either section, above one data-parallel rank, unless it says false)."""
+    if cfg.ddp.overlap_param_gather:
+        return True
+    overlap = cfg.comm_overlap
+    if overlap is None or not (cfg.ddp.use_distributed_optimizer or cfg.optimizer.use_distributed_optimizer):
+        return False
+    if overlap.overlap_param_gather is not None:
+        return overlap.overlap_param_gather
+    return world_size // cfg.model.model_parallel_size > 1
+
+
+def refusal(choice: Choice, cfg: ConfigContainer, world_size: int) -> Optional[str]:
+    """Why ``choice``'s fast value cannot run with ``cfg`` in a world of ``world_size`` ranks, or None."""
+    why = _finalize_refuses(_section(cfg, choice.section), choice.key, choice.fast)
+    if why is not None or choice != CUDA_GRAPH:
+        if choice == ASYNC_SAVE and why is None and cfg.checkpoint.save_interval is None:
+            return "no interval saves (checkpoint.save_interval is unset)"
+        return why
+    if isinstance(cfg.dataset, FinetuningDatasetConfig):
+        return FINETUNING_SHAPES
+    if param_gather_overlapped(cfg, world_size):
+        return ("ddp.overlap_param_gather is on (by [ddp] or [comm_overlap]): its forward pre-hooks wait for "
+                "all-gathers started outside the graph")
+    return None
+
+
+def _previous(table: Dict[str, Any]) -> Optional[FastPath]:
+    if not table:
+        return None
+    try:
+        return FastPath.from_toml(table)
+    except ValueError as err:
+        raise ConfigError(str(err), key="job.fast_path") from None
+
+
+def resolve(sections: Dict[str, Any], previous: Dict[str, Any], gpus: bool, world_size: int,
+            source: str) -> Tuple[Dict[str, Any], ConfigContainer, FastPath]:
+    """The training sections with the fast path filled in, their ConfigContainer and the record.
+
+    ``sections``: the job's training sections as resolved.toml holds them (not changed); ``previous``:
+    its ``[job] fast_path`` table (empty in a job file); ``gpus``: whether the job asks for GPUs;
+    ``world_size``: the ranks it asks for. Raises ConfigError for a config that is wrong on its own
+    (the same errors the plain build gives)."""
+    sections = {name: dict(body) if isinstance(body, dict) else body for name, body in sections.items()}
+    record = _previous(previous)
+    for dotted in record.set_here if record else ():
+        choice = _BY_KEY.get(dotted)
+        body = sections.get(choice.section) if choice else None
+        if isinstance(body, dict) and choice.key in body and body[choice.key] == choice.fast:
+            del body[choice.key]  # set by an earlier resolution, not by the job: resolved again
+    cfg = ConfigContainer.from_sections(sections, source=source)
+    set_here, reasons = [], {}
+    for choice in CHOICES if gpus else ():
+        body = sections.get(choice.section)
+        if isinstance(body, dict) and choice.key in body or getattr(_section(cfg, choice.section), choice.key) == choice.fast:
+            continue
+        why = refusal(choice, cfg, world_size)
+        if why is None:
+            sections.setdefault(choice.section, {})[choice.key] = choice.fast
+            set_here.append(choice.dotted)
+        else:
+            reasons[choice.dotted] = why
+    if set_here:
+        cfg = ConfigContainer.from_sections(sections, source=source)
+    cfg.fast_path = _record(cfg, sections, gpus, tuple(set_here), reasons)
+    return sections, cfg, cfg.fast_path
+
+
+def _record(cfg: ConfigContainer, sections: Dict[str, Any], gpus: bool, set_here: Tuple[str, ...],
+            reasons: Dict[str, str]) -> FastPath:
+    chosen, not_chosen = [], []
+    for choice in CHOICES:
+        value = getattr(_section(cfg, choice.section), choice.key)
+        body = sections.get(choice.section)
+        if value == choice.fast:
+            chosen.append(choice.dotted)
+        elif choice.dotted in reasons:
+            not_chosen.append((choice.dotted, reasons[choice.dotted]))
+        elif isinstance(body, dict) and choice.key in body:
+            not_chosen.append((choice.dotted, f"{choice.dotted} = {json.dumps(value)} in the job"))
+        else:
+            not_chosen.append((choice.dotted, NO_GPUS))
+    return FastPath(gpus, tuple(chosen), set_here, tuple(not_chosen))
+
+
+def settle_on_rank(cfg: ConfigContainer, on_cuda: bool, has_triton: bool, world_size: int) -> Optional[str]:
+    """On a rank, before the model is built: turn back off each key the resolution set that this rank
+    cannot run (to the field's default, what the job would have had without the fast path), update
+    ``cfg.fast_path`` and return the line rank 0 logs; None for a config that was not resolved from a
+    job file (built in Python: it keeps the values it was given).
+
+    ``on_cuda``: the rank has a CUDA device; ``has_triton``: the triton package is importable;
+    ``world_size``: the world the rank is in (a job file run under torchrun may differ from its
+    ``[slurm]`` request, and ``[comm_overlap]``'s overlaps depend on it)."""
+    record = cfg.fast_path
+    if record is None:
+        return None
+    back_off = {}
+    for dotted in record.set_here:
+        choice = _BY_KEY[dotted]
+        if not on_cuda:
+            back_off[dotted] = NO_CUDA
+        elif choice == FUSED_KERNELS and not has_triton:
+            back_off[dotted] = NO_TRITON
+        elif choice == CUDA_GRAPH and param_gather_overlapped(cfg, world_size):
+            back_off[dotted] = refusal(choice, cfg, world_size)
+    for dotted in back_off:
+        choice = _BY_KEY[dotted]
+        section = _section(cfg, choice.section)
+        setattr(section, choice.key, field_default(type(section), choice.key))
+    if back_off:
+        why = dict(record.not_chosen, **back_off)
+        record = FastPath(record.gpus, tuple(k for k in record.chosen if k not in back_off),
+                          tuple(k for k in record.set_here if k not in back_off),
+                          tuple((c.dotted, why[c.dotted]) for c in CHOICES if c.dotted in why))
+        cfg.fast_path = record
+    return record.line()
