@@ -162,7 +162,7 @@ def test_a_replayed_steps_loss_is_checked_after_the_replay(one_rank):
         loss.backward()
         return [{"lm loss": loss.detach().view(1)}]
 
-    graph = FullIterationCudaGraph(forward_backward, cfg)
+    graph = FullIterationCudaGraph(forward_backward, cfg, zero_grads=lambda model, optimizer: None)  # captures
     seen = []
     for step in range(8):
         x = torch.full((4,), float("nan") if step == 6 else float(step))

@@ -469,7 +469,7 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
     for chunk in model:
         chunk.train()
     global_state.run_start_step = ts.step
-    global_state.full_iteration_graph = (FullIterationCudaGraph(forward_backward, cfg)
+    global_state.full_iteration_graph = (FullIterationCudaGraph(forward_backward, cfg, zero_grads)
                                          if cfg.model.full_iteration_cuda_graph else None)
     # A stop signal during start-up (model build, checkpoint load) is honoured before any step.
     if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,

@@ -1,0 +1,162 @@
+"""The fast path a job on GPUs gets by default (issue 30), on one GPU; skipped without CUDA.
+
+The tiny GPT of tests/data/tiny.toml in bf16 (dropout on), its job asking for a GPU
+(``slurm.gpus_per_node = 1``), so that the job file's loader chooses megatron-core's fusions, the
+toolkit's fused kernels, the full-iteration CUDA graph and asynchronous interval saves
+(bridge_hpc.jobfile.speed_defaults):
+
+* its losses equal those of the plain path (the same job asking for no GPUs: eager, unfused,
+  synchronous saves) within bf16's tolerance, and rank 0 logs the fast-path line once;
+* a run stopped by SIGUSR1 and resumed on the default path reproduces the uninterrupted default run
+  bit for bit;
+* a forward step that cannot be captured (it reads a loss on the host) falls back to eager steps
+  once, with one log line, and trains bit for bit as the same forward step without the graph.
+
+Run: ``python -m pytest -q tests/test_gpu_speed_defaults.py`` (about 4 minutes on an H100).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import List
+
+import pytest
+import torch
+from bridge_test_helpers import direct_rank_env, free_port, kill_tree, tiny_job, tiny_run_dir
+
+from bridge_hpc.contracts import run_folder
+from bridge_hpc.contracts.fast_path import LINE_PREFIX
+from bridge_hpc.jobfile.jobconfig import dump_resolved, load_job_config
+from bridge_hpc.training.engine.metrics import read_metrics
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+BF16 = ("model.bf16=true", "optimizer.bf16=true")
+GPU = ("slurm.gpus_per_node=1",) + BF16
+PLAIN = ("slurm.gpus_per_node=0",) + BF16
+CAPTURED = "full-iteration CUDA graph captured after 3 eager steps"
+FELL_BACK = "the step cannot be captured as a CUDA graph"
+EVERYTHING = ("chosen model.bias_activation_fusion, model.bias_dropout_fusion, model.cross_entropy_loss_fusion, "
+              "model.fused_kernels, model.cuda_graph_impl, optimizer.fused_step, checkpoint.async_save; "
+              "not chosen: nothing")
+#: bf16 keeps 8 bits of mantissa; fused and unfused kernels round differently, and 40 steps of
+#: training carry the differences on (the model-parallel benchmarks use the same bound).
+BF16_RTOL = 2e-2
+RUN_TIMEOUT_S = 240
+#: A forward step that reads each micro-batch's loss on the host: a capture forbids the device
+#: synchronization, so its capture fails.
+HOST_READ_STEP = '''
+from bridge_hpc.training.gpt_step import forward_step as gpt_forward_step
+
+SEEN = []
+
+
+def forward_step(state, data_iterator, model):
+    output, loss_func = gpt_forward_step(state, data_iterator, model)
+    SEEN.append(output.detach().float().mean().item())  # a host read
+    return output, loss_func
+'''
+
+
+def _args(job: str, overrides) -> List[str]:
+    args = [job]
+    for item in overrides:
+        args += ["--set", item]
+    return args
+
+
+def _run(job: str, *overrides: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+           "-m", "bridge_hpc.training.run", *_args(job, overrides)]
+    proc = subprocess.run(cmd, cwd=os.path.dirname(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return proc.stdout
+
+
+def _losses(job: str) -> dict:
+    records = read_metrics(os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE))
+    return {step: r["loss"] for step, r in records.items()}
+
+
+def _fast_path_lines(out: str) -> List[str]:
+    return [line[line.index(LINE_PREFIX):] for line in out.splitlines() if LINE_PREFIX in line]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """40 steps of the tiny GPT on the default path, uninterrupted: (losses, output)."""
+    job = tiny_job(tmp_path_factory.mktemp("default"))
+    out = _run(job, *GPU)
+    return _losses(job), out
+
+
+def test_the_default_path_trains_as_the_plain_path_within_bf16(default_run, tmp_path):
+    fast, out = default_run
+    assert _fast_path_lines(out) == [LINE_PREFIX + EVERYTHING], out[-4000:]
+    assert out.count(CAPTURED) == 1 and FELL_BACK not in out, out[-4000:]
+    assert out.count("started asynchronous checkpoint save of iteration") >= 3, out[-4000:]
+    job = tiny_job(tmp_path / "plain")
+    plain_out = _run(job, *PLAIN)
+    assert CAPTURED not in plain_out and "started asynchronous checkpoint save" not in plain_out
+    plain = _losses(job)
+    assert sorted(fast) == sorted(plain) == list(range(1, 41))
+    worst = max(abs(fast[s] - plain[s]) / abs(plain[s]) for s in plain)
+    assert worst <= BF16_RTOL, (worst, fast, plain)
+    assert fast != plain  # the fused kernels ran: bf16 rounds them differently
+
+
+def test_a_run_stopped_and_resumed_on_the_default_path_is_bit_exact(default_run, tmp_path):
+    fast, _ = default_run
+    job = tiny_job(tmp_path / "usr1")
+    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", *_args(job, GPU)],
+                            cwd=os.path.dirname(job), env=direct_rank_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE)
+    deadline = time.time() + RUN_TIMEOUT_S
+    while time.time() < deadline and rank.poll() is None:
+        if os.path.exists(metrics) and max(read_metrics(metrics), default=0) >= 15:
+            break
+        time.sleep(0.01)
+    assert rank.poll() is None, "the run ended before the signal"
+    os.kill(rank.pid, signal.SIGUSR1)
+    try:
+        out, _ = rank.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(rank)
+        pytest.fail("the signalled run did not end")
+    assert rank.returncode == 0, out[-6000:]
+    assert CAPTURED in out and "signal received" in out, out[-4000:]
+    stopped = run_folder.tracked_iteration(os.path.join(tiny_run_dir(job), run_folder.CHECKPOINTS_DIR))
+    assert 15 <= stopped < 40
+
+    # The requeued run reads the run folder's resolved.toml as a requeued job does: the same choices.
+    resolved = os.path.join(tiny_run_dir(job), run_folder.RESOLVED_CONFIG)
+    with open(resolved, "w", encoding="utf-8") as f:
+        f.write(dump_resolved(load_job_config(job, list(GPU), cwd=os.path.dirname(job))))
+    resumed_out = _run(resolved)
+    assert _fast_path_lines(resumed_out) == [LINE_PREFIX + EVERYTHING]
+    assert CAPTURED in resumed_out  # eager again for its warm-up, then its own capture
+    assert _losses(job) == fast
+
+
+def test_a_forward_step_that_cannot_be_captured_falls_back_to_eager_once_and_exactly(tmp_path):
+    losses = {}
+    for name, extra in (("fallback", ()), ("eager", ('model.cuda_graph_impl="none"',))):
+        job = tiny_job(tmp_path / name)
+        step = os.path.join(os.path.dirname(job), "host_read_step.py")
+        with open(step, "w", encoding="utf-8") as f:
+            f.write(HOST_READ_STEP)
+        out = _run(job, *GPU, f'job.forward_step="{step}:forward_step"', *extra)
+        losses[name] = _losses(job)
+        if name == "fallback":
+            assert out.count(FELL_BACK) == 1 and CAPTURED not in out, out[-4000:]
+            assert "model.cuda_graph_impl" in _fast_path_lines(out)[0].split("; not chosen:")[0]
+        else:
+            assert FELL_BACK not in out
+    assert sorted(losses["fallback"]) == list(range(1, 41))
+    assert losses["fallback"] == losses["eager"]
