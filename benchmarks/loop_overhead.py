@@ -52,11 +52,19 @@ table and writes ``benchmarks/results/loop_overhead.json`` with every run's figu
 also writes a CPU-time cProfile of rank 0 of each run (``*.prof`` and the top functions as text)
 next to it; ``--sections`` times the bridge loop's own pieces (``train.py``'s calls: the loss
 reduction, the exit checks, the step log, ...) on every rank and prints what each costs a step;
-``--loops bare-opt,bridge`` runs only some of the loops; ``--fused`` builds the toolkit's loops with
-megatron-core's fusions, ``--fused-kernels`` with the toolkit's own (``model.fused_kernels``: Triton
-cross entropy and norms, biases inside the matrix multiplies), and ``--cuda-graph`` runs the bridge loop's steps as one CUDA graph
+``--loops bare-opt,bridge`` runs only some of the loops.
+
+Speed settings on GPU: the toolkit's loops run the job as a user gets it. The generated job asks for a
+GPU (``slurm.gpus_per_node = 1``), so the job file's loader gives it the fast path
+(:mod:`bridge_hpc.jobfile.speed_defaults`: megatron-core's fusions, the toolkit's fused kernels, the
+bridge loop's steps as one CUDA graph), which the JSON's ``fast_path`` records; the plain bare loop's
+job asks for none, so it keeps megatron-core's defaults (unfused). Each speed flag sets its keys
+explicitly for the toolkit's loops, on or (``--no-...``) off: ``--fused`` megatron-core's fusions,
+``--fused-kernels`` the toolkit's own (``model.fused_kernels``: Triton cross entropy and norms, biases
+inside the matrix multiplies), ``--cuda-graph`` the bridge loop's steps as one CUDA graph
 (``model.cuda_graph_impl = "full_iteration"``; its clock is then read as each step starts, since a
-replayed step does not call the forward step). ``--pool A.json B.json ...`` runs nothing and compares
+replayed step does not call the forward step). ``--no-fused --no-fused-kernels --no-cuda-graph`` is
+the job without the fast path. ``--pool A.json B.json ...`` runs nothing and compares
 the runs of earlier results together (same device, model, steps and loops), as one result.
 
 ``--instructions`` (CPU, needs valgrind) measures work instead of time: each loop runs twice per rank
@@ -99,18 +107,25 @@ H100_BF16_PEAK = 989e12
 TARGET_CPU_OVERHEAD = 0.03
 #: ``--instructions``: steps the two runs of each loop differ by.
 INSTRUCTION_STEPS = 30
-#: ``--fused``: megatron-core's torch.compile'd fusions, for the toolkit's loops only.
-FUSED = ("model.bias_activation_fusion=true", "model.bias_dropout_fusion=true", "model.cross_entropy_loss_fusion=true")
-#: ``--cuda-graph``: pretrain's steps replay one CUDA graph of their forward and backward (the bridge loop only).
-CUDA_GRAPH = ('model.cuda_graph_impl="full_iteration"',)
-#: ``--fused-kernels``: the toolkit's own kernels (``model.fused_kernels``), for the toolkit's loops only.
-FUSED_KERNELS = ("model.fused_kernels=true",)
+#: ``--fused`` / ``--no-fused``: megatron-core's torch.compile'd fusions, for the toolkit's loops only.
+FUSED = ("model.bias_activation_fusion", "model.bias_dropout_fusion", "model.cross_entropy_loss_fusion")
+#: ``--cuda-graph`` / ``--no-cuda-graph``: pretrain's steps replay one CUDA graph of their forward and
+#: backward (its value on and off; only the bridge loop runs it).
+CUDA_GRAPH = ("model.cuda_graph_impl",)
+GRAPH_VALUES = {True: '"full_iteration"', False: '"none"'}
+#: ``--fused-kernels`` / ``--no-fused-kernels``: the toolkit's own kernels, for the toolkit's loops only.
+FUSED_KERNELS = ("model.fused_kernels",)
+#: The toolkit's loops run a job on a GPU, which the loader gives the fast path; the plain bare loop's
+#: job asks for none (megatron-core's defaults).
+ON_GPU, PLAIN = "slurm.gpus_per_node=1", "slurm.gpus_per_node=0"
 #: Resamples behind the 95 % interval of the paired overhead (:func:`paired_overhead`).
 BOOTSTRAP_RESAMPLES = 2000
 #: Steps in ``--kernels``' profiler window (right after the warm-up).
 KERNEL_STEPS = 3
 #: The issue's GPU target: tokens/s of the toolkit against a bare megatron-core loop.
-TARGET_GPU_SPEEDUP = 1.15
+TARGET_GPU_SPEEDUP = 1.35
+#: ... and its MFU (issue 30, with the job's defaults).
+TARGET_GPU_MFU = 0.42
 #: The loops: a bare loop with the optimizer a user builds, the same loop with the toolkit's
 #: optimizer (only the loop then differs from pretrain), and pretrain.
 LOOPS = ("bare", "bare-opt", "bridge")
@@ -532,10 +547,22 @@ def run_one(kind: str, device: str, ranks: int, job: Path, overrides: List[str],
     return result
 
 
+def speed_overrides(fused: Optional[bool], cuda_graph: Optional[bool], fused_kernels: Optional[bool]) -> List[str]:
+    """The ``--set`` items of the speed flags: each flag given sets its keys on or off; a flag left out
+    leaves them to the job's fast path."""
+    out = []
+    for keys, on in ((FUSED, fused), (FUSED_KERNELS, fused_kernels)):
+        if on is not None:
+            out += [f"{key}={'true' if on else 'false'}" for key in keys]
+    if cuda_graph is not None:
+        out += [f"{CUDA_GRAPH[0]}={GRAPH_VALUES[cuda_graph]}"]
+    return out
+
+
 def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp: Path,
               profile_dir: Optional[Path], kinds: tuple = LOOPS, sections: bool = False,
-              profile: bool = False, kernels: bool = False, fused: bool = False,
-              cuda_graph: bool = False, fused_kernels: bool = False) -> Dict[str, Any]:
+              profile: bool = False, kernels: bool = False, fused: Optional[bool] = None,
+              cuda_graph: Optional[bool] = None, fused_kernels: Optional[bool] = None) -> Dict[str, Any]:
     if steps < warmup + max(3, KERNEL_STEPS + 1 if kernels else 0):
         raise SystemExit(f"--steps ({steps}) must exceed --warmup ({warmup}) by at least "
                          f"{max(3, KERNEL_STEPS + 1 if kernels else 0)}")
@@ -547,13 +574,19 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
         job = tmp / "gpt370m.toml"
         job.write_text(job_toml(GPT_370M, steps, tmp / "unused", mock_section(GPT_370M), gpu=True))
         shape = "370M GPT, seq 2048 x micro-batch 8, bf16, adam"
+    speed = speed_overrides(fused, cuda_graph, fused_kernels)
+    toolkit = ([ON_GPU] if device == "cuda" else []) + speed
+    fast_path = None
+    if device == "cuda":
+        from bridge_hpc.jobfile.jobconfig import load_job_config
+
+        fast_path = load_job_config(job, common + toolkit, cwd=tmp).training.fast_path.line()
     runs: List[Dict[str, Any]] = []
     for i in range(repeat):
         for kind in (kinds if i % 2 == 0 else kinds[::-1]):
             name = f"{kind}{i}"
-            overrides = (common + [f'job.run_dir="{tmp / name}"'] + (list(FUSED) if fused and kind != "bare" else [])
-                         + (list(FUSED_KERNELS) if fused_kernels and kind != "bare" else [])
-                         + (list(CUDA_GRAPH) if cuda_graph and kind == "bridge" else []))
+            overrides = (common + [f'job.run_dir="{tmp / name}"']
+                         + (toolkit if kind != "bare" else [PLAIN] if device == "cuda" else []))
             out = (profile_dir / f"loop_overhead_{name}.json") if profile_dir else tmp / f"{name}.json"
             run = run_one(kind, device, ranks, job, overrides, warmup, out, profile, sections, kernels)
             run["run"] = len(runs)
@@ -562,8 +595,7 @@ def benchmark(device: str, ranks: int, steps: int, warmup: int, repeat: int, tmp
                   f"(median step {run['median_step_s'] * 1e3:.1f} ms, CPU {run['cpu_s_per_step'] * 1e3:.1f} ms/step, "
                   f"{run['wall_s']:.0f} s wall)", file=sys.stderr, flush=True)
     meta = {"device": _device_name(device), "shape": shape, "ranks": ranks, "steps": steps, "warmup": warmup,
-            "repeat": repeat, "fused": list(FUSED) if fused else [], "cuda_graph": list(CUDA_GRAPH) if cuda_graph else [],
-            "fused_kernels": list(FUSED_KERNELS) if fused_kernels else []}
+            "repeat": repeat, "speed_flags": speed, "fast_path": fast_path}
     return summarize(runs, kinds, meta, sections)
 
 
@@ -596,6 +628,7 @@ def summarize(runs: List[Dict[str, Any]], kinds: tuple, meta: Dict[str, Any], se
         result["against_bare"] = compare(by["bare"], by["bridge"], loops["bare"], loops["bridge"])
         if gpu:
             result["against_bare"]["target_speedup"] = TARGET_GPU_SPEEDUP
+            result["against_bare"]["target_mfu"] = TARGET_GPU_MFU
     if gpu:
         result["peak_flops"] = H100_BF16_PEAK
     if sections and "bridge" in by:
@@ -605,7 +638,7 @@ def summarize(runs: List[Dict[str, Any]], kinds: tuple, meta: Dict[str, Any], se
 
 
 #: What runs pooled by ``--pool`` must share (their ``repeat`` adds up).
-POOLED_ALIKE = ("device", "shape", "ranks", "steps", "warmup", "fused", "cuda_graph", "fused_kernels")
+POOLED_ALIKE = ("device", "shape", "ranks", "steps", "warmup", "speed_flags", "fast_path")
 
 
 def pool(files: List[Path], parser: argparse.ArgumentParser) -> Dict[str, Any]:
@@ -764,9 +797,8 @@ def print_table(r: Dict[str, Any]) -> None:
     print(f"\nloop overhead on {r['device']}, {r['ranks']} rank(s), {r['shape']}: {r['steps']} steps per run, "
           f"first {r['warmup']} left out, {r['repeat']} runs of each ("
           + (f"pooled from {len(r['pooled_from'])} results" if r.get("pooled_from") else ", ".join(r["order"])) + ")"
-          + (f"; the toolkit's loops fused ({', '.join(r['fused'])})" if r.get("fused") else "")
-          + ("; bridge's steps replay a CUDA graph" if r.get("cuda_graph") else "")
-          + ("; the toolkit's loops with its fused kernels" if r.get("fused_kernels") else "") + "\n")
+          + (f"; the toolkit's loops with {', '.join(r['speed_flags'])}" if r.get("speed_flags") else "")
+          + (f"\nthe toolkit's loops' {r['fast_path']}" if r.get("fast_path") else "") + "\n")
     head = ("| loop | tokens/s | median-step tokens/s | fastest-tenth tokens/s | CPU ms/step/rank |"
             + (" TFLOP/s | MFU | peak GiB |" if gpu else ""))
     print(head)
@@ -826,16 +858,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--loops", default=",".join(LOOPS),
                    help=f"which loops to run, comma-separated (default: {','.join(LOOPS)})")
     p.add_argument("--profile", action="store_true", help="cProfile rank 0 of every run (files next to the JSON)")
-    p.add_argument("--fused", action="store_true",
-                   help="the toolkit's loops (bare-opt, bridge) build the GPT with megatron-core's fused kernels "
-                        f"({', '.join(k.split('=')[0] for k in FUSED)}); the plain bare loop keeps megatron-core's "
-                        "defaults (unfused)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="GPU: the bridge loop runs with model.cuda_graph_impl = \"full_iteration\" (each step's forward "
-                        "and backward replay one CUDA graph, captured after 3 eager steps)")
-    p.add_argument("--fused-kernels", action="store_true",
-                   help="GPU: the toolkit's loops (bare-opt, bridge) run with model.fused_kernels = true (the "
-                        "toolkit's Triton cross entropy and norms, biases inside the matrix multiplies)")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="the toolkit's loops (bare-opt, bridge) build the GPT with (--no-fused: without) "
+                        f"megatron-core's fused kernels ({', '.join(FUSED)}); default: the job's fast path on GPU; "
+                        "the plain bare loop keeps megatron-core's defaults (unfused)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU: the bridge loop runs with (--no-cuda-graph: without) model.cuda_graph_impl = "
+                        "\"full_iteration\" (each step's forward and backward replay one CUDA graph, captured after "
+                        "3 eager steps); default: the job's fast path")
+    p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU: the toolkit's loops (bare-opt, bridge) run with (--no-fused-kernels: without) "
+                        "model.fused_kernels (the toolkit's Triton cross entropy and norms, biases inside the matrix "
+                        "multiplies); default: the job's fast path")
     p.add_argument("--kernels", action="store_true",
                    help=f"torch.profiler over {KERNEL_STEPS} steady steps of rank 0 of every run: the top operators "
                         "and kernels by self time, device time on GPU (*.kernels.txt next to the JSON); the profiler "

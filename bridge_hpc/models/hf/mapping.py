@@ -214,3 +214,21 @@ def check_folder(folder: str, model: Dict[str, Any]):
     files = SafetensorsFolder(folder)
     check_tensors(files.tensors, hf["model_type"], model, os.path.abspath(folder))
     return files
+
+
+def checked_model_config(folder: str):
+    """The finalized GPTModelConfig of the Hugging Face folder ``folder`` alone (its config.json's fields,
+    the toolkit's defaults for the rest), after :func:`check_folder`. Torch-free: ``bridge-hf import``
+    refuses a bad folder with it before torch is imported."""
+    import dataclasses
+    import os
+
+    from bridge_hpc.models.hf import families
+    from bridge_hpc.training.config import GPTModelConfig
+
+    hf = families.read_config(folder)
+    fields = families.model_fields(hf, os.path.join(folder, families.CONFIG_FILE))
+    cfg = GPTModelConfig(hf_config=os.path.abspath(folder), **{k: v for k, v in fields.items() if v is not None})
+    cfg.finalize()
+    check_folder(folder, dataclasses.asdict(cfg))
+    return cfg

@@ -1,0 +1,200 @@
+"""A toolkit checkpoint -> a Hugging Face folder (``bridge-hf export``; one process, torch).
+
+The checkpoint is read without a distributed job: its model tensors, whole, straight from the
+``torch.distributed.checkpoint`` files (DCP reads any saved sharding into a full tensor). Both back
+ends' layouts are read: the CPU back end's (``model.<name>``, one model: CPU runs have no model
+parallelism) and megatron-core's sharded one on GPUs (global tensors at any TP/PP layout, the layers
+stacked along a first dimension, layer norms under Transformer Engine's names). The tensors are put into
+the family's names and layout (:mod:`bridge_hpc.models.hf.mapping`'s rules, inverted) and written as
+``model.safetensors`` (sharded with an index above :data:`SHARD_BYTES`), with ``config.json`` and,
+where the run had a Hugging Face tokenizer, its files: what ``transformers.AutoModelForCausalLM`` and
+``AutoTokenizer`` load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.models.hf import families, mapping
+
+#: Above this many bytes of tensors the weights are split into shards with an index (transformers' 5 GB).
+SHARD_BYTES = 5 * 10**9
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_checkpoint(path: str) -> Tuple[str, Dict[str, Any], Dict[str, torch.Tensor]]:
+    """``(checkpoint folder, its run_config.json, the model's tensors by local-spec name with global layer
+    numbers, whole)`` of ``path``: a run's ``checkpoints/`` folder (its newest complete checkpoint) or
+    one ``iter_NNNNNNN``. ConfigError naming the folder when there is none."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from bridge_hpc.training.checkpoint.layout import RUN_CONFIG_FILE, _resolve_checkpoint_dir
+
+    folder = _resolve_checkpoint_dir(path) if os.path.isdir(path) else None
+    if folder is None:
+        raise ConfigError("holds no complete checkpoint (expected a run's checkpoints/ folder or one iter_NNNNNNN)",
+                          path=path)
+    try:
+        with open(os.path.join(folder, RUN_CONFIG_FILE)) as f:
+            run_config = json.load(f)
+        model = run_config["model"]
+        assert isinstance(model, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as err:
+        raise ConfigError(f"unreadable, or without a model section ({type(err).__name__})",
+                          path=os.path.join(folder, RUN_CONFIG_FILE)) from None
+    if run_config.get("peft"):
+        raise ConfigError("holds a PEFT run's adapters: exporting merged weights needs PEFT's merge, which this "
+                          "version does not have yet", path=folder)
+    reader = dcp.FileSystemReader(folder)
+    metadata = reader.read_metadata()
+    cpu_layout = any(key.startswith("model.") for key in metadata.state_dict_metadata)
+    wanted: Dict[str, torch.Tensor] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata) or "_extra_state" in key:
+            continue
+        if cpu_layout and not key.startswith("model."):
+            continue  # the optimizer's state
+        if not cpu_layout and not key.startswith(("embedding.", "decoder.", "output_layer.")):
+            continue
+        wanted[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    dcp.load(wanted, storage_reader=reader, no_dist=True)
+    tensors: Dict[str, torch.Tensor] = {}
+    for key, value in wanted.items():
+        name = key[len("model."):] if cpu_layout else key
+        if not cpu_layout and name.startswith("decoder.layers.") and mapping.layer_number(name) is None:
+            rest = name[len("decoder.layers."):]  # megatron-core's sharded layout: the layers stacked
+            for i in range(value.shape[0]):
+                tensors[mapping.canonical(f"decoder.layers.{i}.{rest}")] = value[i]
+        else:
+            tensors[mapping.canonical(name)] = value
+    return folder, run_config, tensors
+
+
+def to_hf(tensors: Dict[str, torch.Tensor], model: Dict[str, Any], family: str) -> Dict[str, torch.Tensor]:
+    """The Hugging Face tensors of ``family`` made from the model's whole tensors (inverse of the load)."""
+    out: Dict[str, torch.Tensor] = {}
+    h, d = model["hidden_size"], mapping.head_dim(model)
+    heads = model["num_attention_heads"]
+    groups = model.get("num_query_groups") or heads
+    prefix = "transformer." if family == "gpt2" else ""
+    for rule in mapping.rules(family, model, prefix):
+        for i in range(model["num_layers"]) if "{i}" in rule.megatron else [None]:
+            name = rule.megatron.format(i=i)
+            if name not in tensors:
+                raise ConfigError("missing from the checkpoint", key=name)
+            t = tensors[name]
+            hf_names = [template.format(i=i) if i is not None else template for template, _ in rule.hf]
+            if rule.kind == "vocab":
+                parts = [t[: model["vocab_size"]]]
+            elif rule.kind == "gated":
+                parts = list(t.chunk(2, dim=0))
+            elif rule.kind == "qkv":
+                per_group = heads // groups
+                grouped = t.reshape(groups, (per_group + 2) * d, *t.shape[1:])
+                parts = [grouped[:, : per_group * d].reshape(heads * d, *t.shape[1:]),
+                         grouped[:, per_group * d: (per_group + 1) * d].reshape(groups * d, *t.shape[1:]),
+                         grouped[:, (per_group + 1) * d:].reshape(groups * d, *t.shape[1:])]
+                if len(set(hf_names)) == 1:  # GPT-2's c_attn: q, k and v side by side
+                    parts, hf_names = [torch.cat(parts)], hf_names[:1]
+            else:
+                parts = [t]
+            for hf_name, part in zip(hf_names, parts):
+                out[hf_name] = (part.t() if rule.transpose else part).contiguous()
+    del h
+    return out
+
+
+def _base_config(model: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    folder = model.get("hf_config")
+    if not folder or not families.is_hf_folder(folder):
+        return None
+    try:
+        return families.read_config(folder)
+    except ConfigError:
+        return None
+
+
+def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
+           progress: Callable[[str], None] = lambda line: None) -> Dict[str, Any]:
+    """Write the model of ``checkpoint`` to the new folder ``out_dir`` as a Hugging Face model; returns a
+    summary. The folder is written under a temporary name and renamed when complete (nothing half
+    written is left under ``out_dir``). ``dtype``: the saved tensors' (default: the Hugging Face
+    checkpoint the run started from, else the checkpoint's own)."""
+    from safetensors.torch import save_file
+
+    progress(f"reading {checkpoint}")
+    folder, run_config, tensors = read_checkpoint(checkpoint)
+    model = run_config["model"]
+    base = _base_config(model)
+    family = base["model_type"] if base else families.family_of(model)
+    if family is None:
+        key, wanted = families.misfit(model)
+        raise ConfigError(f"is {model.get(key.split('.', 1)[1])!r}: no supported Hugging Face family has this model "
+                          f"(it would need {wanted})", path=os.path.join(folder, "run_config.json"), key=key)
+    if dtype is None:
+        dtype = (base or {}).get("dtype") or (base or {}).get("torch_dtype") or str(
+            tensors["embedding.word_embeddings.weight"].dtype).replace("torch.", "")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"expected one of {', '.join(_DTYPES)}, got {dtype!r}", key="--dtype")
+    progress(f"converting {len(tensors)} tensors to {family}'s layout ({dtype})")
+    hf_tensors = {k: v.to(_DTYPES[dtype]) for k, v in to_hf(tensors, model, family).items()}
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        shards = _shards(hf_tensors)
+        total = sum(t.numel() * t.element_size() for t in hf_tensors.values())
+        weight_map = {}
+        for n, shard in enumerate(shards, 1):
+            name = "model.safetensors" if len(shards) == 1 else f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+            progress(f"writing {name} ({n}/{len(shards)})")
+            save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        if len(shards) > 1:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        with open(os.path.join(tmp, families.CONFIG_FILE), "w") as f:
+            json.dump(families.hf_config(model, base, dtype), f, indent=2, sort_keys=True)
+        copied = _copy_tokenizer(run_config.get("tokenizer") or {}, model, tmp)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"checkpoint": folder, "family": family, "dtype": dtype, "tensors": len(hf_tensors), "bytes": total,
+            "shards": len(shards), "tokenizer_files": copied}
+
+
+def _shards(tensors: Dict[str, torch.Tensor]):
+    shards, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    return shards + [current]
+
+
+def _copy_tokenizer(tokenizer: Dict[str, Any], model: Dict[str, Any], out: str) -> list:
+    """The run's Hugging Face tokenizer files (and the generation config of the folder it started from)."""
+    copied = []
+    source = tokenizer.get("tokenizer_model") if tokenizer.get("tokenizer_type") == "HuggingFaceTokenizer" else None
+    if source and os.path.isfile(source):
+        source = os.path.dirname(source)
+    if source and os.path.isdir(source):
+        for name in families.TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copy2(os.path.join(source, name), os.path.join(out, name))
+                copied.append(name)
+    hf_dir = model.get("hf_config")
+    if hf_dir and os.path.isfile(os.path.join(hf_dir, "generation_config.json")):
+        shutil.copy2(os.path.join(hf_dir, "generation_config.json"), os.path.join(out, "generation_config.json"))
+    return copied
