@@ -30,14 +30,20 @@ TORCH_FREE_TRAINING = (
 #: The models modules jobfile may import (the login node's checks of a Hugging Face folder): torch-free.
 TORCH_FREE_MODELS = ("bridge_hpc.models", "bridge_hpc.models.hf", "bridge_hpc.models.hf.families",
                      "bridge_hpc.models.hf.safetensors_files", "bridge_hpc.models.hf.mapping")
+#: The PEFT configs (``[peft]``), read by the torch-free training config: torch-free at module level too.
+TORCH_FREE_PEFT = (
+    "bridge_hpc.peft", "bridge_hpc.peft.base", "bridge_hpc.peft.lora", "bridge_hpc.peft.dora",
+    "bridge_hpc.peft.module_matcher", "bridge_hpc.peft.utils", "bridge_hpc.peft.config", "bridge_hpc.peft.checkpoint",
+)
 #: side -> the sides it may import (besides itself); "training" means only TORCH_FREE_TRAINING for
 #: the sides in LOGIN_SIDE and jobfile; "models" only TORCH_FREE_MODELS for jobfile.
 ALLOWED = {
     "contracts": set(),
     "slurm": {"contracts"},
     "jobfile": {"contracts", "training", "models"},
-    "training": {"contracts", "slurm", "jobfile", "models"},
-    "models": {"contracts", "training"},
+    "training": {"contracts", "slurm", "jobfile", "models", "peft"},
+    "models": {"contracts", "training", "peft"},
+    "peft": {"contracts"},
     "launch": {"contracts", "slurm", "jobfile", "training"},
     "report": {"contracts"},
     "local_slurm": {"contracts"},
@@ -163,7 +169,7 @@ def test_login_side_modules_import_no_torch_at_module_level():
     wrong = []
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
-        if side(name) not in LOGIN_SIDE and name not in TORCH_FREE_TRAINING + TORCH_FREE_MODELS:
+        if side(name) not in LOGIN_SIDE and name not in TORCH_FREE_TRAINING + TORCH_FREE_MODELS + TORCH_FREE_PEFT:
             continue
         for imported in imports(path, top_level_only=True):
             if imported.split(".")[0] in heavy:

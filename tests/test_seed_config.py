@@ -338,7 +338,7 @@ def test_post_init_is_deferred_to_finalize_as_in_bridge():
     assert data.blend is None and data.data_path is None
 
 
-def test_peft_is_refused_naming_it():
+def test_a_peft_that_is_no_peft_class_is_refused_naming_it():
     cfg = _python_built()
     cfg.peft = object()
     with pytest.raises(ConfigError) as err:

@@ -31,6 +31,9 @@ from bridge_hpc.contracts.schema import (
     did_you_mean,
 )
 from bridge_hpc.contracts.schema import check as _check
+from bridge_hpc.peft.base import PEFT
+from bridge_hpc.peft.config import check_peft, peft_from_section, peft_type
+from bridge_hpc.peft.lora import LoRA
 from bridge_hpc.training.comm_overlap import CommOverlapConfig
 from bridge_hpc.training.mixed_precision import (
     MixedPrecisionConfig,
@@ -369,6 +372,7 @@ SECTIONS: Dict[str, type] = {
     "tensor_inspect": TensorInspectConfig,
     "comm_overlap": CommOverlapConfig,
     "mixed_precision": MixedPrecisionConfig,
+    "peft": LoRA,  # or another PEFT_TYPES class, by [peft] type
 }
 
 #: Top-level sections of a job file that belong to the launcher, not to training.
@@ -394,9 +398,9 @@ class ConfigContainer:
     nvrx_straggler: Optional[NVRxStragglerDetectionConfig] = None
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
-    #: Bridge's parameter-efficient fine-tuning (a Python object, no TOML section). Not available:
-    #: anything but None is refused by :meth:`finalize_sections`.
-    peft: Optional[Any] = None
+    #: Bridge's parameter-efficient fine-tuning: a :class:`bridge_hpc.peft.base.PEFT` (``LoRA``, ``DoRA``; in
+    #: TOML ``[peft] type = "lora"``), applied to the model after the pretrained weights are read.
+    peft: Optional[PEFT] = None
     inprocess_restart: Optional[InProcessRestartConfig] = None
     rerun_state_machine: RerunStateMachineConfig = field(default_factory=RerunStateMachineConfig)
     tokenizer: Optional[TokenizerConfig] = None
@@ -446,6 +450,9 @@ class ConfigContainer:
                 continue
             if not isinstance(body, dict):
                 raise ConfigError(f"expected a table [{name}], got {type(body).__name__}", path=source, key=name)
+            if name == "peft":  # [peft] type = "lora" | "dora" picks the class
+                kwargs[name] = peft_from_section(body, error)
+                continue
             section_cls = dataset_config_class(body) if name == "dataset" else SECTIONS[name]
             kwargs[name] = build_dataclass(section_cls, name, body, error)
         for name in ("train", "model", "optimizer", "scheduler", "dataset", "logger", "checkpoint"):
@@ -478,8 +485,11 @@ class ConfigContainer:
         for _, section in self.sections():
             section.finalize()
         self._move_deprecated_validation_fields()
-        _check(self.peft is None, "peft", "PEFT (LoRA and the like) is not available here: finetune() trains every "
-               "weight of the pretrained model")
+        if self.peft is not None:
+            check_peft(self.peft, self.model.num_layers)
+            _check(bool(self.checkpoint.pretrained_checkpoint), "checkpoint.pretrained_checkpoint",
+                   "must be set with [peft]: the adapters train on the base model read from it at every start "
+                   "(a PEFT checkpoint holds the adapters only)")
         self.sections_finalized = True
 
     def _move_deprecated_validation_fields(self) -> None:
@@ -731,6 +741,9 @@ class ConfigContainer:
         ``logger.save_config_filepath``); secrets (``logger.comet_api_key``) as :data:`REDACTED`."""
         out = {name: dataclasses.asdict(section) for name, section in self.sections()}
         out["dataset"]["_class"] = f"{type(self.dataset).__module__}.{type(self.dataset).__qualname__}"
+        if self.peft is not None:  # its TOML form: the type and the fields (not its runtime state)
+            out["peft"] = {"type": peft_type(self.peft), **{f.name: getattr(self.peft, f.name)
+                                                           for f in dataclasses.fields(self.peft) if f.init}}
         for section, key in SECRET_FIELDS:
             if out.get(section, {}).get(key) is not None:
                 out[section][key] = REDACTED

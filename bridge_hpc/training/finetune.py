@@ -15,6 +15,7 @@ from typing import Callable
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.models.hf import families
+from bridge_hpc.peft import checkpoint as peft_checkpoint
 from bridge_hpc.training.checkpoint import checkpointing
 from bridge_hpc.training.config import CheckpointConfig, ConfigContainer
 from bridge_hpc.training.pretrain import pretrain
@@ -26,11 +27,11 @@ def finetune(config: ConfigContainer, forward_step_func: Callable) -> None:
     Raises ConfigError naming the key when there is nothing to start from (see
     :func:`check_starting_point`); otherwise exactly :func:`pretrain`.
     """
-    check_starting_point(config.checkpoint)
+    check_starting_point(config.checkpoint, with_adapters=config.peft is not None)
     pretrain(config, forward_step_func)
 
 
-def check_starting_point(ckpt: CheckpointConfig) -> None:
+def check_starting_point(ckpt: CheckpointConfig, with_adapters: bool = False) -> None:
     """Refuse a fine-tuning run that would silently start from random weights, or restart on every resume.
 
     Resuming (``checkpoint.load`` holds a complete checkpoint) needs nothing more. Otherwise
@@ -39,6 +40,10 @@ def check_starting_point(ckpt: CheckpointConfig) -> None:
     folder, by default) reset the iteration, optimizer and data position, so every requeue would start
     the run over; ``pretrained_checkpoint`` is the one way in. Reads the file system only, so every rank
     decides alike before torch.distributed is up.
+
+    With PEFT (``with_adapters``) the run's own checkpoints hold its adapters only: the pretrained
+    checkpoint is read at every start, resuming included, and must be a model (not another PEFT run's
+    adapters).
     """
     if ckpt.finetune:
         raise ConfigError("must be false for finetune(): it starts from checkpoint.pretrained_checkpoint (model "
@@ -49,14 +54,18 @@ def check_starting_point(ckpt: CheckpointConfig) -> None:
         raise ConfigError(f"{ckpt.pretrained_checkpoint!r} is inside checkpoint.save ({ckpt.save!r}): the run would "
                           "resume the pretraining run there instead of fine-tuning from it; give the fine-tuning "
                           "run its own folder", key="checkpoint.pretrained_checkpoint")
-    if ckpt.load and checkpointing.complete_iterations(ckpt.load):
+    if ckpt.load and checkpointing.complete_iterations(ckpt.load) and not with_adapters:
         return
     if not ckpt.pretrained_checkpoint:
         raise ConfigError("must be set for fine-tuning: the checkpoint folder (or one iter_NNNNNNN folder) of the "
                           "pretrained model whose weights the run starts from", key="checkpoint.pretrained_checkpoint")
     if families.is_hf_folder(ckpt.pretrained_checkpoint):
         return  # a Hugging Face folder, checked in full at submission (bridge_hpc.models.hf.mapping.check_folder)
-    if checkpointing._resolve_checkpoint_dir(ckpt.pretrained_checkpoint) is None:
+    folder = checkpointing._resolve_checkpoint_dir(ckpt.pretrained_checkpoint)
+    if folder is not None and peft_checkpoint.read_record(folder) is not None:
+        raise ConfigError(f"{folder} holds a PEFT run's adapters, not a model: name the model they were trained on "
+                          f"({peft_checkpoint.read_record(folder)['base']})", key="checkpoint.pretrained_checkpoint")
+    if folder is None:
         raise ConfigError(f"{ckpt.pretrained_checkpoint!r} holds no complete checkpoint (expected a folder with "
                           "iter_NNNNNNN checkpoints, or one of them, or a Hugging Face folder with config.json)",
                           key="checkpoint.pretrained_checkpoint")

@@ -28,6 +28,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.progress_log import ProgressLog, longest_recent_save_s
 from bridge_hpc.jobfile import speed_defaults
+from bridge_hpc.peft.base import apply_peft
 from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
 from bridge_hpc.training.checkpoint import checkpointing, pretrained
@@ -470,9 +471,13 @@ def setup_model(cfg: ConfigContainer,
 
     Between building and wrapping, as in Megatron Bridge: the pretrained weights are read into the
     bare chunks (:func:`pretrained.load_pretrained_weights`, when the run starts from them), then
-    ``pre_wrap_hook`` (Bridge's name) may transform the chunks and returns the ones to wrap."""
+    ``cfg.peft`` freezes them and adds its adapters (Bridge's PEFT pre-wrap hook, so that the wrapper and
+    the optimizer hold the adapters only), then ``pre_wrap_hook`` (Bridge's name) may transform the
+    chunks and returns the ones to wrap."""
     chunks = parallel.build_model_chunks(cfg.model, gpt_model_provider)
-    pretrained.load_pretrained_weights(cfg.checkpoint, chunks)
+    base = pretrained.load_pretrained_weights(cfg.checkpoint, chunks, with_adapters=cfg.peft is not None)
+    if cfg.peft is not None:
+        chunks = apply_peft(cfg.peft, chunks, cfg.rng.seed, base)
     if pre_wrap_hook is not None:
         chunks = pre_wrap_hook(chunks)
     return [_wrap_ddp(cfg, chunk, first_chunk=i == 0) for i, chunk in enumerate(chunks)]

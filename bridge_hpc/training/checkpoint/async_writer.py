@@ -492,7 +492,7 @@ def _dcp_request(writer: AsyncCheckpointWriter, model, optimizer, tmp: str, save
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model[0], optimizer.optimizer)
-    state = {"model": checkpointing._without_empty_extra_state(model_sd)}
+    state = {"model": checkpointing._adapters_only(checkpointing._without_empty_extra_state(model_sd))}
     if save_optim:
         state["optimizer"] = optim_sd
     state = _snapshot(state)

@@ -61,6 +61,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from bridge_hpc.peft import checkpoint as peft_checkpoint
+from bridge_hpc.peft.config import peft_type
 from bridge_hpc.training.checkpoint.layout import (  # noqa: F401 - also re-exported: callers name them here
     _NEARLY_FULL_BYTES,
     COMMON_FILE,
@@ -94,6 +96,7 @@ from bridge_hpc.training.checkpoint.layout import (  # noqa: F401 - also re-expo
 )
 from bridge_hpc.training.checkpoint.megatron import (  # noqa: F401 - also re-exported: callers name them here
     LOAD_READ_THREADS,
+    _adapters_only,
     _in_process_write_results,
     _load_model_and_optimizer,
     _save_model_and_optimizer,
@@ -262,6 +265,10 @@ def write_rank_state(save: SaveInProgress, state: GlobalState, train_data_iterat
     if rank == 0:
         config = json.dumps(state.cfg.to_dict(), indent=2, default=str)
         _write_durable(os.path.join(save.tmp, RUN_CONFIG_FILE), config.encode())
+        peft = state.cfg.peft
+        if peft is not None:  # the adapters' base: checked when the run resumes (peft_checkpoint.check_resume)
+            record = peft_checkpoint.base_record(peft_type(peft), peft.base_folder, peft)
+            _write_durable(os.path.join(save.tmp, peft_checkpoint.BASE_RECORD_FILE), json.dumps(record, indent=1).encode())
 
 
 def _fsync_written_files(tmp: str) -> None:
@@ -462,8 +469,10 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
     A checkpoint that fails verification or loading is set aside and the next older one tried; if
     only damaged ones exist, :class:`CheckpointLoadError`. A run without a checkpoint of its own
     started from ``checkpoint.pretrained_checkpoint``, whose weights were read before the model was
-    wrapped (:mod:`bridge_hpc.training.checkpoint.pretrained`). RNG states are restored last, after everything that might draw random
-    numbers, so the next step draws exactly what it drew in the original run.
+    wrapped (:mod:`bridge_hpc.training.checkpoint.pretrained`); so does a PEFT run at every start, whose own
+    checkpoints hold its adapters only, with a record of their base that is checked first
+    (:func:`bridge_hpc.peft.checkpoint.check_resume`). RNG states are restored last, after everything that
+    might draw random numbers, so the next step draws exactly what it drew in the original run.
     """
     cfg = state.cfg.checkpoint
     rank = _rank()
@@ -484,6 +493,9 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
             error = None
             load_optim = cfg.load_optim and not cfg.finetune
             saved = saved_parallelism(path)
+            peft = state.cfg.peft  # adapters of another base, or of no PEFT run: one error, the folder left alone
+            peft_checkpoint.check_resume(path, peft_type(peft) if peft is not None else None,
+                                         peft.base_folder if peft is not None else None, peft)
             if _uses_megatron_dist(model):
                 check_optimizer_layout(path, saved, now, optimizer, load_optim)
             fully = saved is not None and saved.fully_reshardable

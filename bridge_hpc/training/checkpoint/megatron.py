@@ -26,6 +26,7 @@ import torch
 from torch.futures import Future
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.peft.utils import is_adapter_key
 from bridge_hpc.training.checkpoint.layout import RUN_CONFIG_FILE, _rank, _space_error
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,29 @@ def _without_empty_extra_state(model_sd: Dict[str, Any]) -> Dict[str, Any]:
     """megatron-core's linear layers report ``_extra_state = None`` (a Transformer Engine slot);
     DCP cannot store None, and there is nothing to store."""
     return {key: value for key, value in model_sd.items() if value is not None}
+
+
+def _adapters_only(model_sd: Dict[str, Any]) -> Dict[str, Any]:
+    """What a checkpoint holds of a model's state: all of it, or for a model with PEFT adapters
+    (:mod:`bridge_hpc.peft`) the adapters only; the frozen base is read from
+    ``checkpoint.pretrained_checkpoint`` at every start."""
+    if not any(is_adapter_key(key) for key in model_sd):
+        return model_sd
+    return {key: value for key, value in model_sd.items() if is_adapter_key(key)}
+
+
+def _load_model_state(chunk, model_sd: Dict[str, Any]) -> None:
+    """Load ``model_sd`` into ``chunk``: every key; for a model with adapters its adapter keys only (the
+    base stays as read from the pretrained checkpoint), each adapter key present."""
+    everything = chunk.state_dict()
+    wanted = _adapters_only(everything)
+    if len(wanted) == len(everything):
+        chunk.load_state_dict(model_sd, strict=True)
+        return
+    result = chunk.load_state_dict(model_sd, strict=False)
+    missing = [key for key in result.missing_keys if key in wanted and wanted[key] is not None]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"adapter state mismatch: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
 
 
 def _dcp_writer(path: str):
@@ -266,10 +290,11 @@ def _torch_adam_step_kept(optimizer) -> Iterator[None]:
 def model_sharded_state_dict(model) -> dict:
     """The model's sharded state dict: ``{"model": ...}``, or with virtual pipeline stages
     ``{"model0": ..., "model1": ...}``, one per chunk (Megatron-LM's keys). Tensor keys are global
-    (layer numbers counted over the whole model), so the state loads at another layout."""
+    (layer numbers counted over the whole model), so the state loads at another layout. With PEFT
+    adapters, the adapters' entries only (:func:`_adapters_only`)."""
     if len(model) == 1:
-        return {"model": _unwrap(model[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+        return {"model": _adapters_only(_unwrap(model[0]).sharded_state_dict())}
+    return {f"model{i}": _adapters_only(_unwrap(chunk).sharded_state_dict()) for i, chunk in enumerate(model)}
 
 
 def megatron_sharded_state(model, optimizer, save_optim: bool, fully_reshardable: bool = False) -> dict:
@@ -401,7 +426,7 @@ def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool, wri
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model[0], optimizer.optimizer)
-    state = {"model": _without_empty_extra_state(model_sd)}
+    state = {"model": _adapters_only(_without_empty_extra_state(model_sd))}
     if save_optim:
         state["optimizer"] = optim_sd
     dcp.save(state, storage_writer=_dcp_writer(path))
@@ -420,10 +445,10 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool, ful
                 state.clear()
         loaded = dist_checkpointing.load(sharded, path, sharded_strategy=_megatron_load_strategy())
         if len(model) == 1:
-            _unwrap(model[0]).load_state_dict(loaded["model"])
+            _load_model_state(_unwrap(model[0]), loaded["model"])
         else:
             for i, chunk in enumerate(model):
-                _unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+                _load_model_state(_unwrap(chunk), loaded[f"model{i}"])
         if load_optim:
             with _torch_adam_step_kept(optimizer):
                 optimizer.load_state_dict(loaded["optimizer"])
@@ -437,11 +462,11 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool, ful
         # Not get_state_dict: it initializes an empty optimizer state by running a step with zero
         # gradients, after which Adam's first real update of a fresh optimizer is scaled as its second.
         model_sd, optim_sd = get_model_state_dict(model[0]), None
-    state = {"model": _without_empty_extra_state(model_sd)}
+    state = {"model": _adapters_only(_without_empty_extra_state(model_sd))}
     if load_optim:
         state["optimizer"] = optim_sd
     dcp.load(state, storage_reader=_parallel_reader(dcp.FileSystemReader)(path))
-    state["model"].update({key: None for key, value in model_sd.items() if value is None})
-    _unwrap(model[0]).load_state_dict(state["model"], strict=True)
+    state["model"].update({key: None for key, value in _adapters_only(model_sd).items() if value is None})
+    _load_model_state(_unwrap(model[0]), state["model"])
     if load_optim:
         set_state_dict(model[0], optimizer.optimizer, model_state_dict={}, optim_state_dict=state["optimizer"])

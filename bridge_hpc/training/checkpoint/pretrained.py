@@ -28,20 +28,23 @@ from bridge_hpc.training.checkpoint.layout import _rank, _resolve_checkpoint_dir
 from bridge_hpc.training.checkpoint.megatron import _load_model_and_optimizer
 
 
-def starts_from_pretrained(cfg: CheckpointConfig) -> bool:
+def starts_from_pretrained(cfg: CheckpointConfig, with_adapters: bool = False) -> bool:
     """Whether this run reads ``checkpoint.pretrained_checkpoint``: it is set and the run has no
-    complete checkpoint of its own to resume. Reads the file system only (every rank decides alike)."""
-    return bool(cfg.pretrained_checkpoint) and not (cfg.load and complete_iterations(cfg.load))
+    complete checkpoint of its own to resume, or the run trains adapters (``with_adapters``: PEFT), whose
+    checkpoints hold the adapters only, so the base is read at every start. Reads the file system only
+    (every rank decides alike)."""
+    return bool(cfg.pretrained_checkpoint) and (with_adapters or not (cfg.load and complete_iterations(cfg.load)))
 
 
-def load_pretrained_weights(cfg: CheckpointConfig, chunks: List[torch.nn.Module]) -> Optional[str]:
+def load_pretrained_weights(cfg: CheckpointConfig, chunks: List[torch.nn.Module],
+                            with_adapters: bool = False) -> Optional[str]:
     """Read the pretrained model weights into ``chunks`` (this rank's unwrapped model chunks) when
     :func:`starts_from_pretrained`; returns the folder read, or None. Collective.
 
     Raises FileNotFoundError when ``checkpoint.pretrained_checkpoint`` holds no complete checkpoint
     (``finetune()`` refuses that before the ranks start: :func:`bridge_hpc.training.finetune.check_starting_point`).
     """
-    if not starts_from_pretrained(cfg):
+    if not starts_from_pretrained(cfg, with_adapters):
         return None
     if families.is_hf_folder(cfg.pretrained_checkpoint):  # a Hugging Face folder: its safetensors, converted
         read = load_hf_weights(cfg.pretrained_checkpoint, chunks)

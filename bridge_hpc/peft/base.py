@@ -1,0 +1,155 @@
+"""``PEFT``: Megatron Bridge's base of parameter-efficient fine-tuning methods (``megatron.bridge.peft.base``).
+
+A PEFT is a config dataclass (importable without torch, so the login node checks it) whose
+``__call__(model, training=True)`` freezes every weight of the model and lets :meth:`PEFT.transform`
+replace the layers it targets by wrapped ones with trainable adapters. In a run the trainer calls it
+in Bridge's pre-wrap hook (:func:`bridge_hpc.training.pretrain.setup_model`): after the pretrained
+weights are read into the bare model and before the data-parallel wrapper and the optimizer exist,
+so that both see the adapters only (no gradient buffers, no optimizer state for the base).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Set, Tuple
+
+from bridge_hpc.contracts.schema import check as _check
+from bridge_hpc.peft.utils import is_adapter_key
+
+#: ``transform``'s signature: (module, its attribute name, the full name of its parent) -> module.
+Transform = Callable[[Any, Optional[str], Optional[str]], Any]
+
+
+def _chunks(model) -> list:
+    """The bare model chunks of ``model`` (one module, a list of chunks, or either wrapped in a data-parallel
+    wrapper or Float16Module, whose ``module`` attribute holds the model)."""
+    chunks = model if isinstance(model, list) else [model]
+    out = []
+    for chunk in chunks:
+        while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+            chunk = chunk.module
+        out.append(chunk)
+    return out
+
+
+def _child_name(parent, name: str, child) -> str:
+    """The name a child has in the full model: a transformer layer counts over the whole model
+    (megatron-core's 1-based ``layer_number``), not within this pipeline stage's list."""
+    layer_number = getattr(child, "layer_number", None)
+    if type(parent).__name__ == "ModuleList" and name.isdigit() and isinstance(layer_number, int):
+        return str(layer_number - 1)
+    return name
+
+
+def walk(module, func: Transform, prefix: Optional[str] = None) -> Any:
+    """Apply ``func(child, name, prefix)`` to every module below ``module``, depth first (parents before
+    their children), putting what it returns in the child's place; a replaced child is not walked into."""
+    for name, child in list(module.named_children()):
+        new = func(child, name, prefix)
+        if new is not child:
+            setattr(module, name, new) if not name.isdigit() else module.__setitem__(int(name), new)
+            continue
+        full = _child_name(module, name, child)
+        walk(child, func, f"{prefix}.{full}" if prefix else full)
+    return module
+
+
+@dataclass
+class PEFT(ABC):
+    """Bridge's abstract PEFT: subclasses define :meth:`transform` (and their fields)."""
+
+    #: The state keys a checkpoint of the transformed model holds (:meth:`set_params_to_save`).
+    params_to_save: Set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    #: The pretrained folder whose weights the adapters apply to, once a run has read it
+    #: (:func:`apply_peft`): what its checkpoints record (:mod:`bridge_hpc.peft.checkpoint`).
+    base_folder: Optional[str] = field(default=None, init=False, repr=False, compare=False)
+
+    @abstractmethod
+    def transform(self, module, name: Optional[str] = None, prefix: Optional[str] = None):
+        """The module to put in place of ``module`` (``name`` under the parent whose full name is ``prefix``):
+        a wrapped one with adapters, or ``module`` itself."""
+
+    def finalize(self) -> None:  # noqa: B027 - a PEFT of the user's own may have nothing to check
+        """Check the fields, naming ``peft.<field>`` (called with the other sections' ``finalize``)."""
+
+    def __call__(self, model, training: bool = True):
+        """Freeze ``model`` (a module or a list of pipeline/virtual-stage chunks), wrap the targeted layers
+        with adapters and set train/eval mode; returns ``model`` (the same chunks, changed in place)."""
+        self.finalize()
+        self.freeze_model(model, training=training)
+        self._walk_model(model, self.transform)
+        if not training:
+            self.freeze_model(model, training=False)
+        for chunk in _chunks(model):
+            chunk.train(mode=training)
+        self.set_params_to_save(model)
+        return model
+
+    def _walk_model(self, model, func: Transform) -> None:
+        for chunk in _chunks(model):
+            walk(chunk, func)
+
+    def freeze_model(self, model, training: bool = True) -> None:
+        """Freeze every parameter of ``model`` (the base): no gradient, so neither the data-parallel
+        wrapper nor the optimizer built afterwards holds anything for it."""
+        for chunk in _chunks(model):
+            for param in chunk.parameters():
+                param.requires_grad = False
+            if training:
+                chunk.train(mode=True)
+
+    def set_params_to_save(self, model) -> None:
+        """Record the state keys a checkpoint holds: the trainable parameters (the adapters)."""
+        self.params_to_save = {name for chunk in _chunks(model) for name, param in chunk.named_parameters()
+                               if param.requires_grad}
+
+    def adapter_key_filter(self, key) -> bool:
+        """Whether a state key is saved in a PEFT checkpoint: a ``(name, parameter)`` pair when trainable, a
+        name when recorded by :meth:`set_params_to_save` or an adapter's (``.adapter.`` in it)."""
+        if isinstance(key, tuple):
+            return bool(key[1].requires_grad)
+        return key in self.params_to_save or is_adapter_key(key)
+
+
+def check_low_rank_fields(peft, section: str) -> None:
+    """Refuse, naming ``<section>.<field>``, a bad value of the fields LoRA and DoRA share (Bridge's names)."""
+    _check(isinstance(peft.dim, int) and not isinstance(peft.dim, bool) and peft.dim >= 1, f"{section}.dim",
+           f"expected an integer >= 1 (the adapters' rank), got {peft.dim!r}")
+    _check(isinstance(peft.alpha, (int, float)) and not isinstance(peft.alpha, bool) and peft.alpha > 0,
+           f"{section}.alpha", f"expected a number > 0 (the adapters' output is scaled by alpha / dim), got {peft.alpha!r}")
+    _check(isinstance(peft.dropout, (int, float)) and not isinstance(peft.dropout, bool) and 0.0 <= peft.dropout < 1.0,
+           f"{section}.dropout", f"expected a probability in [0, 1), got {peft.dropout!r}")
+    _check(peft.dropout_position in ("pre", "post"), f"{section}.dropout_position",
+           f"expected \"pre\" (dropout on the adapter's input) or \"post\" (on its output), got {peft.dropout_position!r}")
+    for key in ("lora_A_init_method", "lora_B_init_method"):
+        value = getattr(peft, key)
+        _check(value in INIT_METHODS, f"{section}.{key}",
+               f"expected one of {', '.join(repr(m) for m in INIT_METHODS)}, got {value!r}")
+
+
+#: Bridge's adapter initializations: xavier normal, normal (std 0.2), kaiming uniform (a = sqrt(5)), zero.
+INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
+
+
+def adapter_candidates(num_layers: int) -> List[Tuple[str, str]]:
+    """``(name, full name)`` of every linear layer of this toolkit's GPT (megatron-core's layer spec) that
+    adapters can wrap, for a model of ``num_layers`` layers: what ``target_modules`` is matched against
+    before any model is built."""
+    parents = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp",
+               "linear_fc2": "mlp"}
+    return [(name, f"decoder.layers.{i}.{parent}.{name}") for i in range(num_layers) for name, parent in parents.items()]
+
+
+def apply_peft(peft: PEFT, chunks: list, seed: int, base_folder: Optional[str]) -> list:
+    """Transform a run's bare model chunks (the pretrained weights read into them from ``base_folder``) with
+    ``peft``: what the trainer's pre-wrap step does. The adapters' initial values are drawn from ``seed``
+    (``rng.seed``) and each adapter's full name, whatever the parallel layout; the torch random state
+    the run goes on with is left as it was. Returns the chunks."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft(chunks, training=True)
+    peft.base_folder = base_folder
+    return chunks

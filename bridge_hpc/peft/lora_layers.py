@@ -1,0 +1,189 @@
+"""LoRA's layers on megatron-core's parallel linear layers (Bridge's ``ParallelLinearAdapter`` and
+``LoRALinear``, ``megatron.bridge.peft.lora_layers`` / ``utils``).
+
+An adapter is split across tensor-parallel ranks the way its base layer is, so that it needs no
+collective of its own beyond those megatron-core's layers already do:
+
+- column-parallel base (``linear_qkv``, ``linear_fc1``: full input, output split): ``A`` replicated,
+  ``B`` a megatron-core ``ColumnParallelLinear`` (output split like the base's; its backward all-reduces
+  the gradient of ``A x`` over the group, so every rank's ``A`` gets the same, complete gradient);
+- row-parallel base (``linear_proj``, ``linear_fc2``: input split, output all-reduced): ``A`` a megatron-core
+  ``RowParallelLinear`` (input split like the base's, output all-reduced), ``B`` replicated.
+
+The adapters' initial values do not depend on the layout: each full ``A`` and ``B`` is drawn from a
+generator seeded by the module's full name (layers counted over the whole model) and the torch seed
+in force, and each rank keeps its part, so TP1, TP2 and PP2 runs start from the same adapters.
+Checkpoint keys are the layout-free ones of megatron-core (``sharded_state_dict``): the base's keys stay
+what they were (the wrapper is transparent), the adapter's are ``<layer>.adapter.linear_in.weight`` and
+``<layer>.adapter.linear_out.weight``, with the split axis and, for a gated ``linear_fc1`` (swiglu), its
+two halves as megatron-core's MLP lays them out, so a TP2 checkpoint loads at TP1.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.module import MegatronModule
+
+from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.peft.utils import LINEAR_NAMES
+
+
+def _init_full(shape, method: str, generator: torch.Generator) -> torch.Tensor:
+    """A full-size fp32 matrix initialized as Bridge's ``ParallelLinearAdapter`` does by name."""
+    t = torch.empty(shape, dtype=torch.float32)
+    if method == "xavier":
+        return torch.nn.init.xavier_normal_(t, generator=generator)
+    if method == "normal":
+        return t.normal_(0.0, 0.2, generator=generator)
+    if method == "kaiming":
+        return torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=generator)
+    return t.zero_()
+
+
+def _rows_of_rank(full: torch.Tensor, rank: int, size: int, gated: bool) -> torch.Tensor:
+    """This rank's rows of ``full`` (a column-parallel layer's output dimension); for a gated
+    ``linear_fc1`` each of its two halves (gate, up) is split, as megatron-core's MLP lays them out."""
+    if gated:
+        return torch.cat([_rows_of_rank(half, rank, size, False) for half in full.chunk(2, dim=0)], dim=0)
+    part = full.shape[0] // size
+    return full[rank * part:(rank + 1) * part]
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    """The megatron-core layers' init: their weights are set from the full matrices right after."""
+
+
+def _is_gated_fc1(base, name: str) -> bool:
+    return name == "linear_fc1" and bool(getattr(base.config, "gated_linear_unit", False))
+
+
+class ReplicatedLinear(torch.nn.Module):
+    """A bias-free linear layer whose weight is the same on every tensor-parallel rank (one half of an
+    adapter); returns ``(output, None)`` as megatron-core's layers do."""
+
+    def __init__(self, weight: torch.Tensor, sequence_parallel: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        # Under sequence parallelism each rank sees part of the sequence: megatron-core's gradient
+        # finalization all-reduces the gradients of parameters marked so over the tensor-parallel group.
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor):
+        return F.linear(x, self.weight), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint({"weight": self.weight}, prefix, {}, sharded_offsets)
+
+
+class ParallelLinearAdapter(MegatronModule):
+    """``(alpha / dim) B A x`` for one base layer, split as its base is (see the module)."""
+
+    def __init__(self, base, full_name: str, dim: int, alpha: float, dropout: float, dropout_position: str,
+                 lora_A_init_method: str, lora_B_init_method: str, seed: int):
+        super().__init__(config=base.config)
+        self.base_linear_name = full_name
+        self.dim, self.alpha, self.dropout_position = dim, alpha, dropout_position
+        self.input_is_parallel = isinstance(base, RowParallelLinear)
+        self.gated = _is_gated_fc1(base, full_name.rsplit(".", 1)[-1])
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        in_features, out_features = base.input_size, base.output_size
+        generator = torch.Generator().manual_seed((seed + zlib.crc32(full_name.encode())) % (2 ** 63))
+        a_full = _init_full((dim, in_features), lora_A_init_method, generator)
+        b_full = _init_full((out_features, dim), lora_B_init_method, generator)
+        device, dtype = base.weight.device, base.weight.dtype
+        tp_group = {"tp_group": base.tp_group} if getattr(base, "tp_group", None) is not None else {}
+        sequence_parallel = bool(base.config.sequence_parallel)
+        if self.input_is_parallel:
+            self.linear_in = RowParallelLinear(in_features, dim, config=base.config, init_method=_no_init, bias=False,
+                                               input_is_parallel=True, skip_bias_add=True, **tp_group)
+            part = in_features // tp_size
+            a_local = a_full[:, tp_rank * part:(tp_rank + 1) * part]
+            self.linear_out = ReplicatedLinear(b_full.to(device=device, dtype=dtype), sequence_parallel)
+            with torch.no_grad():
+                self.linear_in.weight.copy_(a_local)
+        else:
+            self.linear_in = ReplicatedLinear(a_full.to(device=device, dtype=dtype), sequence_parallel)
+            self.linear_out = ColumnParallelLinear(dim, out_features, config=base.config, init_method=_no_init,
+                                                   bias=False, gather_output=False, skip_bias_add=True, **tp_group)
+            with torch.no_grad():
+                self.linear_out.weight.copy_(_rows_of_rank(b_full, tp_rank, tp_size, self.gated))
+        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout is not None and self.dropout_position == "pre":
+            x = self.dropout(x)
+        h, _ = self.linear_in(x)
+        y, _ = self.linear_out(h)
+        if self.dropout is not None and self.dropout_position == "post":
+            y = self.dropout(y)
+        return y * (self.alpha / self.dim)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        out = {}
+        for name in ("linear_in", "linear_out"):
+            out.update(getattr(self, name).sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+        if self.gated:
+            _swiglu_layout(out, f"{prefix}linear_out.weight", sharded_offsets)
+        return {key: value for key, value in out.items() if not key.endswith("_extra_state")}
+
+
+def _swiglu_layout(sharded: dict, key: str, sharded_offsets: tuple) -> None:
+    """A gated ``linear_fc1``'s output rows as megatron-core's MLP saves its weight: two halves, each split."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets)
+
+
+def adapter_for(peft, module, name: Optional[str], prefix: Optional[str],
+                adapter_class: type = ParallelLinearAdapter) -> Optional[ParallelLinearAdapter]:
+    """The adapter (an ``adapter_class``) that ``peft`` (LoRA's or DoRA's fields) puts on ``module``, or None
+    where ``module`` is not one of the GPT layer's linear layers that ``peft.target_modules`` names."""
+    if name not in LINEAR_NAMES:
+        return None
+    full_name = f"{prefix}.{name}" if prefix else name
+    if peft.match(name, full_name) is None:
+        return None
+    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        raise ConfigError(f"{full_name} is a {type(module).__name__}: adapters wrap megatron-core's own linear layers "
+                          "(model.transformer_impl = \"local\")", key="model.transformer_impl")
+    return adapter_class(module, full_name, peft.dim, peft.alpha, peft.dropout, peft.dropout_position,
+                                 peft.lora_A_init_method, peft.lora_B_init_method, seed=torch.initial_seed())
+
+
+class AdapterWrapper(MegatronModule):
+    """A base linear layer (``to_wrap``, frozen) and its adapter (``adapter``). In megatron-core's
+    checkpoint keys the wrapper is transparent: the base keeps its keys, the adapter's are under
+    ``<layer>.adapter.``."""
+
+    def __init__(self, to_wrap, adapter: ParallelLinearAdapter):
+        super().__init__(config=to_wrap.config)
+        self.to_wrap = to_wrap
+        self.adapter = adapter
+
+    def base_bias_in_output(self) -> Optional[torch.Tensor]:
+        """The base's bias where its output includes it (not ``skip_bias_add``), else None."""
+        bias = getattr(self.to_wrap, "bias", None)
+        return None if getattr(self.to_wrap, "skip_bias_add", True) else bias
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        out = self.to_wrap.sharded_state_dict(prefix, sharded_offsets, metadata)
+        out.update(self.adapter.sharded_state_dict(f"{prefix}adapter.", sharded_offsets, metadata))
+        return out
+
+
+class LoRALinear(AdapterWrapper):
+    """``W x + (alpha / dim) B A x``: the base layer's output plus its adapter's (Bridge's ``LoRALinear``)."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        output, bias = self.to_wrap(x, *args, **kwargs)
+        return output + self.adapter(x), bias
