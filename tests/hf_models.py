@@ -75,3 +75,16 @@ def hf_logits(folder: str, tokens: torch.Tensor) -> torch.Tensor:
     model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits
+
+
+def add_tokenizer(folder: str) -> None:
+    """A small byte-level BPE tokenizer trained here on a few sentences, saved as transformers saves one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:80])
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)

@@ -135,3 +135,29 @@ def test_fine_tuned_export_gives_transformers_the_toolkits_loss(tmp_path, world)
                                                    labels[:, :-1].reshape(-1)).item()
     assert abs(hf_loss - toolkit_loss) <= 1e-4, (hf_loss, toolkit_loss)
     assert abs(hf_loss - before) > 1e-3  # the export holds the fine-tuned weights, not the original ones
+
+
+def test_the_folders_tokenizer_comes_along_into_the_job_and_out_with_the_export(tmp_path, world):
+    from hf_models import add_tokenizer
+    from transformers import AutoTokenizer
+
+    from bridge_hpc.jobfile.jobconfig import load_job_config
+    from bridge_hpc.models.hf.convert import import_folder
+    from bridge_hpc.models.hf.export import export
+    from bridge_hpc.training.tokenizers import build_tokenizer
+
+    hf = tmp_path / "gpt2"
+    make_hf_model("gpt2", str(hf))
+    add_tokenizer(str(hf))
+    job = tmp_path / "job.toml"
+    job.write_text(f"[train]\ntrain_iters = 1\nglobal_batch_size = 2\nmicro_batch_size = 2\n[optimizer]\nlr = 1e-4\n"
+                   f"[model]\nhf_config = \"{hf}\"\nseq_length = {SEQ}\n"
+                   f"[dataset]\nseq_length = {SEQ}\n")
+    cfg = load_job_config(job, cwd=tmp_path).training
+    assert (cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model) == ("HuggingFaceTokenizer", str(hf))
+    text = "the lazy fox"
+    assert build_tokenizer(cfg.tokenizer).tokenize(text) == AutoTokenizer.from_pretrained(str(hf))(text)["input_ids"]
+    import_folder(str(hf), str(tmp_path / "ckpt"))
+    export(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out"))(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(str(hf))(text)["input_ids"]
