@@ -68,6 +68,10 @@ def cpu_import(folder: Path, repeats: int) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
+    if torch.cuda.is_available():  # megatron-core initializes GPU weights under its model-parallel RNG
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
     cfg = mapping.checked_model_config(str(folder))
     cfg.bf16 = True  # the parameters in the checkpoint's dtype: no cast in either reader
     started = time.perf_counter()
