@@ -49,9 +49,6 @@ def read_checkpoint(path: str) -> Tuple[str, Dict[str, Any], Dict[str, torch.Ten
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as err:
         raise ConfigError(f"unreadable, or without a model section ({type(err).__name__})",
                           path=os.path.join(folder, RUN_CONFIG_FILE)) from None
-    if run_config.get("peft"):
-        raise ConfigError("holds a PEFT run's adapters: exporting merged weights needs PEFT's merge, which this "
-                          "version does not have yet", path=folder)
     reader = dcp.FileSystemReader(folder)
     metadata = reader.read_metadata()
     cpu_layout = any(key.startswith("model.") for key in metadata.state_dict_metadata)
@@ -74,7 +71,47 @@ def read_checkpoint(path: str) -> Tuple[str, Dict[str, Any], Dict[str, torch.Ten
                 tensors[mapping.canonical(f"decoder.layers.{i}.{rest}")] = value[i]
         else:
             tensors[mapping.canonical(name)] = value
+    if run_config.get("peft"):
+        tensors = _merged_with_base(folder, run_config["peft"], tensors)
     return folder, run_config, tensors
+
+
+def _merged_with_base(folder: str, peft: Dict[str, Any], adapters: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The plain model's whole tensors of a PEFT run's checkpoint (``folder``, which holds the adapters
+    only): its base (the folder its record names, a toolkit checkpoint or a Hugging Face folder) with
+    the adapters merged in (:func:`bridge_hpc.peft.merge.merge_state_dicts`). ConfigError naming the
+    record when the base is gone or is no longer the one the adapters were trained on (its digest)."""
+    from bridge_hpc.peft import checkpoint as peft_checkpoint
+    from bridge_hpc.peft.merge import merge_state_dicts
+
+    record_path = os.path.join(folder, peft_checkpoint.BASE_RECORD_FILE)
+    record = peft_checkpoint.read_record(folder)
+    if record is None:
+        raise ConfigError("is missing: the checkpoint holds PEFT adapters without the record of their base model",
+                          path=record_path)
+    base = record["base"]
+    if not os.path.isdir(base):
+        raise ConfigError(f"names the base model {base!r}, which is gone: the adapters cannot be merged without it",
+                          path=record_path)
+    if peft_checkpoint.base_digest(base) != record["base_digest"]:
+        raise ConfigError(f"names the base model {base!r}, which changed since the adapters were trained on it "
+                          "(another digest): merging them into it would export another model", path=record_path)
+    base_tensors = _hf_as_megatron(base) if families.is_hf_folder(base) else read_checkpoint(base)[2]
+    return merge_state_dicts(base_tensors, adapters, float(peft["alpha"]), int(peft["dim"]))
+
+
+def _hf_as_megatron(hf_dir: str) -> Dict[str, torch.Tensor]:
+    """A Hugging Face folder's tensors in the local spec's names and layout, whole (one process at
+    tensor-parallel size 1, read by the ranks' own loader)."""
+    from bridge_hpc.models.hf.convert import _world_of_one
+    from bridge_hpc.models.hf.load import load_hf_weights
+    from bridge_hpc.training.engine.model import gpt_model_provider
+
+    _world_of_one()
+    model = gpt_model_provider(mapping.checked_model_config(hf_dir))
+    load_hf_weights(hf_dir, [model])
+    return {mapping.canonical(key): value.detach().cpu() for key, value in model.state_dict().items()
+            if isinstance(value, torch.Tensor) and "_extra_state" not in key}
 
 
 def to_hf(tensors: Dict[str, torch.Tensor], model: Dict[str, Any], family: str) -> Dict[str, torch.Tensor]:
