@@ -198,5 +198,5 @@ def gpt_model_provider(cfg: GPTModelConfig, pre_process: bool = True, post_proce
 
 # The forward step and its loss moved to gpt_step and losses (Bridge's modules); these names stay
 # importable from here, where job files and forward steps written before found them.
-__all__ = ["SDPACoreAttention", "TritonLossGPTModel", "HostRotaryEmbedding", "transformer_config", "gpt_model_provider", "padded_vocab_size",
-           "forward_step", "get_batch", "masked_next_token_loss", "masked_token_loss"]
+__all__ = ["SDPACoreAttention", "TritonLossGPTModel", "HostRotaryEmbedding", "transformer_config", "gpt_model_provider",
+           "padded_vocab_size", "forward_step", "get_batch", "masked_next_token_loss", "masked_token_loss"]
