@@ -15,6 +15,25 @@ import torch
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 VOCAB = 100
 SEQ = 16
+#: A three-step fine-tuning job from the Hugging Face folder ``hf`` (``.format(seq=SEQ, hf=...)``).
+FINETUNE_JOB = """
+[job]
+entry = "finetune"
+[train]
+train_iters = 3
+global_batch_size = 2
+micro_batch_size = 2
+[optimizer]
+lr = 0.01
+[model]
+seq_length = {seq}
+hidden_dropout = 0.0
+attention_dropout = 0.0
+[dataset]
+seq_length = {seq}
+[checkpoint]
+pretrained_checkpoint = "{hf}"
+"""
 
 
 def hf_config(family: str):

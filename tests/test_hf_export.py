@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from bridge_test_helpers import direct_rank_env, single_rank_world
-from hf_models import FAMILIES, SEQ, VOCAB, batch, hf_logits, make_hf_model, model_config
+from hf_models import FAMILIES, FINETUNE_JOB, SEQ, VOCAB, batch, hf_logits, make_hf_model, model_config
 from safetensors.torch import load_file
 
 
@@ -81,26 +81,6 @@ def test_megatron_core_sharded_checkpoints_are_read_at_their_global_shapes(tmp_p
     before, after = _tensors(original), _tensors(tmp_path / "out")
     assert sorted(before) == sorted(after)
     assert all(torch.equal(after[k], v) for k, v in before.items())
-
-
-FINETUNE_JOB = """
-[job]
-entry = "finetune"
-[train]
-train_iters = 3
-global_batch_size = 2
-micro_batch_size = 2
-[optimizer]
-lr = 0.01
-[model]
-seq_length = {seq}
-hidden_dropout = 0.0
-attention_dropout = 0.0
-[dataset]
-seq_length = {seq}
-[checkpoint]
-pretrained_checkpoint = "{hf}"
-"""
 
 
 def test_fine_tuned_export_gives_transformers_the_toolkits_loss(tmp_path, world):

@@ -11,26 +11,9 @@ import sys
 import pytest
 import torch
 from bridge_test_helpers import direct_rank_env, single_rank_world
-from hf_models import SEQ, VOCAB, batch, make_hf_model, model_config
+from hf_models import FINETUNE_JOB, SEQ, VOCAB, batch, make_hf_model, model_config
 
-PEFT_JOB = """
-[job]
-entry = "finetune"
-[train]
-train_iters = 3
-global_batch_size = 2
-micro_batch_size = 2
-[optimizer]
-lr = 0.01
-[model]
-seq_length = {seq}
-hidden_dropout = 0.0
-attention_dropout = 0.0
-[dataset]
-seq_length = {seq}
-[checkpoint]
-pretrained_checkpoint = "{hf}"
-[peft]
+PEFT_JOB = FINETUNE_JOB + """[peft]
 type = "{kind}"
 dim = 4
 alpha = 8
