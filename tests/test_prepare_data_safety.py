@@ -244,7 +244,10 @@ def test_ctrl_c_ends_a_run_within_5_s_leaving_nothing(tmp_path, big_input, sig):
     prefix = tmp_path / "o"
     proc = subprocess.Popen([sys.executable, "-m", "bridge_hpc.cli.prepare_data", "--input", str(big_input),
                              "--output-prefix", str(prefix), *BYTE_LEVEL, "--workers", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            # as from a terminal's foreground: a suite started in the background (`make test &`)
+                            # hands its children SIGINT ignored, which Python then keeps ignoring
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob(f"o_big_text_document{prepare.TMP_MARK}*.bin")):
