@@ -26,7 +26,7 @@ from typing import List
 
 import pytest
 import torch
-from bridge_test_helpers import direct_rank_env, free_port, kill_tree, tiny_job, tiny_run_dir
+from bridge_test_helpers import direct_rank_env, free_port, signal_tree, tiny_job, tiny_run_dir
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.fast_path import LINE_PREFIX
@@ -118,7 +118,8 @@ def test_a_run_stopped_and_resumed_on_the_default_path_is_bit_exact(default_run,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     # The tiny GPT's replayed steps take milliseconds: the metrics file would show step 15 only after
     # the run had ended, so the signal goes out as the capture's line is read, with 37 steps to go.
-    watchdog = threading.Timer(RUN_TIMEOUT_S, kill_tree, args=(rank,))
+    # (the watchdog only kills: this thread reads the pipe to its end and reaps the rank)
+    watchdog = threading.Timer(RUN_TIMEOUT_S, signal_tree, args=(rank.pid, signal.SIGKILL))
     watchdog.start()
     lines = []
     try:
