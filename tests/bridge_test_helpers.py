@@ -486,3 +486,25 @@ def run_gloo_ranks(fn: Callable, *args, nprocs: int = 2, timeout: float = GLOO_R
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+# -- one rank of a job file on this machine's GPU (tests/test_gpu_*) ---------------------------------
+
+
+def set_args(job: str, overrides) -> list:
+    """The rank entry's arguments: the job file, then ``--set KEY=VALUE`` for each override."""
+    args = [job]
+    for item in overrides:
+        args += ["--set", item]
+    return args
+
+
+def run_one_gpu_rank(job: str, *overrides: str, timeout_s: float = 240) -> str:
+    """Run ``job`` as one rank under torchrun (a free rendezvous port), in the job's folder; its output
+    (stdout and stderr). Fails the test with the output's tail on a non-zero exit."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+           "-m", "bridge_hpc.training.run", *set_args(job, overrides)]
+    proc = subprocess.run(cmd, cwd=os.path.dirname(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return proc.stdout

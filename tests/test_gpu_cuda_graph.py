@@ -20,11 +20,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List
 
 import pytest
 import torch
-from bridge_test_helpers import direct_rank_env, free_port, kill_tree, tiny_job, tiny_run_dir
+from bridge_test_helpers import direct_rank_env, free_port, kill_tree, run_one_gpu_rank, set_args, tiny_job, tiny_run_dir
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.training.engine.metrics import read_metrics
@@ -36,21 +35,6 @@ CAPTURED = "full-iteration CUDA graph captured after 3 eager steps"
 RUN_TIMEOUT_S = 240
 
 
-def _args(job: str, overrides) -> List[str]:
-    args = [job]
-    for item in overrides:
-        args += ["--set", item]
-    return args
-
-
-def _run(job: str, *overrides: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", *_args(job, overrides)]
-    proc = subprocess.run(cmd, cwd=os.path.dirname(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return proc.stdout
-
 
 def _trained(job: str) -> dict:
     records = read_metrics(os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE))
@@ -61,7 +45,7 @@ def _trained(job: str) -> dict:
 def graph_run(tmp_path_factory):
     """40 steps of the tiny GPT with the graph, uninterrupted: (losses, output)."""
     job = tiny_job(tmp_path_factory.mktemp("graph"))
-    out = _run(job, *GRAPH)
+    out = run_one_gpu_rank(job, *GRAPH, timeout_s=RUN_TIMEOUT_S)
     return _trained(job), out
 
 
@@ -69,7 +53,7 @@ def test_graph_steps_train_bit_for_bit_as_eager_steps(graph_run, tmp_path):
     graphed, out = graph_run
     assert out.count(CAPTURED) == 1, out[-4000:]
     job = tiny_job(tmp_path / "eager")
-    eager_out = _run(job)
+    eager_out = run_one_gpu_rank(job, timeout_s=RUN_TIMEOUT_S)
     assert CAPTURED not in eager_out
     eager = _trained(job)
     assert sorted(eager) == list(range(1, 41))
@@ -80,7 +64,7 @@ def test_usr1_with_the_graph_saves_exits_and_resumes_bit_for_bit(graph_run, tmp_
     graphed, _ = graph_run
     job = tiny_job(tmp_path / "usr1")
     every_step = ("checkpoint.save_interval=1000",)  # only the exit save
-    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", *_args(job, GRAPH + every_step)],
+    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", *set_args(job, GRAPH + every_step)],
                             cwd=os.path.dirname(job), env=direct_rank_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE)
@@ -104,7 +88,8 @@ def test_usr1_with_the_graph_saves_exits_and_resumes_bit_for_bit(graph_run, tmp_
     stopped = run_folder.tracked_iteration(os.path.join(tiny_run_dir(job), run_folder.CHECKPOINTS_DIR))
     assert 15 <= stopped < 40
 
-    resumed_out = _run(job, *GRAPH, *every_step)  # the requeued run: eager warm-up, then its own capture
+    # the requeued run: eager warm-up, then its own capture
+    resumed_out = run_one_gpu_rank(job, *GRAPH, *every_step, timeout_s=RUN_TIMEOUT_S)
     assert CAPTURED in resumed_out
     assert _trained(job) == graphed
 
@@ -114,7 +99,7 @@ def test_background_saves_during_graph_replays_change_nothing(graph_run, tmp_pat
     state, the RNG state of the generators the graph registered) and leave the losses bit for bit."""
     graphed, _ = graph_run
     job = tiny_job(tmp_path / "async")
-    out = _run(job, *GRAPH, "checkpoint.async_save=true", "checkpoint.save_interval=5")
+    out = run_one_gpu_rank(job, *GRAPH, "checkpoint.async_save=true", "checkpoint.save_interval=5", timeout_s=RUN_TIMEOUT_S)
     assert out.count("started asynchronous checkpoint save of iteration") >= 6, out[-4000:]
     assert _trained(job) == graphed
     assert run_folder.tracked_iteration(os.path.join(tiny_run_dir(job), run_folder.CHECKPOINTS_DIR)) == 40
@@ -129,7 +114,7 @@ def test_two_data_parallel_gpus_train_bit_for_bit_as_eager_steps(optimizer, tmp_
     for name, extra in (("eager", ()), ("graph", GRAPH)):
         job = tiny_job(tmp_path / name)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "-m", "bridge_hpc.training.run", *_args(job, ("ddp.overlap_grad_reduce=true", optimizer) + extra)]
+               "-m", "bridge_hpc.training.run", *set_args(job, ("ddp.overlap_grad_reduce=true", optimizer) + extra)]
         proc = subprocess.run(cmd, cwd=os.path.dirname(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=RUN_TIMEOUT_S)
         assert proc.returncode == 0, proc.stdout[-6000:]

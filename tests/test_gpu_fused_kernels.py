@@ -19,11 +19,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List
 
 import pytest
 import torch
-from bridge_test_helpers import direct_rank_env, free_port, kill_tree, tiny_job, tiny_run_dir
+from bridge_test_helpers import direct_rank_env, kill_tree, run_one_gpu_rank, set_args, tiny_job, tiny_run_dir
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.training.engine.metrics import read_metrics
@@ -33,21 +32,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FUSED = ("model.fused_kernels=true", 'model.cuda_graph_impl="full_iteration"')
 RUN_TIMEOUT_S = 240
 
-
-def _args(job: str, overrides) -> List[str]:
-    args = [job]
-    for item in overrides:
-        args += ["--set", item]
-    return args
-
-
-def _run(job: str, *overrides: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", *_args(job, overrides)]
-    proc = subprocess.run(cmd, cwd=os.path.dirname(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return proc.stdout
 
 
 def _losses(job: str) -> dict:
@@ -144,17 +128,17 @@ def test_linear_with_its_bias_in_the_matrix_multiply():
 def fused_run(tmp_path_factory):
     """40 steps of the tiny GPT with the fused kernels and the graph, uninterrupted."""
     job = tiny_job(tmp_path_factory.mktemp("fused"))
-    _run(job, *FUSED)
+    run_one_gpu_rank(job, *FUSED, timeout_s=RUN_TIMEOUT_S)
     return _losses(job)
 
 
 def test_fused_kernels_train_as_the_unfused_model_and_reproducibly(fused_run, tmp_path):
     assert sorted(fused_run) == list(range(1, 41))
     job = tiny_job(tmp_path / "again")
-    _run(job, *FUSED)
+    run_one_gpu_rank(job, *FUSED, timeout_s=RUN_TIMEOUT_S)
     assert _losses(job) == fused_run  # bit for bit
     job = tiny_job(tmp_path / "unfused")
-    _run(job)
+    run_one_gpu_rank(job, timeout_s=RUN_TIMEOUT_S)
     unfused = _losses(job)
     for step in range(1, 41):
         assert fused_run[step][0] == pytest.approx(unfused[step][0], rel=2e-3), step
@@ -163,7 +147,7 @@ def test_fused_kernels_train_as_the_unfused_model_and_reproducibly(fused_run, tm
 def test_usr1_resumes_bit_for_bit_and_the_checkpoint_loads_without_the_fused_kernels(fused_run, tmp_path):
     job = tiny_job(tmp_path / "usr1")
     exit_save_only = ("checkpoint.save_interval=1000",)
-    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", *_args(job, FUSED + exit_save_only)],
+    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", *set_args(job, FUSED + exit_save_only)],
                             cwd=os.path.dirname(job), env=direct_rank_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE)
@@ -187,10 +171,10 @@ def test_usr1_resumes_bit_for_bit_and_the_checkpoint_loads_without_the_fused_ker
     # The same checkpoint, copied, resumes a run without the fused kernels: same parameter names.
     plain = tiny_job(tmp_path / "plain")
     shutil.copytree(tiny_run_dir(job), tiny_run_dir(plain))
-    plain_out = _run(plain, *exit_save_only)
+    plain_out = run_one_gpu_rank(plain, *exit_save_only, timeout_s=RUN_TIMEOUT_S)
     assert f"(iteration {stopped}) in" in plain_out, plain_out[-4000:]  # "loaded checkpoint ... (iteration N) in T s"
     plain_losses = _losses(plain)
     assert plain_losses[stopped + 1][0] == pytest.approx(fused_run[stopped + 1][0], rel=2e-3)
 
-    _run(job, *FUSED, *exit_save_only)  # the requeued run
+    run_one_gpu_rank(job, *FUSED, *exit_save_only, timeout_s=RUN_TIMEOUT_S)  # the requeued run
     assert _losses(job) == fused_run

@@ -26,7 +26,7 @@ from typing import List
 
 import pytest
 import torch
-from bridge_test_helpers import direct_rank_env, free_port, signal_tree, tiny_job, tiny_run_dir
+from bridge_test_helpers import direct_rank_env, run_one_gpu_rank, set_args, signal_tree, tiny_job, tiny_run_dir
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.fast_path import LINE_PREFIX
@@ -62,21 +62,6 @@ def forward_step(state, data_iterator, model):
 '''
 
 
-def _args(job: str, overrides) -> List[str]:
-    args = [job]
-    for item in overrides:
-        args += ["--set", item]
-    return args
-
-
-def _run(job: str, *overrides: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", *_args(job, overrides)]
-    proc = subprocess.run(cmd, cwd=os.path.dirname(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return proc.stdout
-
 
 def _losses(job: str) -> dict:
     records = read_metrics(os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE))
@@ -91,7 +76,7 @@ def _fast_path_lines(out: str) -> List[str]:
 def default_run(tmp_path_factory):
     """40 steps of the tiny GPT on the default path, uninterrupted: (losses, output)."""
     job = tiny_job(tmp_path_factory.mktemp("default"))
-    out = _run(job, *GPU)
+    out = run_one_gpu_rank(job, *GPU, timeout_s=RUN_TIMEOUT_S)
     return _losses(job), out
 
 
@@ -101,7 +86,7 @@ def test_the_default_path_trains_as_the_plain_path_within_bf16(default_run, tmp_
     assert out.count(CAPTURED) == 1 and FELL_BACK not in out, out[-4000:]
     assert out.count("started asynchronous checkpoint save of iteration") >= 3, out[-4000:]
     job = tiny_job(tmp_path / "plain")
-    plain_out = _run(job, *PLAIN)
+    plain_out = run_one_gpu_rank(job, *PLAIN, timeout_s=RUN_TIMEOUT_S)
     assert CAPTURED not in plain_out and "started asynchronous checkpoint save" not in plain_out
     plain = _losses(job)
     assert sorted(fast) == sorted(plain) == list(range(1, 41))
@@ -113,7 +98,7 @@ def test_the_default_path_trains_as_the_plain_path_within_bf16(default_run, tmp_
 def test_a_run_stopped_and_resumed_on_the_default_path_is_bit_exact(default_run, tmp_path):
     fast, _ = default_run
     job = tiny_job(tmp_path / "usr1")
-    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", *_args(job, GPU)],
+    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", *set_args(job, GPU)],
                             cwd=os.path.dirname(job), env={**direct_rank_env(), "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     # The tiny GPT's replayed steps take milliseconds: the metrics file would show step 15 only after
@@ -140,7 +125,7 @@ def test_a_run_stopped_and_resumed_on_the_default_path_is_bit_exact(default_run,
     resolved = os.path.join(tiny_run_dir(job), run_folder.RESOLVED_CONFIG)
     with open(resolved, "w", encoding="utf-8") as f:
         f.write(dump_resolved(load_job_config(job, list(GPU), cwd=os.path.dirname(job))))
-    resumed_out = _run(resolved)
+    resumed_out = run_one_gpu_rank(resolved, timeout_s=RUN_TIMEOUT_S)
     assert _fast_path_lines(resumed_out) == [LINE_PREFIX + EVERYTHING]
     assert CAPTURED in resumed_out  # eager again for its warm-up, then its own capture
     assert _losses(job) == fast
@@ -153,7 +138,7 @@ def test_a_forward_step_that_cannot_be_captured_falls_back_to_eager_once_and_exa
         step = os.path.join(os.path.dirname(job), "host_read_step.py")
         with open(step, "w", encoding="utf-8") as f:
             f.write(HOST_READ_STEP)
-        out = _run(job, *GPU, f'job.forward_step="{step}:forward_step"', *extra)
+        out = run_one_gpu_rank(job, *GPU, f'job.forward_step="{step}:forward_step"', *extra, timeout_s=RUN_TIMEOUT_S)
         losses[name] = _losses(job)
         if name == "fallback":
             assert out.count(FELL_BACK) == 1 and CAPTURED not in out, out[-4000:]
