@@ -45,6 +45,10 @@ TENSORBOARD_DIR = "tensorboard"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
 DATASET_CACHE_DIR = "dataset_cache"
+#: Written last into a checkpoint folder (format 2): every other file of the folder with its size.
+#: Its presence marks the folder complete; the sizes let a load find a truncated or missing file
+#: before any rank reads it. (Read without torch too: a PEFT run's base digest is taken from it.)
+CHECKPOINT_MANIFEST_FILE = "manifest.json"
 #: The W&B, MLflow and Comet runs a job continues across requeues and restarts (the last rank writes it,
 #: :mod:`bridge_hpc.training.utils.log_backends`); beside it their files, unless the job sets a place.
 LOGGER_RUNS_FILE = "logger_runs.json"

@@ -15,17 +15,16 @@ import json
 import os
 from typing import Any, Dict, Optional
 
+from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
 
 #: The base record in a PEFT checkpoint's folder (listed in its manifest like every file).
 BASE_RECORD_FILE = "peft_base.json"
-#: A checkpoint folder's own list of its files (bridge_hpc.training.checkpoint.layout.MANIFEST_FILE).
-_MANIFEST = "manifest.json"
 
 
 def base_digest(folder: str) -> str:
     """sha256 of ``folder``'s manifest, or of the sorted names and sizes of its files where it has none."""
-    manifest = os.path.join(folder, _MANIFEST)
+    manifest = os.path.join(folder, run_folder.CHECKPOINT_MANIFEST_FILE)
     digest = hashlib.sha256()
     if os.path.isfile(manifest):
         with open(manifest, "rb") as f:

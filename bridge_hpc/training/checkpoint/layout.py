@@ -30,10 +30,8 @@ TRACKER = run_folder.TRACKER_FILE
 #: Written by rank 0 once every rank's files are durable (not ``common.pt``: megatron-core's
 #: dist_checkpointing writes a file of that name itself).
 COMMON_FILE = "train_state.pt"
-#: Written last into a checkpoint folder (format 2): every other file of the folder with its size.
-#: Its presence marks the folder complete; the sizes let a load find a truncated or missing file
-#: before any rank reads it.
-MANIFEST_FILE = "manifest.json"
+#: Written last into a checkpoint folder (format 2): see run_folder.CHECKPOINT_MANIFEST_FILE.
+MANIFEST_FILE = run_folder.CHECKPOINT_MANIFEST_FILE
 #: The resolved configuration of the run that saved (rank 0); the loader reads the optimizer layout from it.
 RUN_CONFIG_FILE = "run_config.json"
 #: Suffix of a checkpoint folder set aside because it failed verification or loading.
