@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -102,10 +103,23 @@ def test_peft_needs_the_base_it_trains_on():
 
 
 def test_bridge_submit_refuses_a_bad_peft_key_with_exit_2(tmp_path):
+    """The shipped LoRA config with one bad value, in a folder that has what the config reads (its
+    datasets, written by megatron-core's builder, and the pretrained run's checkpoint folder), so that the
+    PEFT key is the one thing wrong, whether or not ``make demo-text`` ran here."""
+    import numpy as np
     from bridge_test_helpers import ROOT, submit_cli
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    proc = submit_cli(str(ROOT / "configs" / "local-tiny-text-lora.toml"), "--dry-run", "--set", "peft.dim=0",
-                      cwd=ROOT)
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    (tmp_path / "data" / "stdlib").mkdir(parents=True)
+    for split in ("train", "valid"):
+        prefix = tmp_path / "data" / "stdlib" / f"docs_{split}_text_document"
+        builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+        for doc in ([72, 105, 33] * 50, [10, 20, 30] * 50):
+            builder.add_document(np.array(doc, dtype=np.uint16), [len(doc)])
+        builder.finalize(f"{prefix}.idx")
+    (tmp_path / "runs" / "local-tiny-text" / "checkpoints").mkdir(parents=True)
+    proc = submit_cli("configs/local-tiny-text-lora.toml", "--dry-run", "--set", "peft.dim=0", cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "local-tiny-text-lora.toml" in proc.stderr and "'peft.dim'" in proc.stderr and "integer >= 1" in proc.stderr
 

@@ -120,7 +120,9 @@ from bridge_hpc.training import run
 status = run.main(sys.argv[1:])
 names = ("SIGUSR1", "SIGTERM")
 ignored = {n: signal.getsignal(getattr(signal, n)) == signal.SIG_IGN for n in names}
-print("ignored after main:", json.dumps(ignored), flush=True)
+sys.stdout.flush()
+# One write(2) of a short line: the two ranks share the pipe, and print() writes its parts one by one.
+os.write(1, ("ignored after main: " + json.dumps(ignored) + "\\n").encode())
 for name in names:
     os.kill(os.getpid(), getattr(signal, name))
 sys.exit(status)

@@ -212,6 +212,10 @@ class _Backend:
         self.restart_count = restart_count
         #: What GlobalState hands out (the wandb module, the mlflow module, the Comet Experiment).
         self.handle: Any = None
+        #: Held while the sender thread writes, and by a call of the rank's thread that reads the run back
+        #: (MLflow's file store reads a metric file that its writer has created but not yet filled as
+        #: malformed).
+        self.lock = threading.Lock()
 
     def start(self) -> Dict[str, Any]:
         raise NotImplementedError
@@ -599,12 +603,14 @@ class LogBackends:
         if not records:
             return
         try:
-            backend.send(records)
+            with backend.lock:
+                backend.send(records)
         except BaseException as err:  # noqa: BLE001
             try:
                 if not backend.recover(err):
                     raise
-                backend.send(records)
+                with backend.lock:
+                    backend.send(records)
             except BaseException as again:  # noqa: BLE001
                 self._fail(name, "logging", again)
                 return
@@ -617,7 +623,8 @@ class LogBackends:
         if backend is None or name in self._failed:
             return
         try:
-            backend.finish()
+            with backend.lock:
+                backend.finish()
         except BaseException as err:  # noqa: BLE001
             self._fail(name, "closing its run", err)
 
@@ -668,7 +675,8 @@ class _Handle:
         if backend is None or backend.handle is None:
             raise AttributeError(f"{LABELS[self._name]} is not running, so it has no {attr!r}")
         if self._name == "mlflow" and backend.handle.active_run() is None:
-            backend.handle.start_run(run_id=backend.run_id)  # the fluent API's run, in this thread
+            with backend.lock:  # start_run reads the run back, metric files included
+                backend.handle.start_run(run_id=backend.run_id)  # the fluent API's run, in this thread
         return getattr(backend.handle, attr)
 
     def __repr__(self) -> str:
