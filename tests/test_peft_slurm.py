@@ -117,6 +117,29 @@ def test_lora_preempted_by_usr1_resumes_exactly_with_the_base_untouched(slurm_cl
     assert runs[0].last("Ending job").fields["Steps lost"] == "0"
 
 
+def test_lora_with_the_distributed_optimizer_resumes_exactly_with_adapter_sized_state(workdir):
+    """LoRA under megatron-core's distributed optimizer (2 data-parallel ranks, its state sharded between
+    them): stopped by ``train.exit_interval`` and resumed, bit for bit the uninterrupted run; the
+    checkpoint's optimizer state covers the adapters only (no entry, no byte for a frozen weight)."""
+    dist_opt = ["ddp.use_distributed_optimizer=true", "optimizer.use_distributed_optimizer=true"]
+    _torchrun(workdir, LORA, *_sets("runs/lora-distopt-ref", "lora"), *dist_opt)
+    _torchrun(workdir, LORA, *_sets("runs/lora-distopt", "lora"), *dist_opt, "train.exit_interval=15")
+    resumed = _torchrun(workdir, LORA, *_sets("runs/lora-distopt", "lora"), *dist_opt)
+    assert "loaded checkpoint" in resumed.stdout
+    _check_run(workdir, workdir / "runs" / "lora-distopt", workdir / "runs" / "lora-distopt-ref")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    last_ckpt = workdir / "runs" / "lora-distopt" / "checkpoints" / f"iter_{ITERS:07d}"
+    ran_with = json.loads((last_ckpt / "run_config.json").read_text())
+    assert ran_with["ddp"]["use_distributed_optimizer"] and ran_with["optimizer"]["use_distributed_optimizer"]
+    keys = list(FileSystemReader(str(last_ckpt)).read_metadata().state_dict_metadata)
+    state_keys = [k for k in keys if k.startswith("optimizer.state.")]
+    assert state_keys and all(".adapter." in k for k in state_keys), [k for k in state_keys if ".adapter." not in k]
+    adapters = {k for k in keys if k.startswith("model.")}
+    assert {k.removeprefix("optimizer.state.").rsplit(".", 1)[0] for k in state_keys} == \
+        {k.removeprefix("model.") for k in adapters}  # moments for every adapter weight, for nothing else
+
+
 def test_dora_stopped_and_resumed_exactly_and_another_base_is_refused(workdir):
     _torchrun(workdir, LORA, *_sets("runs/dora-ref", "dora"))
     _torchrun(workdir, LORA, *_sets("runs/dora", "dora"), "train.exit_interval=15")
@@ -124,12 +147,16 @@ def test_dora_stopped_and_resumed_exactly_and_another_base_is_refused(workdir):
     assert "loaded checkpoint" in resumed.stdout and "loaded pretrained weights" in resumed.stdout
     _check_run(workdir, workdir / "runs" / "dora", workdir / "runs" / "dora-ref")
     # resuming these adapters on another base: one error naming the key, nothing loaded
-    other = workdir / "runs" / "base" / "checkpoints" / "iter_0000030"
-    (other / "manifest.json").write_text((other / "manifest.json").read_text() + " ")  # another base's digest
+    manifest = workdir / "runs" / "base" / "checkpoints" / "iter_0000030" / "manifest.json"
+    original = manifest.read_text()
+    manifest.write_text(original + " ")  # another base's digest
     cmd = [sys.executable, "-m", "bridge_hpc.training.run", str(LORA)]  # one rank, started directly
     for item in _sets("runs/dora", "dora") + [f"train.train_iters={ITERS + 5}"]:
         cmd += ["--set", item]
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300)
+    try:
+        proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300)
+    finally:
+        manifest.write_text(original)  # the module's base again, for any test after this one
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "key 'checkpoint.pretrained_checkpoint'" in last and "resume on the same base" in last, last
