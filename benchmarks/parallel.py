@@ -177,7 +177,10 @@ def run(work: Path, name: str, job: Path, gpus: int, tp: int, pp: int, steps: in
     """One run into ``work/name``; with ``usr1_at`` every rank gets SIGUSR1 once that step is logged.
     ``common``: ``--set`` overrides of every run (a variant under test)."""
     run_dir = work / name
+    # The job asks for the GPUs it runs on, as a job file on the cluster does: the loader then gives it
+    # the fast path of a GPU job (bridge_hpc.jobfile.speed_defaults), which each rank's log line names.
     sets = [f"job.run_dir={json.dumps(str(run_dir))}", f"train.train_iters={steps}",
+            f"slurm.ntasks_per_node={gpus}", f"slurm.gpus_per_node={gpus}",
             f"model.tensor_model_parallel_size={tp}", f"model.pipeline_model_parallel_size={pp}"] + list(common) + list(extra)
     log = work / f"{log_name or name}.log"
     print(f"[parallel] {log_name or name}: {gpus} GPU(s), TP{tp} PP{pp} ...", flush=True)

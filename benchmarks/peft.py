@@ -69,10 +69,12 @@ def job_toml(shape: Dict[str, int], gpu: bool, lora: bool, entry: str) -> str:
         targets = ", ".join(json.dumps(t) for t in LORA["target_modules"])
         peft = (f'[peft]\ntype = "lora"\ntarget_modules = [{targets}]\ndim = {LORA["dim"]}\n'
                 f'alpha = {LORA["alpha"]}\ndropout = 0.0\n\n')
+    slurm = "[slurm]\ngpus_per_node = 1\n\n" if gpu else ""  # a GPU job: the loader gives it the fast path
     return f"""[job]
 name = "peft"
 entry = "{entry}"
 
+{slurm}
 [train]
 train_iters = 1
 micro_batch_size = {shape["micro_batch_size"]}
