@@ -140,6 +140,50 @@ def test_lora_with_the_distributed_optimizer_resumes_exactly_with_adapter_sized_
         {k.removeprefix("model.") for k in adapters}  # moments for every adapter weight, for nothing else
 
 
+def test_lora_restarted_in_the_job_after_a_killed_rank_resumes_exactly(workdir):
+    """An in-job restart: nvidia-resiliency-ext's ft_launcher runs the 2 ranks, rank 1 kills itself (the
+    simulated ``rank_killed`` fault) mid-run, the launcher restarts both in place, and they read the base
+    again and resume the adapters from the last checkpoint: every loss equals the uninterrupted LoRA run's
+    bit for bit, the base is untouched, and progress.txt tells the restart."""
+    pytest.importorskip("nvidia_resiliency_ext.fault_tolerance")
+    from bridge_hpc.launch.ft_launch import FTLaunchTimeouts, ft_launcher_argv
+
+    ft = ["ft.enable_ft_package=true", "ft.simulate_fault=true", "ft.simulated_fault_type='rank_killed'",
+          # 8 s after set-up: past the first checkpoint (4 steps of >= 0.3 s) and before the end (40 steps)
+          "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=8", "checkpoint.save_interval=4",
+          "checkpoint.most_recent_k=2"]
+    _torchrun(workdir, LORA, *_sets("runs/lora-ft-ref", "lora"), "checkpoint.save_interval=4")  # FT inactive
+    entry = ["-m", "bridge_hpc.training.run", str(LORA)]
+    for item in _sets("runs/lora-ft", "lora") + ft:
+        entry += ["--set", item]
+    argv = ft_launcher_argv(entry, python=sys.executable, nnodes=1, nproc_per_node=2,
+                            rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id=f"peft{os.getpid()}", max_restarts=2,
+                            timeouts=FTLaunchTimeouts(setup=120, step=30, checkpointing=120, out_of_section=60,
+                                                      initial_heartbeat=120, heartbeat=30, workload_check_interval=1),
+                            workers_stop_timeout=5, monitor_interval=0.5)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TEST_STEP_SLEEP="0.3")  # 40 steps outlast the fault's delay
+    env.pop("SLURM_JOB_ID", None)
+    proc = subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)  # the launcher's own group: the launcher and the ranks it started
+            proc.wait()
+    assert proc.returncode == 0, log[-5000:]
+    assert "SIMULATED FAULT rank_killed rank 1" in log, log[-5000:]
+    run_dir = workdir / "runs" / "lora-ft"
+    _check_run(workdir, run_dir, workdir / "runs" / "lora-ft-ref")
+    runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
+    assert [r.restart_count for r in runs] == [0, 1], [r.restart_count for r in runs]
+    assert runs[0].last("Ending job").fields["Reason"] == "fault"
+    saved = [int(e.fields["Iteration"]) for e in runs[0].of("Saved checkpoint")]
+    loaded = runs[1].last("Loaded checkpoint")  # the adapters of the last checkpoint before the fault
+    assert saved and loaded is not None and int(loaded.fields["Iteration"]) == saved[-1], (saved, loaded)
+    assert runs[1].last("Ending job").fields["Reason"] == "done"
+
+
 def test_dora_stopped_and_resumed_exactly_and_another_base_is_refused(workdir):
     _torchrun(workdir, LORA, *_sets("runs/dora-ref", "dora"))
     _torchrun(workdir, LORA, *_sets("runs/dora", "dora"), "train.exit_interval=15")
