@@ -834,7 +834,12 @@ def _hugging_face_sections(training: Dict[str, Dict[str, Any]], where: "_Where")
             finalized.finalize()
             hf_mapping.check_folder(pretrained, dataclasses.asdict(finalized))
     except ConfigError as err:
-        raise (where.error(err.key, err.message) if err.key and not err.path else err) from None
+        if err.key and not err.path:  # a key of the job's [model]
+            raise where.error(err.key, err.message) from None
+        if not err.key:  # the folder itself (no config.json, say): the job's key that names it
+            key = "checkpoint.pretrained_checkpoint" if hf_pretrained else "model.hf_config"
+            raise where.error(key, f"{err.path}: {err.message}" if err.path else err.message) from None
+        raise  # a key of one of the folder's files (config.json's model_type, a tensor): that file and key
     training["model"] = filled
     if "tokenizer" not in training and any(os.path.isfile(os.path.join(folder, name))
                                            for name in hf_families.TOKENIZER_FILES):
