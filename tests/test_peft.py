@@ -53,6 +53,15 @@ def test_bridge_names_fields_and_defaults():
         assert callable(getattr(lora, method))
     assert lora.adapter_key_filter("decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight")
     assert not lora.adapter_key_filter("decoder.layers.0.mlp.linear_fc1.weight")
+    # the layers at Bridge's module paths
+    from bridge_hpc.peft.adapter_wrapper import AdapterWrapper
+    from bridge_hpc.peft.dora_layers import DoRALinear, ParallelLinearDoRAAdapter
+    from bridge_hpc.peft.lora_layers import LoRALinear
+    from bridge_hpc.peft.utils import ParallelLinearAdapter, wildcard_match
+
+    assert issubclass(LoRALinear, AdapterWrapper) and issubclass(DoRALinear, AdapterWrapper)
+    assert issubclass(ParallelLinearDoRAAdapter, ParallelLinearAdapter)
+    assert wildcard_match("*.linear_qkv", "decoder.layers.3.self_attention.linear_qkv")
 
 
 def test_toml_section_selects_the_class_and_python_configs_are_checked_alike():

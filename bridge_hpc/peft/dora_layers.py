@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
-from bridge_hpc.peft.lora_layers import AdapterWrapper, ParallelLinearAdapter, _swiglu_layout
+from bridge_hpc.peft.adapter_wrapper import AdapterWrapper
+from bridge_hpc.peft.lora_layers import ParallelLinearAdapter, _swiglu_layout
 
 
 def combined_weight(base_weight: torch.Tensor, adapter: ParallelLinearAdapter) -> torch.Tensor:

@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.peft.adapter_wrapper import AdapterWrapper
 from bridge_hpc.peft.utils import LINEAR_NAMES
 
 
@@ -158,27 +159,6 @@ def adapter_for(peft, module, name: Optional[str], prefix: Optional[str],
                           "(model.transformer_impl = \"local\")", key="model.transformer_impl")
     return adapter_class(module, full_name, peft.dim, peft.alpha, peft.dropout, peft.dropout_position,
                                  peft.lora_A_init_method, peft.lora_B_init_method, seed=torch.initial_seed())
-
-
-class AdapterWrapper(MegatronModule):
-    """A base linear layer (``to_wrap``, frozen) and its adapter (``adapter``). In megatron-core's
-    checkpoint keys the wrapper is transparent: the base keeps its keys, the adapter's are under
-    ``<layer>.adapter.``."""
-
-    def __init__(self, to_wrap, adapter: ParallelLinearAdapter):
-        super().__init__(config=to_wrap.config)
-        self.to_wrap = to_wrap
-        self.adapter = adapter
-
-    def base_bias_in_output(self) -> Optional[torch.Tensor]:
-        """The base's bias where its output includes it (not ``skip_bias_add``), else None."""
-        bias = getattr(self.to_wrap, "bias", None)
-        return None if getattr(self.to_wrap, "skip_bias_add", True) else bias
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        out = self.to_wrap.sharded_state_dict(prefix, sharded_offsets, metadata)
-        out.update(self.adapter.sharded_state_dict(f"{prefix}adapter.", sharded_offsets, metadata))
-        return out
 
 
 class LoRALinear(AdapterWrapper):

@@ -17,8 +17,8 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
+from bridge_hpc.peft.adapter_wrapper import AdapterWrapper
 from bridge_hpc.peft.base import _chunks, walk
-from bridge_hpc.peft.lora_layers import AdapterWrapper
 
 #: A wrapper's base layer attribute, dropped from keys so that merged keys are the plain model's.
 _WRAPPED = ".to_wrap."

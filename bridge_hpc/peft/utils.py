@@ -29,3 +29,13 @@ def is_adapter_key(key: str) -> bool:
     """Whether a model state key (``decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight``) belongs to
     an adapter: what a PEFT checkpoint saves and loads (Bridge's ``adapter_key_filter`` on strings)."""
     return f".{ADAPTER_ATTRIBUTE}." in f".{key}"
+
+
+def __getattr__(name: str):
+    """``ParallelLinearAdapter`` at Bridge's path (``megatron.bridge.peft.utils``), imported on first use:
+    this module is also read on the login node, which has no torch."""
+    if name == "ParallelLinearAdapter":
+        from bridge_hpc.peft.lora_layers import ParallelLinearAdapter
+
+        return ParallelLinearAdapter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
