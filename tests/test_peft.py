@@ -56,8 +56,8 @@ def test_bridge_names_fields_and_defaults():
     # the layers at Bridge's module paths
     from bridge_hpc.peft.adapter_wrapper import AdapterWrapper
     from bridge_hpc.peft.dora_layers import DoRALinear, ParallelLinearDoRAAdapter
-    from bridge_hpc.peft.lora_layers import LoRALinear
-    from bridge_hpc.peft.utils import ParallelLinearAdapter, wildcard_match
+    from bridge_hpc.peft.lora_layers import LoRALinear, ParallelLinearAdapter
+    from bridge_hpc.peft.utils import wildcard_match
 
     assert issubclass(LoRALinear, AdapterWrapper) and issubclass(DoRALinear, AdapterWrapper)
     assert issubclass(ParallelLinearDoRAAdapter, ParallelLinearAdapter)

@@ -3,21 +3,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from megatron.core.transformer.module import MegatronModule
-
-if TYPE_CHECKING:
-    from bridge_hpc.peft.lora_layers import ParallelLinearAdapter
 
 
 class AdapterWrapper(MegatronModule):
     """A base linear layer (``to_wrap``, frozen) and its adapter (``adapter``). In megatron-core's
     checkpoint keys the wrapper is transparent: the base keeps its keys, the adapter's are under
-    ``<layer>.adapter.``."""
+    ``<layer>.adapter.`` (``adapter``: a ``lora_layers.ParallelLinearAdapter`` or its DoRA subclass)."""
 
-    def __init__(self, to_wrap, adapter: "ParallelLinearAdapter"):
+    def __init__(self, to_wrap, adapter: MegatronModule):
         super().__init__(config=to_wrap.config)
         self.to_wrap = to_wrap
         self.adapter = adapter

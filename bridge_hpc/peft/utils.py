@@ -30,12 +30,3 @@ def is_adapter_key(key: str) -> bool:
     an adapter: what a PEFT checkpoint saves and loads (Bridge's ``adapter_key_filter`` on strings)."""
     return f".{ADAPTER_ATTRIBUTE}." in f".{key}"
 
-
-def __getattr__(name: str):
-    """``ParallelLinearAdapter`` at Bridge's path (``megatron.bridge.peft.utils``), imported on first use:
-    this module is also read on the login node, which has no torch."""
-    if name == "ParallelLinearAdapter":
-        from bridge_hpc.peft.lora_layers import ParallelLinearAdapter
-
-        return ParallelLinearAdapter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
