@@ -123,3 +123,20 @@ def test_a_layout_the_model_cannot_take_is_refused_at_submission(folders, tmp_pa
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert job in proc.stderr and "pipeline_model_parallel_size" in proc.stderr, proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_damaged_folder_is_named_by_the_jobs_key_that_points_at_it(folders, tmp_path):
+    """``model.hf_config`` and ``checkpoint.pretrained_checkpoint`` can name two folders: the one line names
+    the key whose folder is damaged, and the damaged file."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("[1, 2]")
+    job = _job(tmp_path, f'hf_config = "{broken}"', f'[checkpoint]\npretrained_checkpoint = "{folders["llama"]}"')
+    _refused(tmp_path, _submit(tmp_path, job), job, "model.hf_config", f"{broken / 'config.json'}: expected a JSON object")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(folders["llama"], truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    job = _job(tmp_path, "", f'[checkpoint]\npretrained_checkpoint = "{truncated}"')  # the model from it too
+    _refused(tmp_path, _submit(tmp_path, job), job, "checkpoint.pretrained_checkpoint",
+             f"{truncated / 'model.safetensors'}: truncated")

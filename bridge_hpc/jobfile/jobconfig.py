@@ -819,26 +819,29 @@ def _hugging_face_sections(training: Dict[str, Dict[str, Any]], where: "_Where")
     model = training.get("model")
     pretrained = training.get("checkpoint", {}).get("pretrained_checkpoint")
     hf_pretrained = isinstance(pretrained, str) and hf_families.is_hf_folder(pretrained)
+    config_key = "model.hf_config"  # the job's key that names the folder the model comes from
     if hf_pretrained and (model is None or model.get("hf_config") is None):
         model = training.setdefault("model", {})
         model["hf_config"] = pretrained
+        config_key = "checkpoint.pretrained_checkpoint"
     folder = model.get("hf_config") if isinstance(model, dict) else None
     if folder is None:
         return
     if not isinstance(folder, str) or not folder.strip():
         raise where.error("model.hf_config", f"expected a Hugging Face model folder (with config.json), got {folder!r}")
+    folder_key = config_key
     try:
         filled, _ = hf_families.fill_model_section(model, folder)
         if hf_pretrained:
             finalized = build_dataclass(GPTModelConfig, "model", filled, lambda key, message: ConfigError(message, key=key))
             finalized.finalize()
+            folder_key = "checkpoint.pretrained_checkpoint"
             hf_mapping.check_folder(pretrained, dataclasses.asdict(finalized))
     except ConfigError as err:
         if err.key and not err.path:  # a key of the job's [model]
             raise where.error(err.key, err.message) from None
         if not err.key:  # the folder itself (no config.json, say): the job's key that names it
-            key = "checkpoint.pretrained_checkpoint" if hf_pretrained else "model.hf_config"
-            raise where.error(key, f"{err.path}: {err.message}" if err.path else err.message) from None
+            raise where.error(folder_key, f"{err.path}: {err.message}" if err.path else err.message) from None
         raise  # a key of one of the folder's files (config.json's model_type, a tensor): that file and key
     training["model"] = filled
     if "tokenizer" not in training and any(os.path.isfile(os.path.join(folder, name))
