@@ -1,7 +1,9 @@
 """PEFT end to end (issue 28): LoRA on the demo GPT of ``make demo-text`` (configs/local-tiny-text.toml,
 briefly pretrained here on the standard library's docstrings), 2 CPU ranks, fine-tuned with
 configs/local-tiny-text-lora.toml on the local Slurm cluster and preempted by ``scancel --signal=USR1``
-mid-run; DoRA the same way through torchrun, stopped by ``train.exit_interval`` and resumed.
+mid-run; LoRA under megatron-core's distributed optimizer, stopped by ``train.exit_interval`` and resumed;
+LoRA restarted in the job by nvidia-resiliency-ext's ft_launcher after a rank is killed; DoRA stopped by
+``train.exit_interval`` and resumed.
 
 Each run is compared with the same config trained in one go: the losses must be equal bit for bit.
 The forward step (tests/data/peft_forward_step.py) records the frozen weights as the ranks hold them
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -120,7 +123,7 @@ def test_lora_preempted_by_usr1_resumes_exactly_with_the_base_untouched(slurm_cl
 def test_lora_with_the_distributed_optimizer_resumes_exactly_with_adapter_sized_state(workdir):
     """LoRA under megatron-core's distributed optimizer (2 data-parallel ranks, its state sharded between
     them): stopped by ``train.exit_interval`` and resumed, bit for bit the uninterrupted run; the
-    checkpoint's optimizer state covers the adapters only (no entry, no byte for a frozen weight)."""
+    checkpoint's optimizer state has the moments of every adapter weight and no entry for a frozen one."""
     dist_opt = ["ddp.use_distributed_optimizer=true", "optimizer.use_distributed_optimizer=true"]
     _torchrun(workdir, LORA, *_sets("runs/lora-distopt-ref", "lora"), *dist_opt)
     _torchrun(workdir, LORA, *_sets("runs/lora-distopt", "lora"), *dist_opt, "train.exit_interval=15")
@@ -169,7 +172,7 @@ def test_lora_restarted_in_the_job_after_a_killed_rank_resumes_exactly(workdir):
         log, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, 9)  # the launcher's own group: the launcher and the ranks it started
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own group: the launcher and the ranks it started
             proc.wait()
     assert proc.returncode == 0, log[-5000:]
     assert "SIMULATED FAULT rank_killed rank 1" in log, log[-5000:]
