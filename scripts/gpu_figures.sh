@@ -7,11 +7,13 @@
 # STEPs, in this order by default: tests checkpoint preemption loop graph optimizer data; and, not in the
 # default list: preemption-new-node (the same with the checkpoints out of the page cache at each
 # restart), kernels (where a step's device time goes: loop_overhead.py --kernels, the bare and the
-# bridge loop) and, on a machine with 2 GPUs, parallel (benchmarks/parallel.py). Each writes its
+# bridge loop), peft (benchmarks/peft.py: LoRA against full fine-tuning), hf (benchmarks/hf_import.py
+# --gpu: a fine-tune's start from a Hugging Face folder against a megatron-core checkpoint) and, on a
+# machine with 2 GPUs, parallel (benchmarks/parallel.py). Each writes its
 # log (and its benchmark's JSON) into OUTDIR and has its own time limit, so that one step that hangs
 # does not take the others with it; the last lines of each log are printed as it ends.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu_figures.sh OUTDIR [tests|checkpoint|preemption|preemption-new-node|loop|graph|optimizer|data|parallel|kernels ...]}
+out=${1:?usage: bash scripts/gpu_figures.sh OUTDIR [tests|checkpoint|preemption|preemption-new-node|loop|graph|optimizer|data|peft|hf|parallel|kernels ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(tests checkpoint preemption loop graph optimizer data)
@@ -42,10 +44,12 @@ for step in "${steps[@]}"; do
                    --repeat 2 --json "$out/loop_overhead_graph.json" ;;
         optimizer) run optimizer 600 python benchmarks/optimizer_step.py --json "$out/optimizer_step.json" ;;
         data) run data 900 python benchmarks/prepare_data.py --part 3 --json "$out/prepare_data_gpu.json" ;;
+        peft) run peft 900 python benchmarks/peft.py --json "$out/peft.json" ;;
+        hf) run hf 900 python benchmarks/hf_import.py --gpu --repeats 2 --json "$out/hf_import.json" ;;
         parallel) run parallel 900 python benchmarks/parallel.py --json "$out/parallel.json" ;;
         kernels) run kernels 600 python benchmarks/loop_overhead.py --device cuda --loops bare,bridge --repeat 1 \
                      --kernels --json "$out/kernels/loop_overhead.json" ;;
-        *) echo "gpu_figures.sh: unknown step '$step' (tests, checkpoint, preemption, preemption-new-node, loop, graph, optimizer, data, parallel, kernels)" >&2
+        *) echo "gpu_figures.sh: unknown step '$step' (tests, checkpoint, preemption, preemption-new-node, loop, graph, optimizer, data, peft, hf, parallel, kernels)" >&2
            exit 2 ;;
     esac
 done
