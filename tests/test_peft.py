@@ -217,6 +217,57 @@ def test_only_adapters_train_the_start_is_the_base_and_the_merge_computes_the_sa
     assert torch.allclose(model(tokens, positions, None, labels=labels), adapted, atol=1e-5)
 
 
+def _adapted(model) -> dict:
+    """Full name -> the adapter of every wrapped layer of ``model``."""
+    from bridge_hpc.peft.adapter_wrapper import AdapterWrapper
+
+    return {name: module.adapter for name, module in model.named_modules() if isinstance(module, AdapterWrapper)}
+
+
+def test_the_lora_fields_act_targets_exclusions_initializations_and_dropout_position(world):
+    """Which layers a pattern or an exclusion adapts; A drawn by its named initialization and B at zero (the
+    start is the base); dropout before the adapter leaves its output dense, after it zeroes whole entries."""
+    from bridge_hpc.peft.base import apply_peft
+    from bridge_hpc.peft.lora import LoRA
+    from bridge_hpc.training.engine.model import gpt_model_provider
+
+    def adapted(peft):
+        torch.manual_seed(0)
+        model = gpt_model_provider(_model_cfg())
+        apply_peft(peft, [model], seed=7, base_folder=None)
+        return model, _adapted(model)
+
+    _, only = adapted(LoRA(target_modules=["*.layers.1.*.linear_fc2", "linear_qkv"], dim=4))
+    assert sorted(only) == ["decoder.layers.0.self_attention.linear_qkv", "decoder.layers.1.mlp.linear_fc2",
+                            "decoder.layers.1.self_attention.linear_qkv"]
+    _, all_but = adapted(LoRA(target_modules=[], exclude_modules=["linear_proj", "decoder.layers.0.mlp.*"], dim=4))
+    assert sorted(all_but) == ["decoder.layers.0.self_attention.linear_qkv", "decoder.layers.1.mlp.linear_fc1",
+                               "decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.self_attention.linear_qkv"]
+
+    stds = {}
+    for method in ("xavier", "normal", "kaiming", "zero"):
+        _, layers = adapted(LoRA(target_modules=["linear_fc1"], dim=8, lora_A_init_method=method))
+        a = layers["decoder.layers.0.mlp.linear_fc1"].linear_in.weight  # (dim, hidden) = (8, 64)
+        assert not layers["decoder.layers.0.mlp.linear_fc1"].linear_out.weight.any()  # B: zero
+        stds[method] = float(a.std())
+    assert stds["zero"] == 0.0
+    assert stds["normal"] == pytest.approx(0.2, rel=0.15)  # Bridge's normal: std 0.2
+    assert stds["xavier"] == pytest.approx((2 / (8 + 64)) ** 0.5, rel=0.15)  # xavier normal
+    # kaiming uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in)), whose std is that bound / sqrt(3)
+    assert stds["kaiming"] == pytest.approx((1 / 64) ** 0.5 / 3 ** 0.5, rel=0.15)
+
+    zeros = {}
+    for position in ("pre", "post"):
+        model, layers = adapted(LoRA(target_modules=["linear_fc2"], dim=4, dropout=0.5, dropout_position=position,
+                                     lora_B_init_method="normal"))
+        model.train()
+        adapter = layers["decoder.layers.0.mlp.linear_fc2"]
+        torch.manual_seed(3)
+        out = adapter(torch.randn(16, 2, 256))
+        zeros[position] = float((out == 0).float().mean())
+    assert zeros["pre"] == 0.0 and 0.35 < zeros["post"] < 0.65, zeros
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensor and pipeline parallelism: 2 gloo ranks
 # ---------------------------------------------------------------------------------------------
