@@ -83,6 +83,26 @@ def test_megatron_core_sharded_checkpoints_are_read_at_their_global_shapes(tmp_p
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
+def test_pretrain_starts_from_a_hugging_face_folder_too(tmp_path, world):
+    """Continued pretraining (the default entry, no ``[job] entry = "finetune"``) from a Hugging Face
+    folder: with a learning rate far below a float32 weight's resolution, the run's checkpoint holds exactly
+    the folder's weights (its export is bitwise the original)."""
+    from bridge_hpc.models.hf.export import export
+
+    hf = str(tmp_path / "qwen2")
+    make_hf_model("qwen2", hf)
+    job = FINETUNE_JOB.format(seq=SEQ, hf=hf).replace('entry = "finetune"\n', "").replace("lr = 0.01", "lr = 1e-30")
+    assert "entry" not in job and "lr = 1e-30" in job
+    (tmp_path / "job.toml").write_text(job)
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", "job.toml"], cwd=tmp_path,
+                          env=direct_rank_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"loaded pretrained weights from Hugging Face folder {hf}" in proc.stdout
+    export(str(tmp_path / "runs" / "job" / "checkpoints"), str(tmp_path / "exported"))
+    before, after = _tensors(hf), _tensors(tmp_path / "exported")
+    assert sorted(before) == sorted(after) and all(torch.equal(after[k], v) for k, v in before.items())
+
+
 def test_fine_tuned_export_gives_transformers_the_toolkits_loss(tmp_path, world):
     from bridge_hpc.models.hf.export import export
     from bridge_hpc.training.checkpoint.megatron import _load_model_and_optimizer
