@@ -145,6 +145,38 @@ def test_wildcards_match_as_bridge_and_count_layers_over_the_model():
     assert not is_adapter_key("decoder.layers.0.mlp.linear_fc1.weight")
 
 
+def test_the_base_digest_tells_apart_same_sized_bases_and_reads_old_records(tmp_path):
+    """Two bases with the same files of the same sizes (two trainings of one model) have different digests;
+    a download tool's hidden files do not count; a record written before the method was recorded (the
+    names-and-sizes digest) is still checked by its own method."""
+    import hashlib
+    import os
+
+    from bridge_hpc.peft import checkpoint as peft_checkpoint
+
+    def hf_folder(name: str, seed: int) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text('{"model_type": "llama"}')
+        # 3 MiB whose every block depends on the seed: same size, other content
+        (folder / "model.safetensors").write_bytes(hashlib.sha256(str(seed).encode()).digest() * (3 * 2 ** 20 // 32))
+        return str(folder)
+
+    a, b, a_again = hf_folder("a", 1), hf_folder("b", 2), hf_folder("a2", 1)
+    assert os.path.getsize(f"{a}/model.safetensors") == os.path.getsize(f"{b}/model.safetensors") > 2 ** 20
+    assert peft_checkpoint.base_digest(a) != peft_checkpoint.base_digest(b)
+    assert peft_checkpoint.base_digest(a) == peft_checkpoint.base_digest(a_again)
+    (tmp_path / "a" / ".cache").mkdir()
+    (tmp_path / "a" / ".cache" / "download.lock").write_text("etag")
+    assert peft_checkpoint.base_digest(a) == peft_checkpoint.base_digest(a_again)
+    # the names-and-sizes digest cannot tell a from b: a record of it is checked by it, as it was written
+    legacy = {"base_digest": peft_checkpoint.base_digest(b, peft_checkpoint.NAMES_AND_SIZES)}
+    assert peft_checkpoint.matches_record(legacy, b) and peft_checkpoint.matches_record(legacy, a_again)
+    record = {"base_digest": peft_checkpoint.base_digest(b), "base_digest_method": peft_checkpoint.DIGEST_METHOD}
+    assert peft_checkpoint.matches_record(record, b) and not peft_checkpoint.matches_record(record, a)
+    assert not peft_checkpoint.matches_record(dict(record, base_digest_method="from the future"), b)
+
+
 # ---------------------------------------------------------------------------------------------
 # The adapters on one rank: frozen base, transparent start, training, merging
 # ---------------------------------------------------------------------------------------------

@@ -64,6 +64,8 @@ class PEFT(ABC):
     #: The pretrained folder whose weights the adapters apply to, once a run has read it
     #: (:func:`apply_peft`): what its checkpoints record (:mod:`bridge_hpc.peft.checkpoint`).
     base_folder: Optional[str] = field(default=None, init=False, repr=False, compare=False)
+    #: Its digest (:func:`bridge_hpc.peft.checkpoint.base_digest`), taken when the run read it.
+    base_digest: Optional[str] = field(default=None, init=False, repr=False, compare=False)
 
     @abstractmethod
     def transform(self, module, name: Optional[str] = None, prefix: Optional[str] = None):
@@ -152,4 +154,19 @@ def apply_peft(peft: PEFT, chunks: list, seed: int, base_folder: Optional[str]) 
         torch.manual_seed(seed)
         peft(chunks, training=True)
     peft.base_folder = base_folder
+    peft.base_digest = _digest_taken_once(base_folder) if base_folder else None
     return chunks
+
+
+def _digest_taken_once(folder: str) -> str:
+    """The base's digest, read by rank 0 and sent to the others (it samples the model's files: every
+    rank of a large job reading them at once would be a storm on a shared file system). Collective."""
+    import torch.distributed as dist
+
+    from bridge_hpc.peft.checkpoint import base_digest
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return base_digest(folder)
+    box = [base_digest(folder) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

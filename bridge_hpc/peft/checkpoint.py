@@ -2,10 +2,14 @@
 
 A PEFT checkpoint holds the adapters and their optimizer state only; the base weights come from
 ``checkpoint.pretrained_checkpoint`` at every start. So each checkpoint folder has
-:data:`BASE_RECORD_FILE`: the PEFT type, the base folder read and a digest of it, cheap to take (the
-base checkpoint's ``manifest.json``, which lists every file with its size; for a folder without one,
-such as a Hugging Face model folder, the names and sizes of its files). Resuming compares the
-digest and refuses another base by name (:func:`check_resume`), before anything is loaded.
+:data:`BASE_RECORD_FILE`: the PEFT type, the base folder read and a digest of it taken when the run
+read it. Resuming compares the digest and refuses another base by name (:func:`check_resume`), before
+anything is loaded; ``bridge-hf export`` refuses to merge into a changed base alike.
+
+The digest must tell two bases apart that have the same files of the same sizes (two trainings of one
+model, a fine-tune copied over the original) without reading gigabytes at every start: it covers the
+name and size of each file of the model and its content, whole for small files and, for large ones,
+:data:`DIGEST_SAMPLES` evenly spaced blocks, which differ wherever the weights differ.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
@@ -22,8 +26,50 @@ from bridge_hpc.contracts.errors import ConfigError
 BASE_RECORD_FILE = "peft_base.json"
 
 
-def base_digest(folder: str) -> str:
-    """sha256 of ``folder``'s manifest, or of the sorted names and sizes of its files where it has none."""
+#: The digest's method, recorded beside it (``base_digest_method``): names, sizes and sampled content.
+DIGEST_METHOD = "sampled-content-v1"
+#: The method of records written before the method was recorded: the base checkpoint's manifest (or,
+#: for a folder without one, the names and sizes of its files).
+NAMES_AND_SIZES = "names-and-sizes"
+#: Files up to this size are digested whole; larger ones by DIGEST_SAMPLES blocks of DIGEST_BLOCK_BYTES.
+WHOLE_FILE_BYTES = 1 << 20
+DIGEST_SAMPLES, DIGEST_BLOCK_BYTES = 64, 4096
+
+
+def _model_files(folder: str) -> List[str]:
+    """The files a base model consists of, relative to ``folder``, sorted: those its manifest lists (a
+    toolkit checkpoint) and the manifest, else every file not under a hidden name (a Hugging Face folder,
+    whose ``.cache`` a download tool may rewrite without changing the model)."""
+    manifest = os.path.join(folder, run_folder.CHECKPOINT_MANIFEST_FILE)
+    if os.path.isfile(manifest):
+        with open(manifest) as f:
+            listed = json.load(f).get("files", {})
+        return sorted(set(listed) | {run_folder.CHECKPOINT_MANIFEST_FILE})
+    out = []
+    for directory, subdirs, names in os.walk(folder):
+        subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+        out += [os.path.relpath(os.path.join(directory, n), folder) for n in names if not n.startswith(".")]
+    return sorted(out)
+
+
+def _sampled_content_digest(folder: str) -> str:
+    digest = hashlib.sha256()
+    for name in _model_files(folder):
+        path = os.path.join(folder, name)
+        size = os.path.getsize(path)
+        digest.update(f"{name}\t{size}\n".encode())
+        with open(path, "rb") as f:
+            if size <= WHOLE_FILE_BYTES:
+                digest.update(f.read())
+                continue
+            last = size - DIGEST_BLOCK_BYTES
+            for i in range(DIGEST_SAMPLES):
+                f.seek(i * last // (DIGEST_SAMPLES - 1))
+                digest.update(f.read(DIGEST_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
+def _names_and_sizes_digest(folder: str) -> str:
     manifest = os.path.join(folder, run_folder.CHECKPOINT_MANIFEST_FILE)
     digest = hashlib.sha256()
     if os.path.isfile(manifest):
@@ -37,16 +83,36 @@ def base_digest(folder: str) -> str:
     return digest.hexdigest()
 
 
+_DIGESTS = {DIGEST_METHOD: _sampled_content_digest, NAMES_AND_SIZES: _names_and_sizes_digest}
+
+
+def base_digest(folder: str, method: str = DIGEST_METHOD) -> str:
+    """The digest of the base model in ``folder`` by ``method`` (:data:`DIGEST_METHOD`)."""
+    return _DIGESTS[method](folder)
+
+
+def matches_record(record: Dict[str, Any], folder: str, digest: Optional[str] = None) -> bool:
+    """Whether ``folder`` is the base ``record`` was taken of, by the record's own digest method
+    (``digest``: the folder's digest by :data:`DIGEST_METHOD`, where the caller has it)."""
+    method = record.get("base_digest_method", NAMES_AND_SIZES)
+    if method not in _DIGESTS:
+        return False
+    if digest is None or method != DIGEST_METHOD:
+        digest = base_digest(folder, method)
+    return digest == record["base_digest"]
+
+
 #: The PEFT fields that decide which adapters exist and their shapes: a checkpoint resumes only with the
 #: same values (alpha, dropout and the initializations may change).
 SHAPE_FIELDS = ("target_modules", "exclude_modules", "dim")
 
 
-def base_record(peft_type: str, base_folder: str, peft: Any) -> Dict[str, Any]:
-    """The record a PEFT checkpoint keeps of its base (``base_folder``: the pretrained folder read) and of
-    the fields that shape its adapters (:data:`SHAPE_FIELDS`)."""
-    return {"peft": peft_type, "base": os.path.abspath(base_folder), "base_digest": base_digest(base_folder),
-            **{name: getattr(peft, name) for name in SHAPE_FIELDS}}
+def base_record(peft_type: str, peft: Any) -> Dict[str, Any]:
+    """The record a PEFT checkpoint keeps of its base (``peft.base_folder``, the pretrained folder the run
+    read, and ``peft.base_digest``, taken when it read it: a base replaced since is not recorded as the
+    one trained on) and of the fields that shape its adapters (:data:`SHAPE_FIELDS`)."""
+    return {"peft": peft_type, "base": os.path.abspath(peft.base_folder), "base_digest": peft.base_digest,
+            "base_digest_method": DIGEST_METHOD, **{name: getattr(peft, name) for name in SHAPE_FIELDS}}
 
 
 def read_record(checkpoint_folder: str) -> Optional[Dict[str, Any]]:
@@ -79,9 +145,7 @@ def check_resume(checkpoint_folder: str, peft_type: Optional[str], base_folder: 
         if name in record and record[name] != getattr(peft, name):
             raise ConfigError(f"{checkpoint_folder} holds adapters with {name} = {record[name]!r}; this run has "
                               f"{getattr(peft, name)!r}: resume with the same value", key=f"peft.{name}")
-    digest = base_digest(base_folder) if base_folder else None
-    if digest != record["base_digest"]:
+    if not base_folder or not matches_record(record, base_folder, getattr(peft, "base_digest", None)):
         raise ConfigError(f"{checkpoint_folder} holds adapters trained on {record['base']} (digest "
-                          f"{record['base_digest'][:12]}); this run's base {base_folder} differs"
-                          f"{f' (digest {digest[:12]})' if digest else ''}: resume on the same base",
-                          key="checkpoint.pretrained_checkpoint")
+                          f"{record['base_digest'][:12]}); this run's base {base_folder} differs: resume on the "
+                          "same base", key="checkpoint.pretrained_checkpoint")

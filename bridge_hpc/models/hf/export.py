@@ -93,7 +93,7 @@ def _merged_with_base(folder: str, peft: Dict[str, Any], adapters: Dict[str, tor
     if not os.path.isdir(base):
         raise ConfigError(f"names the base model {base!r}, which is gone: the adapters cannot be merged without it",
                           path=record_path)
-    if peft_checkpoint.base_digest(base) != record["base_digest"]:
+    if not peft_checkpoint.matches_record(record, base):
         raise ConfigError(f"names the base model {base!r}, which changed since the adapters were trained on it "
                           "(another digest): merging them into it would export another model", path=record_path)
     base_tensors = _hf_as_megatron(base) if families.is_hf_folder(base) else read_checkpoint(base)[2]

@@ -267,7 +267,7 @@ def write_rank_state(save: SaveInProgress, state: GlobalState, train_data_iterat
         _write_durable(os.path.join(save.tmp, RUN_CONFIG_FILE), config.encode())
         peft = state.cfg.peft
         if peft is not None:  # the adapters' base: checked when the run resumes (peft_checkpoint.check_resume)
-            record = peft_checkpoint.base_record(peft_type(peft), peft.base_folder, peft)
+            record = peft_checkpoint.base_record(peft_type(peft), peft)
             _write_durable(os.path.join(save.tmp, peft_checkpoint.BASE_RECORD_FILE), json.dumps(record, indent=1).encode())
 
 
