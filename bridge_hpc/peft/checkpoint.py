@@ -56,7 +56,11 @@ def _sampled_content_digest(folder: str) -> str:
     digest = hashlib.sha256()
     for name in _model_files(folder):
         path = os.path.join(folder, name)
-        size = os.path.getsize(path)
+        try:
+            size = os.path.getsize(path)
+        except OSError:  # listed by the manifest but gone: another base than the one recorded, not a crash
+            digest.update(f"{name}\tmissing\n".encode())
+            continue
         digest.update(f"{name}\t{size}\n".encode())
         with open(path, "rb") as f:
             if size <= WHOLE_FILE_BYTES:
@@ -145,7 +149,7 @@ def check_resume(checkpoint_folder: str, peft_type: Optional[str], base_folder: 
         if name in record and record[name] != getattr(peft, name):
             raise ConfigError(f"{checkpoint_folder} holds adapters with {name} = {record[name]!r}; this run has "
                               f"{getattr(peft, name)!r}: resume with the same value", key=f"peft.{name}")
-    if not base_folder or not matches_record(record, base_folder, getattr(peft, "base_digest", None)):
+    if not base_folder or not matches_record(record, base_folder, peft.base_digest):
         raise ConfigError(f"{checkpoint_folder} holds adapters trained on {record['base']} (digest "
                           f"{record['base_digest'][:12]}); this run's base {base_folder} differs: resume on the "
                           "same base", key="checkpoint.pretrained_checkpoint")
