@@ -175,6 +175,14 @@ def test_the_base_digest_tells_apart_same_sized_bases_and_reads_old_records(tmp_
     record = {"base_digest": peft_checkpoint.base_digest(b), "base_digest_method": peft_checkpoint.DIGEST_METHOD}
     assert peft_checkpoint.matches_record(record, b) and not peft_checkpoint.matches_record(record, a)
     assert not peft_checkpoint.matches_record(dict(record, base_digest_method="from the future"), b)
+    # a toolkit checkpoint: the files its manifest lists; one of them gone is another base, not a crash
+    ckpt = tmp_path / "iter_0000010"
+    ckpt.mkdir()
+    (ckpt / "__0_0.distcp").write_bytes(b"weights")
+    (ckpt / "manifest.json").write_text(json.dumps({"files": {"__0_0.distcp": 7}}))
+    whole = peft_checkpoint.base_digest(str(ckpt))
+    (ckpt / "__0_0.distcp").unlink()
+    assert peft_checkpoint.base_digest(str(ckpt)) != whole
 
 
 # ---------------------------------------------------------------------------------------------
