@@ -167,6 +167,13 @@ def _digest_taken_once(folder: str) -> str:
 
     if not (dist.is_available() and dist.is_initialized()):
         return base_digest(folder)
-    box = [base_digest(folder) if dist.get_rank() == 0 else None]
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = base_digest(folder)
+        except OSError as err:  # sent on, so that every rank fails alike instead of waiting for rank 0
+            box[0] = err
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], OSError):
+        raise box[0]
     return box[0]

@@ -9,7 +9,8 @@ anything is loaded; ``bridge-hf export`` refuses to merge into a changed base al
 The digest must tell two bases apart that have the same files of the same sizes (two trainings of one
 model, a fine-tune copied over the original) without reading gigabytes at every start: it covers the
 name and size of each file of the model and its content, whole for small files and, for large ones,
-:data:`DIGEST_SAMPLES` evenly spaced blocks, which differ wherever the weights differ.
+:data:`DIGEST_SAMPLES` evenly spaced blocks (two trainings' weights differ nearly everywhere, so their
+sampled blocks do too).
 """
 
 from __future__ import annotations
