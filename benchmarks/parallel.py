@@ -77,53 +77,30 @@ LAYOUTS = {2: {"dp2": (1, 1, ()), "tp2": (2, 1, ()), "pp2": (1, 2, ())},
                "tp2pp2-vpp2": (2, 2, INTERLEAVED)}}
 
 
+def job_sections(shape: Dict[str, int], run_dir: Path) -> Dict[str, Dict[str, object]]:
+    """The benchmark's job for a GPT of ``shape`` (bf16, distributed Adam with overlapped reduce and
+    all-gather, mock data), as TOML sections; ``benchmarks/peft.py`` fine-tunes the same job."""
+    return {
+        "job": {"name": "parallel", "run_dir": str(run_dir)},
+        "train": {"train_iters": 20, "micro_batch_size": shape["micro_batch_size"],
+                  "global_batch_size": shape["global_batch_size"]},
+        "model": {**{k: shape[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                                            "seq_length")},
+                  "hidden_dropout": 0.0, "attention_dropout": 0.0, "bf16": True},
+        "optimizer": {"optimizer": "adam", "lr": 1e-4, "min_lr": 1e-5, "bf16": True},
+        "scheduler": {"lr_warmup_iters": 2},
+        "ddp": {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True, "overlap_grad_reduce": True,
+                "overlap_param_gather": True},
+        "checkpoint": {"save_interval": 1000000, "dist_ckpt_optim_fully_reshardable": True},
+        "logger": {"log_interval": 1, "log_memory_to_tensorboard": True, "tensorboard_dir": ""},
+        "dataset": {"seq_length": shape["seq_length"]},
+    }
+
+
 def job_toml(shape: Dict[str, int], run_dir: Path) -> str:
-    return f"""[job]
-name = "parallel"
-run_dir = "{run_dir}"
+    import toml
 
-[train]
-train_iters = 20
-micro_batch_size = {shape["micro_batch_size"]}
-global_batch_size = {shape["global_batch_size"]}
-
-[model]
-num_layers = {shape["num_layers"]}
-hidden_size = {shape["hidden_size"]}
-num_attention_heads = {shape["num_attention_heads"]}
-vocab_size = {shape["vocab_size"]}
-seq_length = {shape["seq_length"]}
-hidden_dropout = 0.0
-attention_dropout = 0.0
-bf16 = true
-
-[optimizer]
-optimizer = "adam"
-lr = 1e-4
-min_lr = 1e-5
-bf16 = true
-
-[scheduler]
-lr_warmup_iters = 2
-
-[ddp]
-use_distributed_optimizer = true
-grad_reduce_in_fp32 = true
-overlap_grad_reduce = true
-overlap_param_gather = true
-
-[checkpoint]
-save_interval = 1000000
-dist_ckpt_optim_fully_reshardable = true
-
-[logger]
-log_interval = 1
-log_memory_to_tensorboard = true
-tensorboard_dir = ""
-
-[dataset]
-seq_length = {shape["seq_length"]}
-"""
+    return toml.dumps(job_sections(shape, run_dir))
 
 
 def launch(job: Path, gpus: int, overrides: List[str], log: Path) -> List[subprocess.Popen]:

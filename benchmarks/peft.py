@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bridge_test_helpers import direct_rank_env, signal_tree, steps_done  # noqa: E402
-from parallel import GPT_1_3B  # noqa: E402
+from parallel import GPT_1_3B, job_sections  # noqa: E402
 
 from bridge_hpc.contracts.progress_log import SAVE_SECONDS, SAVED_CHECKPOINT, parse_progress  # noqa: E402
 from bridge_hpc.contracts.run_folder import CHECKPOINTS_DIR, METRICS_FILE, PROGRESS_FILE, tracked_iteration  # noqa: E402
@@ -60,57 +60,24 @@ TARGETS = {"tokens_per_s": (">=", 1.25), "peak_gb": ("<=", 0.6), "exit_save_s": 
 
 
 def job_toml(shape: Dict[str, int], gpu: bool, lora: bool, entry: str) -> str:
-    """The job; ``job.run_dir``, ``train.train_iters`` and the checkpoint keys come as ``--set`` overrides."""
-    precision = "bf16 = true\n" if gpu else ""
-    ddp = ("use_distributed_optimizer = true\ngrad_reduce_in_fp32 = true\noverlap_grad_reduce = true\n"
-           "overlap_param_gather = true\n") if gpu else "grad_reduce_in_fp32 = true\n"
-    peft = ""
+    """``benchmarks/parallel.py``'s job, fine-tuned (``entry``), with LoRA's ``[peft]`` when ``lora``; on CPU
+    (``gpu`` false) in fp32 with plain DDP. ``job.run_dir``, ``train.train_iters`` and the checkpoint keys
+    come as ``--set`` overrides."""
+    import toml
+
+    sections = job_sections(shape, Path("unused"))
+    sections["job"] = {"name": "peft", "entry": entry}
+    sections["train"]["train_iters"] = 1
+    sections["checkpoint"] = {"save_interval": 1000000}
+    sections["logger"]["log_progress"] = True
+    if gpu:
+        sections["slurm"] = {"gpus_per_node": 1}  # a GPU job: the loader gives it the fast path
+    else:
+        del sections["model"]["bf16"], sections["optimizer"]["bf16"]
+        sections["ddp"] = {"grad_reduce_in_fp32": True}
     if lora:
-        targets = ", ".join(json.dumps(t) for t in LORA["target_modules"])
-        peft = (f'[peft]\ntype = "lora"\ntarget_modules = [{targets}]\ndim = {LORA["dim"]}\n'
-                f'alpha = {LORA["alpha"]}\ndropout = 0.0\n\n')
-    slurm = "[slurm]\ngpus_per_node = 1\n\n" if gpu else ""  # a GPU job: the loader gives it the fast path
-    return f"""[job]
-name = "peft"
-entry = "{entry}"
-
-{slurm}
-[train]
-train_iters = 1
-micro_batch_size = {shape["micro_batch_size"]}
-global_batch_size = {shape["global_batch_size"]}
-
-[model]
-num_layers = {shape["num_layers"]}
-hidden_size = {shape["hidden_size"]}
-num_attention_heads = {shape["num_attention_heads"]}
-vocab_size = {shape["vocab_size"]}
-seq_length = {shape["seq_length"]}
-hidden_dropout = 0.0
-attention_dropout = 0.0
-{precision}
-[optimizer]
-optimizer = "adam"
-lr = 1e-4
-min_lr = 1e-5
-{precision}
-[scheduler]
-lr_warmup_iters = 2
-
-[ddp]
-{ddp}
-[checkpoint]
-save_interval = 1000000
-
-{peft}[logger]
-log_interval = 1
-log_progress = true
-log_memory_to_tensorboard = true
-tensorboard_dir = ""
-
-[dataset]
-seq_length = {shape["seq_length"]}
-"""
+        sections["peft"] = {"type": "lora", **LORA, "dropout": 0.0}
+    return toml.dumps(sections)
 
 
 def start(job: Path, run_dir: Path, sets: List[str], log: Path) -> subprocess.Popen:
