@@ -71,3 +71,16 @@ def test_a_peft_run_exports_its_adapters_merged_into_the_base(tmp_path, world, k
     with pytest.raises(ConfigError, match="changed since the adapters were trained"):
         export(str(checkpoints), str(tmp_path / "exported-again"))
     assert not (tmp_path / "exported-again").exists()
+
+    # A damaged base record, through bridge-hf export: one line naming the file, exit 2, nothing written.
+    # (Padded to its size: a record of another size fails the checkpoint's manifest first, also exit 2.)
+    record = checkpoints / "iter_0000003" / "peft_base.json"
+    size = len(record.read_bytes())
+    for damage in ("{not json", '{"peft": "lora"}'):
+        record.write_text(damage.ljust(size))
+        proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.hf", "export", str(checkpoints),
+                               str(tmp_path / "exported-damaged")], capture_output=True, text=True, timeout=300)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert str(record) in lines[-1] and lines[-1].startswith("error: "), lines[-1]
+        assert not (tmp_path / "exported-damaged").exists()

@@ -125,8 +125,15 @@ def read_record(checkpoint_folder: str) -> Optional[Dict[str, Any]]:
     path = os.path.join(checkpoint_folder, BASE_RECORD_FILE)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"is not readable as the JSON record of a PEFT checkpoint's base ({err})", path=path) from None
+    wanted = ("peft", "base", "base_digest")
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in wanted):
+        raise ConfigError(f"expected the record bridge_hpc writes ({', '.join(wanted)} as strings)", path=path)
+    return record
 
 
 def check_resume(checkpoint_folder: str, peft_type: Optional[str], base_folder: Optional[str], peft: Any) -> None:

@@ -29,4 +29,3 @@ def is_adapter_key(key: str) -> bool:
     """Whether a model state key (``decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight``) belongs to
     an adapter: what a PEFT checkpoint saves and loads (Bridge's ``adapter_key_filter`` on strings)."""
     return f".{ADAPTER_ATTRIBUTE}." in f".{key}"
-
