@@ -222,11 +222,11 @@ def rank_main(job: str, mode: str, result_path: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from bridge_hpc.rank import build_config
     from bridge_hpc.training import pretrain
     from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
     from bridge_hpc.training.checkpoint import checkpointing
     from bridge_hpc.training.gpt_step import forward_step
-    from bridge_hpc.training.run import build_config
     from bridge_hpc.training.state import GlobalState
     from bridge_hpc.training.tokenizers import build_tokenizer_for
     from bridge_hpc.training.train import train_step

@@ -1,7 +1,7 @@
 """Hugging Face import speed: a Llama-shaped folder of random weights (made here, nothing downloaded).
 
 CPU (always): the time the toolkit's import takes to read the folder into the model
-(:func:`bridge_hpc.models.hf.load.load_hf_weights`: every tensor sliced, put into megatron-core's layout
+(:func:`bridge_hpc.training.hf.load.load_hf_weights`: every tensor sliced, put into megatron-core's layout
 and copied into the parameters) against reading the same safetensors bytes with safetensors' own
 ``load_file`` (each tensor cloned: it maps the file and reads lazily); each is run ``--repeats``
 times, alternating, page cache warm, the best time kept.
@@ -38,7 +38,7 @@ def make_folder(folder: Path, shape: dict) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from bridge_hpc.models.hf import families, mapping
+    from bridge_hpc.training.hf import families, mapping
 
     model = {"hidden_size": shape["hidden"], "num_layers": shape["layers"], "num_attention_heads": shape["heads"],
              "num_query_groups": shape["groups"], "ffn_hidden_size": shape["ffn"], "vocab_size": shape["vocab"],
@@ -62,8 +62,8 @@ def cpu_import(folder: Path, repeats: int) -> dict:
     from megatron.core import parallel_state
     from safetensors.torch import load_file
 
-    from bridge_hpc.models.hf import load, mapping
     from bridge_hpc.training.engine.model import gpt_model_provider
+    from bridge_hpc.training.hf import load, mapping
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -132,7 +132,7 @@ def first_step_s(work: Path, name: str, hf: Path, start: Path) -> float:
     job.write_text(JOB.format(run_dir=run_dir, hf=hf, start=start))
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29611")
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", str(job)], cwd=work, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "bridge_hpc.rank", str(job)], cwd=work, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
     while proc.poll() is None and not (metrics.exists() and metrics.read_text().strip()):

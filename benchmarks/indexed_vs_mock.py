@@ -3,7 +3,7 @@
 The question is whether reading real data (memory-mapped ``.bin``/``.idx`` shards through
 megatron-core's ``GPTDataset`` and the blend builder, plus the dataloader's workers) ever starves
 the GPU. Both runs train the same GPT with the same batch shape, through the same entry point
-(``torchrun -m bridge_hpc.training.run``); only ``[dataset]`` differs:
+(``torchrun -m bridge_hpc.rank``); only ``[dataset]`` differs:
 
 - **mock**: ``MockGPTDatasetConfig`` (no files);
 - **indexed**: ``GPTDatasetConfig`` over shards made by ``bridge-prepare-data`` from a generated
@@ -112,7 +112,7 @@ def median_tokens_per_s(metrics: Path, warmup: int) -> float:
 
 
 def train(job: Path, run_dir: Path, warmup: int) -> float:
-    cmd = ["torchrun", "--standalone", "--nproc-per-node=1", "-m", "bridge_hpc.training.run", str(job)]
+    cmd = ["torchrun", "--standalone", "--nproc-per-node=1", "-m", "bridge_hpc.rank", str(job)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -56,7 +56,7 @@ reduction, the exit checks, the step log, ...) on every rank and prints what eac
 
 Speed settings on GPU: the toolkit's loops run the job as a user gets it. The generated job asks for a
 GPU (``slurm.gpus_per_node = 1``), so the job file's loader gives it the fast path
-(:mod:`bridge_hpc.jobfile.speed_defaults`: megatron-core's fusions, the toolkit's fused kernels, the
+(:mod:`bridge_hpc.training.engine.speed_defaults`: megatron-core's fusions, the toolkit's fused kernels, the
 bridge loop's steps as one CUDA graph), which the JSON's ``fast_path`` records; the plain bare loop's
 job asks for none, so it keeps megatron-core's defaults (unfused). Each speed flag sets its keys
 explicitly for the toolkit's loops, on or (``--no-...``) off: ``--fused`` megatron-core's fusions,

@@ -1,7 +1,7 @@
 """Model parallelism on GPUs: tokens/s, MFU and memory of data, tensor and pipeline parallelism on one
 ~1.3 B GPT, the data-parallel scaling against one GPU, and the checks of the parallelism issue.
 
-Every run is the rank entry point (``python -m bridge_hpc.training.run``), one process per GPU started
+Every run is the rank entry point (``python -m bridge_hpc.rank``), one process per GPU started
 directly (as srun starts a job step's tasks), on mock data with dropout off, so a global batch is the
 same samples at every layout:
 
@@ -110,7 +110,7 @@ def launch(job: Path, gpus: int, overrides: List[str], log: Path) -> List[subpro
     out = open(log, "w")
     for rank in range(gpus):
         env = direct_rank_env(rank, gpus, port)
-        cmd = [sys.executable, "-m", "bridge_hpc.training.run", str(job)]
+        cmd = [sys.executable, "-m", "bridge_hpc.rank", str(job)]
         for item in overrides:
             cmd += ["--set", item]
         procs.append(subprocess.Popen(cmd, cwd=job.parent, env=env, stdout=out, stderr=subprocess.STDOUT))
@@ -155,7 +155,7 @@ def run(work: Path, name: str, job: Path, gpus: int, tp: int, pp: int, steps: in
     ``common``: ``--set`` overrides of every run (a variant under test)."""
     run_dir = work / name
     # The job asks for the GPUs it runs on, as a job file on the cluster does: the loader then gives it
-    # the fast path of a GPU job (bridge_hpc.jobfile.speed_defaults), which each rank's log line names.
+    # the fast path of a GPU job (bridge_hpc.training.engine.speed_defaults), which each rank's log line names.
     sets = [f"job.run_dir={json.dumps(str(run_dir))}", f"train.train_iters={steps}",
             f"slurm.ntasks_per_node={gpus}", f"slurm.gpus_per_node={gpus}",
             f"model.tensor_model_parallel_size={tp}", f"model.pipeline_model_parallel_size={pp}"] + list(common) + list(extra)

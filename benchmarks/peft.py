@@ -6,7 +6,7 @@ optimizer (``checkpoint.save_optim = false``), made once at the start. Full fine
 ``[peft]``; LoRA is the same job with ``[peft] type = "lora"``, ``dim = 16`` on all four targets
 (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``). The runs alternate (``--order``, by
 default full, lora, lora, full) so that a drift of the machine hits both, and every figure is a ratio
-within one call. Each run is the rank entry point (``python -m bridge_hpc.training.run``) started directly,
+within one call. Each run is the rank entry point (``python -m bridge_hpc.rank``) started directly,
 one process on one GPU, mock data, dropout off; after ``--steps`` steps it gets SIGUSR1 (Slurm's
 preemption notice, sent to the rank and every process it started, as ``benchmarks/preemption.py`` does)
 and exits through its synchronous exit save. Measured per run:
@@ -81,7 +81,7 @@ def job_toml(shape: Dict[str, int], gpu: bool, lora: bool, entry: str) -> str:
 
 
 def start(job: Path, run_dir: Path, sets: List[str], log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "bridge_hpc.training.run", str(job)]
+    cmd = [sys.executable, "-m", "bridge_hpc.rank", str(job)]
     for item in [f"job.run_dir={json.dumps(str(run_dir))}"] + sets:
         cmd += ["--set", item]
     with open(log, "w") as out:

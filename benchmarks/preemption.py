@@ -183,7 +183,7 @@ def _alive(pid: int) -> bool:
 
 
 def _start_rank(job: Path, folder: Path, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", str(job)], cwd=folder,
+    return subprocess.Popen([sys.executable, "-m", "bridge_hpc.rank", str(job)], cwd=folder,
                             env=direct_rank_env(), stdout=log, stderr=subprocess.STDOUT)
 
 

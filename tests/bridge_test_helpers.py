@@ -173,7 +173,7 @@ def overrides(run_dir: Path, train_iters: int, extra: Sequence[str] = ()) -> Lis
 def reference_run(run_dir: Path, train_iters: int, config: Path = CONFIG) -> Path:
     """The uninterrupted run: torchrun, 2 ranks, same config."""
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-            "-m", "bridge_hpc.training.run", str(config)]
+            "-m", "bridge_hpc.rank", str(config)]
     for item in overrides(run_dir, train_iters):
         args += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -503,7 +503,7 @@ def run_one_gpu_rank(job: str, *overrides: str, timeout_s: float = 240) -> str:
     """Run ``job`` as one rank under torchrun (a free rendezvous port), in the job's folder; its output
     (stdout and stderr). Fails the test with the output's tail on a non-zero exit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", *set_args(job, overrides)]
+           "-m", "bridge_hpc.rank", *set_args(job, overrides)]
     proc = subprocess.run(cmd, cwd=os.path.dirname(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-6000:]

@@ -71,8 +71,8 @@ def make_hf_model(family: str, folder: str, seed: int = 0):
 
 def model_config(folder: str, **extra):
     """The finalized GPTModelConfig ``[model] hf_config = folder`` gives (dropout off)."""
-    from bridge_hpc.models.hf import families
     from bridge_hpc.training.config import GPTModelConfig
+    from bridge_hpc.training.hf import families
 
     section = {"hf_config": folder, "seq_length": SEQ, "hidden_dropout": 0.0, "attention_dropout": 0.0, **extra}
     filled, _ = families.fill_model_section(section, folder)

@@ -58,7 +58,7 @@ RUN_TIMEOUT_S = 150
 
 def _start(job: str, *overrides: str, stdout=subprocess.PIPE) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", job]
+           "-m", "bridge_hpc.rank", job]
     for item in overrides:
         cmd += ["--set", item]
     stderr = subprocess.STDOUT if stdout == subprocess.PIPE else stdout

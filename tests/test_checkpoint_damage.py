@@ -49,7 +49,7 @@ class Result:
 def _run(job: str, *overrides: str, timeout: float = RUN_TIMEOUT_S) -> Result:
     """torchrun with 2 ranks in its own session; on timeout the session is killed and the test fails."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", job]
+           "-m", "bridge_hpc.rank", job]
     for item in overrides:
         cmd += ["--set", item]
     start = time.monotonic()

@@ -54,7 +54,7 @@ def checkpoints(tmp_path_factory) -> str:
     job = folder / "job.toml"
     shutil.copy(TINY, job)
     env = direct_rank_env()
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", str(job), "--set", "train.train_iters=4",
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", str(job), "--set", "train.train_iters=4",
                            "--set", "scheduler.lr_warmup_iters=1", "--set", "checkpoint.save_interval=2",
                            "--set", "checkpoint.most_recent_k=-1"],
                           cwd=folder, env=env, capture_output=True, text=True, timeout=300)

@@ -16,7 +16,7 @@ from bridge_hpc.training.config import CheckpointConfig
 
 def _run(job: str, *overrides: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", job, "--set", "train.eval_interval=0"]
+           "-m", "bridge_hpc.rank", job, "--set", "train.eval_interval=0"]
     for item in overrides:
         cmd += ["--set", item]
     proc = subprocess.run(cmd, cwd=os.path.dirname(job), capture_output=True, text=True, timeout=300)

@@ -47,7 +47,7 @@ def test_overlapped_param_gather_is_refused_with_the_graph():
 def test_the_graph_is_refused_on_a_rank_without_a_gpu(tmp_path):
     """A CPU rank ends with one line naming the key, status 2, before it builds anything."""
     shutil.copy(TINY, tmp_path / "job.toml")
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", "job.toml",
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml",
                            "--set", 'model.cuda_graph_impl="full_iteration"'],
                           cwd=tmp_path, env=direct_rank_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

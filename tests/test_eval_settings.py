@@ -19,7 +19,7 @@ from bridge_hpc.training.engine.metrics import read_metrics
 
 def _run(job: str, *overrides: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", job, "--set", "train.train_iters=20", "--set", "checkpoint.save_interval=20"]
+           "-m", "bridge_hpc.rank", job, "--set", "train.train_iters=20", "--set", "checkpoint.save_interval=20"]
     for item in overrides:
         cmd += ["--set", item]
     proc = subprocess.run(cmd, cwd=os.path.dirname(job), capture_output=True, text=True, timeout=300)

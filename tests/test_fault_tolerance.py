@@ -122,14 +122,14 @@ def fast_timeouts(**kw) -> FTLaunchTimeouts:
 def test_argv_is_accepted_by_installed_ft_launcher():
     from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser
 
-    argv = ft_launcher_argv(["-m", "bridge_hpc.training.run", "cfg.toml"], python="python3", nnodes=4, nproc_per_node=8,
+    argv = ft_launcher_argv(["-m", "bridge_hpc.rank", "cfg.toml"], python="python3", nnodes=4, nproc_per_node=8,
                             rdzv_endpoint="node001:31234", rdzv_id="4242", max_restarts=3, term_timeout=60,
                             log_dir="/tmp/ftlogs")
     assert argv[:4] == ["python3", "-m", ft_launch.WRAPPER_MODULE, f"{ft_launch.IGNORE_OPTION}=SIGUSR1"]
     args = get_args_parser().parse_args(argv[4:])  # the wrapper takes its own option first
     assert (args.nnodes, args.nproc_per_node, args.max_restarts) == ("4", "8", 3)
     assert args.rdzv_endpoint == "node001:31234" and args.rdzv_id == "4242" and args.rdzv_backend == "c10d"
-    assert args.module and args.training_script == "bridge_hpc.training.run" and args.training_script_args == ["cfg.toml"]
+    assert args.module and args.training_script == "bridge_hpc.rank" and args.training_script_args == ["cfg.toml"]
     assert args.ft_rank_section_timeouts == "setup:600,step:180,checkpointing:420"
     assert float(args.ft_rank_out_of_section_timeout) == 300.0
     assert float(args.ft_rank_heartbeat_timeout) == 2700.0
@@ -138,7 +138,7 @@ def test_argv_is_accepted_by_installed_ft_launcher():
 
 def test_shell_join_and_slurm_endpoint():
     argv = ft_launch.srun_prefix(2, cpus_per_node=16) + ft_launcher_argv(
-        ["-m", "bridge_hpc.training.run", "$BRIDGE_CONFIG"], nnodes=2, nproc_per_node=8,
+        ["-m", "bridge_hpc.rank", "$BRIDGE_CONFIG"], nnodes=2, nproc_per_node=8,
         rdzv_endpoint="${BRIDGE_RDZV_HOST}:${BRIDGE_RDZV_PORT}", rdzv_id="$SLURM_JOB_ID")
     line = shell_join(argv)
     assert '"--rdzv-endpoint=${BRIDGE_RDZV_HOST}:${BRIDGE_RDZV_PORT}"' in line

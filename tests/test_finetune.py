@@ -89,7 +89,7 @@ def _qa(n: int, offset: int = 0) -> list:
 
 def _torchrun(job: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", str(job)]
+           "-m", "bridge_hpc.rank", str(job)]
     for item in overrides:
         cmd += ["--set", item]
     proc = subprocess.run(cmd, cwd=job.parent, capture_output=True, text=True, timeout=300)
@@ -202,7 +202,7 @@ def test_finetune_starts_from_pretrained_weights_with_fresh_optimizer_and_resume
 def test_finetune_entry_without_pretrained_checkpoint_names_the_key(tmp_path, sft_data):
     job = _finetune_job(tmp_path, Path("unused"), sft_data)
     job.write_text(job.read_text().replace('pretrained_checkpoint = "unused"\n', ""))
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", str(job)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", str(job)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {job}: key 'checkpoint.pretrained_checkpoint'")

@@ -43,19 +43,19 @@ def _render(tmp_path, config, *overrides):
 def test_ft_job_renders_one_ft_launcher_per_node(tmp_path):
     script = _render(tmp_path, "local-tiny-fault-tolerance.toml", "ft.max_restarts=5", "ft.step_timeout=7.5",
                      "slurm.nodes=2", "job.python='/opt/py $(touch x)/python3'")
-    assert "-m bridge_hpc.launch.ft_launch" in script and "bridge_hpc.training.run \"$BRIDGE_CONFIG\"" in script
+    assert "-m bridge_hpc.launch.ft_launch" in script and "bridge_hpc.rank \"$BRIDGE_CONFIG\"" in script
     assert "--ntasks-per-node=1" in script and "--nodes=2" in script and "--nnodes=2" in script
     assert "--nproc-per-node=2" in script and "--max-restarts=5" in script
     assert "--ft-rank-section-timeouts=setup:120,step:7.5,checkpointing:120" in script
     assert "--ft-workload-check-interval=1" in script
     assert "'/opt/py $(touch x)/python3'" in script  # config values are shlex-quoted, never expanded
     assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1" in script
-    assert "-u -m bridge_hpc.training.run" not in script
+    assert "-u -m bridge_hpc.rank" not in script
 
 
 def test_job_without_ft_keeps_the_plain_srun(tmp_path):
     script = _render(tmp_path, "local-tiny.toml")
-    assert "-u -m bridge_hpc.training.run \"$BRIDGE_CONFIG\" &" in script and "ft_launch" not in script
+    assert "-u -m bridge_hpc.rank \"$BRIDGE_CONFIG\" &" in script and "ft_launch" not in script
     script = _render(tmp_path, "local-tiny-fault-tolerance.toml", "ft.enable_ft_package=false")
     assert "ft_launch" not in script
 

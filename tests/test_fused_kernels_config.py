@@ -34,7 +34,7 @@ def test_the_widest_norm_is_accepted():
 def test_the_fused_kernels_are_refused_on_a_rank_without_a_gpu(tmp_path):
     """A CPU rank ends with one line naming the key, status 2, before it builds anything."""
     shutil.copy(TINY, tmp_path / "job.toml")
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", "job.toml", "--set", "model.fused_kernels=true"],
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml", "--set", "model.fused_kernels=true"],
                           cwd=tmp_path, env=direct_rank_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -70,7 +70,7 @@ _STARTED = re.compile(r"started asynchronous checkpoint save of iteration (\d+) 
 
 def _cmd(job: str, *overrides: str) -> List[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", job]
+           "-m", "bridge_hpc.rank", job]
     for item in overrides:
         cmd += ["--set", item]
     return cmd
@@ -152,7 +152,7 @@ def _start_rank(job: str, *overrides: str) -> subprocess.Popen:
     """The job's one rank started directly, as srun starts a job step's task: a signal reaches the
     rank itself, not a launcher."""
     env = direct_rank_env()
-    cmd = [sys.executable, "-m", "bridge_hpc.training.run", job]
+    cmd = [sys.executable, "-m", "bridge_hpc.rank", job]
     for item in overrides:
         cmd += ["--set", item]
     return subprocess.Popen(cmd, cwd=os.path.dirname(job), env=env, stdout=subprocess.PIPE,

@@ -64,7 +64,7 @@ def test_usr1_with_the_graph_saves_exits_and_resumes_bit_for_bit(graph_run, tmp_
     graphed, _ = graph_run
     job = tiny_job(tmp_path / "usr1")
     every_step = ("checkpoint.save_interval=1000",)  # only the exit save
-    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", *set_args(job, GRAPH + every_step)],
+    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.rank", *set_args(job, GRAPH + every_step)],
                             cwd=os.path.dirname(job), env=direct_rank_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE)
@@ -114,7 +114,7 @@ def test_two_data_parallel_gpus_train_bit_for_bit_as_eager_steps(optimizer, tmp_
     for name, extra in (("eager", ()), ("graph", GRAPH)):
         job = tiny_job(tmp_path / name)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "-m", "bridge_hpc.training.run", *set_args(job, ("ddp.overlap_grad_reduce=true", optimizer) + extra)]
+               "-m", "bridge_hpc.rank", *set_args(job, ("ddp.overlap_grad_reduce=true", optimizer) + extra)]
         proc = subprocess.run(cmd, cwd=os.path.dirname(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=RUN_TIMEOUT_S)
         assert proc.returncode == 0, proc.stdout[-6000:]

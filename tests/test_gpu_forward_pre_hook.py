@@ -78,10 +78,10 @@ def test_saves_with_overlapped_param_gather_leave_training_unchanged(tmp_path):
 
 def _worker(mode: str, out: str) -> dict:
     sys.path.insert(0, str(ROOT))
+    from bridge_hpc.rank import build_config
     from bridge_hpc.training.checkpoint import checkpointing
     from bridge_hpc.training.engine import model as gpt
     from bridge_hpc.training.pretrain import pretrain
-    from bridge_hpc.training.run import build_config
 
     overrides = [f"job.run_dir={out}", *OVERRIDES]
     overrides.append("checkpoint.save_interval=5" if mode == "save" else "checkpoint.save_interval=1000")

@@ -147,7 +147,7 @@ def test_fused_kernels_train_as_the_unfused_model_and_reproducibly(fused_run, tm
 def test_usr1_resumes_bit_for_bit_and_the_checkpoint_loads_without_the_fused_kernels(fused_run, tmp_path):
     job = tiny_job(tmp_path / "usr1")
     exit_save_only = ("checkpoint.save_interval=1000",)
-    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", *set_args(job, FUSED + exit_save_only)],
+    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.rank", *set_args(job, FUSED + exit_save_only)],
                             cwd=os.path.dirname(job), env=direct_rank_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     metrics = os.path.join(tiny_run_dir(job), run_folder.METRICS_FILE)

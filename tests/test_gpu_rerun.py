@@ -12,9 +12,9 @@ from test_rerun import FAULTY, _config
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.progress_log import RESULT_VALIDATION, parse_progress
+from bridge_hpc.rank import load_forward_step
 from bridge_hpc.training.config import RerunStateMachineConfig
 from bridge_hpc.training.resilience import rerun
-from bridge_hpc.training.run import load_forward_step
 from bridge_hpc.training.state import GlobalState
 
 torch = pytest.importorskip("torch")

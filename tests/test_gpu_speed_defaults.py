@@ -3,7 +3,7 @@
 The tiny GPT of tests/data/tiny.toml in bf16 (dropout on), its job asking for a GPU
 (``slurm.gpus_per_node = 1``), so that the job file's loader chooses megatron-core's fusions, the
 toolkit's fused kernels, the full-iteration CUDA graph and asynchronous interval saves
-(bridge_hpc.jobfile.speed_defaults):
+(bridge_hpc.training.engine.speed_defaults):
 
 * its losses equal those of the plain path (the same job asking for no GPUs: eager, unfused,
   synchronous saves) within bf16's tolerance, and rank 0 logs the fast-path line once;
@@ -98,7 +98,7 @@ def test_the_default_path_trains_as_the_plain_path_within_bf16(default_run, tmp_
 def test_a_run_stopped_and_resumed_on_the_default_path_is_bit_exact(default_run, tmp_path):
     fast, _ = default_run
     job = tiny_job(tmp_path / "usr1")
-    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", *set_args(job, GPU)],
+    rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.rank", *set_args(job, GPU)],
                             cwd=os.path.dirname(job), env={**direct_rank_env(), "PYTHONUNBUFFERED": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     # The tiny GPT's replayed steps take milliseconds: the metrics file would show step 15 only after

@@ -55,11 +55,11 @@ def test_megatron_core_sharded_checkpoints_are_read_at_their_global_shapes(tmp_p
     synchronizes CUDA, which is made a no-op here for want of a GPU."""
     from megatron.core import dist_checkpointing
 
-    from bridge_hpc.models.hf import load
     from bridge_hpc.models.hf.export import export
     from bridge_hpc.training.checkpoint import layout
     from bridge_hpc.training.checkpoint.checkpointing import _write_manifest
     from bridge_hpc.training.engine.model import gpt_model_provider
+    from bridge_hpc.training.hf import load
 
     original = str(tmp_path / "llama")
     make_hf_model("llama", original)
@@ -94,7 +94,7 @@ def test_pretrain_starts_from_a_hugging_face_folder_too(tmp_path, world):
     job = FINETUNE_JOB.format(seq=SEQ, hf=hf).replace('entry = "finetune"\n', "").replace("lr = 0.01", "lr = 1e-30")
     assert "entry" not in job and "lr = 1e-30" in job
     (tmp_path / "job.toml").write_text(job)
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", "job.toml"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=tmp_path,
                           env=direct_rank_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"loaded pretrained weights from Hugging Face folder {hf}" in proc.stdout
@@ -111,7 +111,7 @@ def test_fine_tuned_export_gives_transformers_the_toolkits_loss(tmp_path, world)
     hf = str(tmp_path / "llama")
     original = make_hf_model("llama", hf)
     (tmp_path / "job.toml").write_text(FINETUNE_JOB.format(seq=SEQ, hf=hf))
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", "job.toml"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=tmp_path,
                           env=direct_rank_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"loaded pretrained weights from Hugging Face folder {hf}" in proc.stdout

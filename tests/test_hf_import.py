@@ -33,8 +33,8 @@ def world():
 
 
 def _ours(cfg, folder, chunks_and_stage=None):
-    from bridge_hpc.models.hf import load
     from bridge_hpc.training.engine.model import gpt_model_provider
+    from bridge_hpc.training.hf import load
 
     model = gpt_model_provider(cfg).eval()
     load.load_hf_weights(folder, [model])
@@ -63,8 +63,8 @@ def _parallel_ranks(rank: int, port: int, folders: dict, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from bridge_hpc.models.hf import load
     from bridge_hpc.training.engine.model import gpt_model_provider
+    from bridge_hpc.training.hf import load
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -35,15 +35,15 @@ def test_a_peft_run_exports_its_adapters_merged_into_the_base(tmp_path, world, k
 
     from bridge_hpc.contracts.errors import ConfigError
     from bridge_hpc.models.hf.export import export
-    from bridge_hpc.models.hf.load import load_hf_weights
     from bridge_hpc.peft.config import PEFT_TYPES
     from bridge_hpc.training.checkpoint.megatron import _load_model_and_optimizer
     from bridge_hpc.training.engine.model import gpt_model_provider
+    from bridge_hpc.training.hf.load import load_hf_weights
 
     hf = str(tmp_path / "llama")
     original = make_hf_model("llama", hf)
     (tmp_path / "job.toml").write_text(PEFT_JOB.format(seq=SEQ, hf=hf, kind=kind))
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", "job.toml"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=tmp_path,
                           env=direct_rank_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     checkpoints = tmp_path / "runs" / "job" / "checkpoints"

@@ -58,7 +58,7 @@ def test_requeued_hf_finetune_resumes_from_its_own_checkpoint_exactly(slurm_clus
     straight, requeued = tmp_path / "straight", tmp_path / "requeued"
     for name, run_dir in (("straight.toml", straight), ("requeued.toml", requeued)):
         (tmp_path / name).write_text(JOB.format(root=ROOT, run_dir=run_dir, iters=ITERS, seq=SEQ, hf=hf))
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", "straight.toml"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "straight.toml"], cwd=tmp_path,
                           env=direct_rank_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

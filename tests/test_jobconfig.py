@@ -134,7 +134,7 @@ def test_forward_step_file_is_written_absolute_and_loads_on_the_ranks(tmp_path: 
     assert cfg.job.forward_step == f"{tmp_path / 'steps' / 'mine.py'}:forward_step"
     assert cfg.raw["job"]["forward_step"] == cfg.job.forward_step  # resolved.toml: from any directory
 
-    from bridge_hpc.training.run import load_forward_step  # the rank side (imports no torch itself)
+    from bridge_hpc.rank import load_forward_step  # the rank side (imports no torch itself)
 
     assert load_forward_step(cfg.job.forward_step)(None, None, None) == "mine"
     import importlib
@@ -202,7 +202,7 @@ def test_dry_run_prints_the_script_and_writes_nothing(job_dir: Path):
     assert result.stdout.startswith("#!/bin/bash\n#SBATCH --job-name=exp\n")
     assert "#SBATCH --partition=debug" in result.stdout and "#SBATCH --time=00:10:00" in result.stdout
     assert "#SBATCH --signal=USR1@120" in result.stdout and "#SBATCH --requeue" in result.stdout
-    assert "-m bridge_hpc.training.run" in result.stdout
+    assert "-m bridge_hpc.rank" in result.stdout
     assert not (job_dir / "runs").exists()
 
 

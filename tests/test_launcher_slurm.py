@@ -2,7 +2,7 @@
 
 The rendered scripts run for real under sbatch/srun. Most tests here swap only the rank program
 (``job.python`` points at a small recorder script instead of the Python that would run
-``bridge_hpc.training.run``), so they check the launcher — script, quoting, environment, srun placement — in a
+``bridge_hpc.rank``), so they check the launcher — script, quoting, environment, srun placement — in a
 second each; tests/test_run_slurm.py runs the training entry itself.
 """
 
@@ -28,7 +28,7 @@ RECORDER = """\
 # Stands in for the interpreter of the ranks: records what one rank saw, then exits 0. The batch
 # script's other uses of the interpreter (the requeue reader) get the real one.
 import json, os, sys
-if sys.argv[1:4] != ["-u", "-m", "bridge_hpc.training.run"]:
+if sys.argv[1:4] != ["-u", "-m", "bridge_hpc.rank"]:
     os.execv("{python}", ["{python}", *sys.argv[1:]])
 run_dir = os.environ["BRIDGE_RUN_DIR"]
 os.makedirs(os.path.join(run_dir, "ranks"), exist_ok=True)
@@ -72,7 +72,7 @@ def test_two_ranks_on_one_node_run_and_the_run_folder_is_complete(slurm_cluster,
     seen = ranks(run_dir)
     assert sorted(r["SLURM_PROCID"] for r in seen) == ["0", "1"]
     assert all(r["SLURM_NTASKS"] == "2" for r in seen)
-    assert all(r["argv"] == ["-u", "-m", "bridge_hpc.training.run", str(run_dir / "resolved.toml")] for r in seen)
+    assert all(r["argv"] == ["-u", "-m", "bridge_hpc.rank", str(run_dir / "resolved.toml")] for r in seen)
     # the run folder: the script exactly as submitted, the resolved config, the log, the submission record
     script = (run_dir / "job.sbatch").read_text()
     assert (run_dir / "logs" / f"{job_id}_submission.sh").resolve().read_text() == script
@@ -152,7 +152,7 @@ def wait_for_state(job_id: str, wanted, timeout: float = 60.0) -> str:
 SLEEPER = """#!/bin/bash
 # Stands in for the interpreter of the ranks: a rank that runs until the job is cancelled, then
 # stops cleanly as a real one does (so the batch script does not retry it as a failure).
-[ "$1 $2 $3" = "-u -m bridge_hpc.training.run" ] || exec {python} "$@"
+[ "$1 $2 $3" = "-u -m bridge_hpc.rank" ] || exec {python} "$@"
 trap 'exit 0' TERM
 sleep 600 &
 wait
@@ -213,7 +213,7 @@ def test_a_run_folder_in_use_refuses_a_second_job(slurm_cluster, tmp_path: Path)
 CRASHER = """#!/bin/bash
 # Stands in for the interpreter of the ranks: a rank that dies on the cancel's SIGTERM with a failure
 # status instead of stopping cleanly (a crash in its handler, a container runtime killing it).
-[ "$1 $2 $3" = "-u -m bridge_hpc.training.run" ] || exec {python} "$@"
+[ "$1 $2 $3" = "-u -m bridge_hpc.rank" ] || exec {python} "$@"
 echo started > "$BRIDGE_RUN_DIR/rank.$SLURM_PROCID"
 trap 'exit 1' TERM
 sleep 600 &

@@ -145,7 +145,7 @@ def assert_one_run_each_step_once(run_dir: Path, steps: List[int]) -> Series:
 #: committed and W&B has written it).
 RUN = """
 import json, os, sys, time
-from bridge_hpc.training.run import build_config
+from bridge_hpc.rank import build_config
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.engine.metrics import RunStart
 run_dir, resume, upto, run, end = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -324,14 +324,14 @@ def test_a_backend_that_fails_while_logging_is_off_after_one_warning(tmp_path, c
 
 
 def _config(tmp_path, extra: List[str]):
-    from bridge_hpc.training.run import build_config
+    from bridge_hpc.rank import build_config
 
     return build_config(str(TINY), [f"job.run_dir={tmp_path / 'run'}"] + extra)
 
 
 LOGGERS = """
 import json, sys, time, torch
-from bridge_hpc.training.run import build_config
+from bridge_hpc.rank import build_config
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.engine.metrics import RunStart
 from bridge_hpc.training.utils.train_utils import _build_moe_metric_writer, _MoeMetricFanoutWriter
@@ -385,7 +385,7 @@ def test_bridge_loggers_and_the_moe_fanout_join_the_step(tmp_path):
 DEFAULTS = """
 import sys, time
 import bridge_hpc.training.pretrain  # everything a rank imports (megatron-core imports wandb itself when installed)
-from bridge_hpc.training.run import build_config
+from bridge_hpc.rank import build_config
 from bridge_hpc.training.state import GlobalState
 from bridge_hpc.training.engine.metrics import RunStart
 state = GlobalState()

@@ -18,7 +18,7 @@ from bridge_hpc.training.engine.metrics import MetricsLogger, RunStart, read_met
 
 def _run(job: str, *overrides: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", job, "--set", "train.train_iters=10", "--set", "logger.log_interval=5",
+           "-m", "bridge_hpc.rank", job, "--set", "train.train_iters=10", "--set", "logger.log_interval=5",
            "--set", "train.eval_interval=5", "--set", 'logger.tensorboard_dir="tb"']
     for item in overrides:
         cmd += ["--set", item]

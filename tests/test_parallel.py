@@ -96,7 +96,7 @@ def test_model_parallelism_is_refused_on_a_rank_without_a_gpu(tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):  # the ranks started directly, as srun starts them
-        procs.append(subprocess.Popen([sys.executable, "-m", "bridge_hpc.training.run", "job.toml",
+        procs.append(subprocess.Popen([sys.executable, "-m", "bridge_hpc.rank", "job.toml",
                                        "--set", "model.pipeline_model_parallel_size=2"],
                                       cwd=tmp_path, env=direct_rank_env(rank, 2, port), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))

@@ -44,7 +44,7 @@ ITERS = 40
 
 def _torchrun(cwd: Path, config: Path, *sets: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", str(config)]
+           "-m", "bridge_hpc.rank", str(config)]
     for item in sets:
         cmd += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -156,7 +156,7 @@ def test_lora_restarted_in_the_job_after_a_killed_rank_resumes_exactly(workdir):
           "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=8", "checkpoint.save_interval=4",
           "checkpoint.most_recent_k=2"]
     _torchrun(workdir, LORA, *_sets("runs/lora-ft-ref", "lora"), "checkpoint.save_interval=4")  # FT inactive
-    entry = ["-m", "bridge_hpc.training.run", str(LORA)]
+    entry = ["-m", "bridge_hpc.rank", str(LORA)]
     for item in _sets("runs/lora-ft", "lora") + ft:
         entry += ["--set", item]
     argv = ft_launcher_argv(entry, python=sys.executable, nnodes=1, nproc_per_node=2,
@@ -197,7 +197,7 @@ def test_dora_stopped_and_resumed_exactly_and_another_base_is_refused(workdir):
     manifest = workdir / "runs" / "base" / "checkpoints" / "iter_0000030" / "manifest.json"
     original = manifest.read_text()
     manifest.write_text(original + " ")  # another base's digest
-    cmd = [sys.executable, "-m", "bridge_hpc.training.run", str(LORA)]  # one rank, started directly
+    cmd = [sys.executable, "-m", "bridge_hpc.rank", str(LORA)]  # one rank, started directly
     for item in _sets("runs/dora", "dora") + [f"train.train_iters={ITERS + 5}"]:
         cmd += ["--set", item]
     try:

@@ -1,4 +1,4 @@
-"""A rank's way out (``bridge_hpc.training.run._leave``): ``os._exit`` once its outputs are durable.
+"""A rank's way out (``bridge_hpc.rank._leave``): ``os._exit`` once its outputs are durable.
 
 A ``multiprocessing`` child that a library started, such as the write-results Manager that
 megatron-core and nvidia-resiliency-ext start with *spawn* inside a save, must not outlive the rank.
@@ -18,12 +18,12 @@ import pytest
 
 RANK = """
 import multiprocessing, sys
-from bridge_hpc.training import run
+from bridge_hpc import rank
 manager = multiprocessing.get_context("spawn").Manager()  # as a library's save starts one
 results = manager.Queue()
 results.put("write results")
 print(manager._process.pid, flush=True)
-run._leave(0)
+rank._leave(0)
 """
 
 

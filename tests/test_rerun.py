@@ -26,9 +26,9 @@ from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.progress_log import END_REASONS, RESULT_VALIDATION, ProgressLog, parse_progress
 from bridge_hpc.contracts.requeue import read_request
+from bridge_hpc.rank import build_config, load_forward_step
 from bridge_hpc.training.config import RerunStateMachineConfig
 from bridge_hpc.training.resilience import exit_policy, rerun
-from bridge_hpc.training.run import build_config, load_forward_step
 from bridge_hpc.training.state import GlobalState
 
 FAULTY = os.path.join(os.path.dirname(__file__), "data", "faulty_forward_step.py")

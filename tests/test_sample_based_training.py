@@ -33,7 +33,7 @@ def _job(directory, by_samples: bool) -> str:
 
 def _run(job: str, *overrides: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", job]
+           "-m", "bridge_hpc.rank", job]
     for item in overrides:
         cmd += ["--set", item]
     proc = subprocess.run(cmd, cwd=os.path.dirname(job), capture_output=True, text=True, timeout=300)

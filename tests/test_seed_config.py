@@ -385,10 +385,10 @@ def test_enable_megatron_core_experimental_sets_megatron_cores_flag(single_rank)
 def test_pretrain_goes_through_runtime_config_update(single_rank, tmp_path):
     """Before runtime_config_update, optimizer.use_distributed_optimizer without ddp's was refused;
     now pretrain syncs the two and trains."""
+    from bridge_hpc.rank import build_config
     from bridge_hpc.training.engine.metrics import read_metrics
     from bridge_hpc.training.gpt_step import forward_step
     from bridge_hpc.training.pretrain import pretrain
-    from bridge_hpc.training.run import build_config
 
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)
@@ -402,9 +402,9 @@ def test_pretrain_goes_through_runtime_config_update(single_rank, tmp_path):
 
 
 def test_skip_train_metrics_log_writes_no_step_log_but_trains_and_saves(single_rank, tmp_path, capsys):
+    from bridge_hpc.rank import build_config
     from bridge_hpc.training.gpt_step import forward_step
     from bridge_hpc.training.pretrain import pretrain
-    from bridge_hpc.training.run import build_config
 
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)
@@ -428,12 +428,12 @@ def test_a_custom_dataset_provider_gets_the_run_sizes_and_tokenizer_and_is_train
     """Bridge's DatasetProvider example (a user's own source): build_datasets gets a DatasetBuildContext
     with megatron's sample counts and the run's tokenizer, returns (train, valid, test) with None for a
     split it does not have, and the run trains on exactly its samples, in order."""
+    from bridge_hpc.rank import build_config
     from bridge_hpc.training.config import DatasetBuildContext, DatasetProvider
     from bridge_hpc.training.datasets.builders import MockGPTDataset
     from bridge_hpc.training.engine.metrics import read_metrics
     from bridge_hpc.training.gpt_step import forward_step
     from bridge_hpc.training.pretrain import pretrain
-    from bridge_hpc.training.run import build_config
     from bridge_hpc.training.tokenizers.tokenizer import MegatronTokenizer  # noqa: F401 - the type the page names
 
     read: List[int] = []
@@ -543,7 +543,7 @@ def test_tensor_inspect_section_is_accepted_and_checked_while_disabled():
 def test_tensor_inspect_enabled_is_one_clear_error_and_exit_2(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text(Path(TINY).read_text() + "\n[tensor_inspect]\nenabled = true\n")
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.training.run", str(job)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", str(job)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -43,7 +43,7 @@ def _saved(epoch: float, job: int, world: int, iteration: int, flops: float) -> 
 
 
 def _config(tmp_path: Path, *overrides: str):
-    from bridge_hpc.training.run import build_config
+    from bridge_hpc.rank import build_config
 
     return build_config(str(TINY), [f"job.run_dir={tmp_path}", *overrides])
 

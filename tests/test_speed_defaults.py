@@ -1,6 +1,6 @@
 """Fast by default (issue 30): what a job on GPUs gets for the speed keys it leaves unset, on CPU.
 
-The rules (bridge_hpc.jobfile.speed_defaults) through the job file's loader as bridge-submit and the
+The rules (bridge_hpc.training.engine.speed_defaults) through the job file's loader as bridge-submit and the
 ranks run it: what is chosen for which model, layout, data and forward step; that a key the job sets
 is never changed and each key turns its part off; the record in resolved.toml and that reading it
 back resolves to the same; a job without GPUs keeps today's config; and what a rank settles (no
@@ -22,8 +22,8 @@ from bridge_test_helpers import TINY, submit_cli
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.fast_path import LINE_PREFIX, FastPath
-from bridge_hpc.jobfile import speed_defaults as S
 from bridge_hpc.jobfile.jobconfig import dump_resolved, load_job_config
+from bridge_hpc.training.engine import speed_defaults as S
 
 GPU = "slurm.gpus_per_node=1"
 ALL = tuple(c.dotted for c in S.CHOICES)

@@ -254,8 +254,8 @@ def test_freeze_moe_router(single_rank):
 def test_training_log_reports_on_log_steps(single_rank, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from bridge_hpc.rank import build_config
     from bridge_hpc.training.engine.metrics import MetricsLogger, RunStart, read_metrics
-    from bridge_hpc.training.run import build_config
 
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)

@@ -7,8 +7,8 @@ import toml
 from bridge_test_helpers import TINY
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.rank import build_config
 from bridge_hpc.training.config import ConfigContainer, MockGPTDatasetConfig
-from bridge_hpc.training.run import build_config
 
 
 def sections(**changes):

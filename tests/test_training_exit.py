@@ -13,10 +13,10 @@ import pytest
 from bridge_test_helpers import TINY
 
 from bridge_hpc.contracts.requeue import REQUEUE_FILE_ENV, read_request
+from bridge_hpc.rank import build_config
 from bridge_hpc.training import train as train_module
 from bridge_hpc.training.checkpoint import checkpointing
 from bridge_hpc.training.resilience import exit_policy
-from bridge_hpc.training.run import build_config
 from bridge_hpc.training.state import DistributedSignalHandler, GlobalState
 
 

@@ -162,7 +162,7 @@ def single_rank():
 
 
 def _tiny_config(tmp_path, *overrides):
-    from bridge_hpc.training.run import build_config
+    from bridge_hpc.rank import build_config
 
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)
@@ -333,8 +333,8 @@ def _two_rank_worker(job: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from bridge_hpc.rank import build_config
     from bridge_hpc.training.pretrain import initialize_distributed, pretrain
-    from bridge_hpc.training.run import build_config
 
     initialize_distributed()
     rank = dist.get_rank()

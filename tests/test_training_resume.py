@@ -26,7 +26,7 @@ from bridge_hpc.training.process.startup import parse_phases
 
 def _torchrun(job: str, *overrides: str) -> list:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.training.run", job]
+           "-m", "bridge_hpc.rank", job]
     for item in overrides:
         cmd += ["--set", item]
     return cmd
@@ -116,8 +116,8 @@ def test_deterministic_mode_trains_the_same_on_cpu(straight, tmp_path):
 #: time-limit warning can land while a rank that has finished tears down.
 LATE_SIGNAL_RANK = """
 import json, os, signal, sys
-from bridge_hpc.training import run
-status = run.main(sys.argv[1:])
+from bridge_hpc import rank
+status = rank.main(sys.argv[1:])
 names = ("SIGUSR1", "SIGTERM")
 ignored = {n: signal.getsignal(getattr(signal, n)) == signal.SIG_IGN for n in names}
 sys.stdout.flush()
@@ -214,7 +214,7 @@ def test_sigterm_to_one_rank_stops_all_at_the_same_step(tmp_path):
                    SLURM_NNODES="1", SLURM_TASKS_PER_NODE="2", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "bridge_hpc.training.run", job, "--set", "train.train_iters=100000",
+            [sys.executable, "-m", "bridge_hpc.rank", job, "--set", "train.train_iters=100000",
              "--set", "checkpoint.save_interval=100000", "--set", "logger.log_progress=true"],
             cwd=os.path.dirname(str(job)), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     metrics_file = os.path.join(tiny_run_dir(job), "metrics.jsonl")

@@ -64,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "import":
         _check_paths(args.hf_dir, out=args.out)
-        from bridge_hpc.models.hf import mapping
+        from bridge_hpc.training.hf import mapping
 
         mapping.checked_model_config(args.hf_dir)  # before torch: a bad folder is refused at once
         from bridge_hpc.models.hf.convert import import_folder

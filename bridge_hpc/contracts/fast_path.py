@@ -1,6 +1,6 @@
 """The fast-path record: which speed settings a job runs with, and why the others are off.
 
-bridge-submit decides them for a job on GPUs (:mod:`bridge_hpc.jobfile.speed_defaults`) and writes the
+bridge-submit decides them for a job on GPUs (:mod:`bridge_hpc.training.engine.speed_defaults`) and writes the
 record into resolved.toml as ``[job] fast_path``; the ranks read resolved.toml with the same loader,
 get the record on their ``ConfigContainer.fast_path``, settle what only a rank can tell (CUDA, triton,
 the world it runs in) and rank 0 logs :meth:`FastPath.line` as a run starts. Defined here because it

@@ -31,9 +31,6 @@ from bridge_hpc.contracts import bytecode_cache, fast_path, run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 from bridge_hpc.contracts.text import has_control_chars
-from bridge_hpc.jobfile import speed_defaults
-from bridge_hpc.models.hf import families as hf_families
-from bridge_hpc.models.hf import mapping as hf_mapping
 from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
 from bridge_hpc.training.config import (
     ConfigContainer,
@@ -44,6 +41,9 @@ from bridge_hpc.training.config import (
     dataset_config_class,
     recipe_fields,
 )
+from bridge_hpc.training.engine import speed_defaults
+from bridge_hpc.training.hf import families as hf_families
+from bridge_hpc.training.hf import mapping as hf_mapping
 
 # Every pattern below is applied with fullmatch: ``$`` would also match before a final newline, and a
 # name ending in a newline would end an ``#SBATCH`` line and start a shell line.
@@ -109,7 +109,7 @@ class JobSection:
     # bridge_hpc.training.process.bytecode_cache.
     bytecode_cache: str = "auto"
     # What the fast path chose for a job on GPUs: written by bridge-submit into resolved.toml and read
-    # back by the ranks (bridge_hpc.jobfile.speed_defaults); a job file leaves it out.
+    # back by the ranks (bridge_hpc.training.engine.speed_defaults); a job file leaves it out.
     fast_path: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -812,7 +812,7 @@ def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, s
 
 def _hugging_face_sections(training: Dict[str, Dict[str, Any]], where: "_Where") -> None:
     """``[model] hf_config`` (also implied by a Hugging Face folder as ``checkpoint.pretrained_checkpoint``):
-    the model section filled from the folder's config.json (:func:`bridge_hpc.models.hf.families.fill_model_section`:
+    the model section filled from the folder's config.json (:func:`bridge_hpc.training.hf.families.fill_model_section`:
     explicit keys win, contradictions refused), the folder's tokenizer unless ``[tokenizer]`` is given,
     and a Hugging Face ``pretrained_checkpoint`` checked against the model from its safetensors headers
     (missing, truncated or misshapen tensors), so that none of it fails on the ranks."""

@@ -8,7 +8,7 @@ finds it hung. The launchers meet at a c10d rendezvous on the first node of the 
 Typical use in the sbatch template (shell variables stay unexpanded until the batch script runs)::
 
     argv = srun_prefix(nnodes=2, cpus_per_node=16) + ft_launcher_argv(
-        ["-m", "bridge_hpc.training.run", "$BRIDGE_CONFIG"], python="python3", nnodes=2, nproc_per_node=8,
+        ["-m", "bridge_hpc.rank", "$BRIDGE_CONFIG"], python="python3", nnodes=2, nproc_per_node=8,
         rdzv_endpoint="${BRIDGE_RDZV_HOST}:${BRIDGE_RDZV_PORT}", rdzv_id="$SLURM_JOB_ID",
         max_restarts=3)
     line = shell_join(argv)      # $VARS double-quoted (expanded), everything else single-quoted

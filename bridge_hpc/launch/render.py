@@ -78,7 +78,7 @@ def _bytecode_cache():
 
 
 #: The module every rank runs (``python -m``), given the run folder's resolved.toml.
-RANK_ENTRY_MODULE = "bridge_hpc.training.run"
+RANK_ENTRY_MODULE = "bridge_hpc.rank"
 #: What the batch script runs to read the requeue request (``python -m``; see contracts/requeue.py).
 REQUEUE_READER_MODULE = "bridge_hpc.contracts.requeue"
 #: What the batch script runs to learn why Slurm stops the job before it requeues (a cancel is final).

@@ -421,7 +421,7 @@ class ConfigContainer:
     #: Whether every section's deferred finalize() has run (:meth:`finalize_sections`).
     sections_finalized: bool = field(default=False, init=False, repr=False, compare=False)
     #: bridge_hpc's: what the fast path chose for a job on GPUs and why not the rest (resolved.toml's
-    #: ``[job] fast_path``; :mod:`bridge_hpc.jobfile.speed_defaults`). None for a config built in Python.
+    #: ``[job] fast_path``; :mod:`bridge_hpc.training.engine.speed_defaults`). None for a config built in Python.
     fast_path: Optional[FastPath] = field(default=None, init=False, repr=False, compare=False)
 
     # -- construction ---------------------------------------------------------------------

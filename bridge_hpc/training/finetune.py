@@ -14,10 +14,10 @@ import os
 from typing import Callable
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.models.hf import families
 from bridge_hpc.peft import checkpoint as peft_checkpoint
 from bridge_hpc.training.checkpoint import checkpointing
 from bridge_hpc.training.config import CheckpointConfig, ConfigContainer
+from bridge_hpc.training.hf import families
 from bridge_hpc.training.pretrain import pretrain
 
 
@@ -60,7 +60,7 @@ def check_starting_point(ckpt: CheckpointConfig, with_adapters: bool = False) ->
         raise ConfigError("must be set for fine-tuning: the checkpoint folder (or one iter_NNNNNNN folder) of the "
                           "pretrained model whose weights the run starts from", key="checkpoint.pretrained_checkpoint")
     if families.is_hf_folder(ckpt.pretrained_checkpoint):
-        return  # a Hugging Face folder, checked in full at submission (bridge_hpc.models.hf.mapping.check_folder)
+        return  # a Hugging Face folder, checked in full at submission (bridge_hpc.training.hf.mapping.check_folder)
     folder = checkpointing._resolve_checkpoint_dir(ckpt.pretrained_checkpoint)
     if folder is not None and peft_checkpoint.read_record(folder) is not None:
         raise ConfigError(f"{folder} holds a PEFT run's adapters, not a model: name the model they were trained on "

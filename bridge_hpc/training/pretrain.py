@@ -27,7 +27,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.progress_log import ProgressLog, longest_recent_save_s
-from bridge_hpc.jobfile import speed_defaults
 from bridge_hpc.peft.base import apply_peft
 from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
@@ -44,6 +43,7 @@ from bridge_hpc.training.engine.grad_reduce_rider import GradReduceRider
 from bridge_hpc.training.engine.metrics import RunStart
 from bridge_hpc.training.engine.model import gpt_model_provider
 from bridge_hpc.training.engine.optimizer import TorchOptimizer, setup_optimizer  # noqa: F401  (TorchOptimizer: old import path)
+from bridge_hpc.training.engine.speed_defaults import settle_on_rank
 from bridge_hpc.training.process import heap
 from bridge_hpc.training.process.startup import StartupPhases
 from bridge_hpc.training.resilience import rerun
@@ -164,9 +164,9 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     # runtime_config_update does not finalize them twice.)
     cfg.finalize_sections()
     # The fast path's choices that only a rank can check (a CPU rank turns them back off and trains as
-    # before); rank 0 logs what runs and what does not, and why (bridge_hpc.jobfile.speed_defaults).
-    fast_path = speed_defaults.settle_on_rank(cfg, torch.cuda.is_available(), importlib.util.find_spec("triton") is not None,
-                                              state.world_size)
+    # before); rank 0 logs what runs and what does not, and why (bridge_hpc.training.engine.speed_defaults).
+    fast_path = settle_on_rank(cfg, torch.cuda.is_available(), importlib.util.find_spec("triton") is not None,
+                               state.world_size)
     if fast_path is not None:
         logger.info(fast_path)
     parallel.check_supported(cfg)

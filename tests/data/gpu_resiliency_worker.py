@@ -97,9 +97,9 @@ def gpu_hog(out):
 
 
 def train(out, fault):
+    from bridge_hpc.rank import build_config
     from bridge_hpc.training.engine import model as gpt
     from bridge_hpc.training.pretrain import pretrain
-    from bridge_hpc.training.run import build_config
 
     overrides = [f"job.run_dir={out}", "train.train_iters=20", "train.eval_interval=0", "logger.log_interval=1",
                  "checkpoint.save_interval=5", "checkpoint.most_recent_k=-1", "logger.log_progress=true",

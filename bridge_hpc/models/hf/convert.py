@@ -1,7 +1,7 @@
 """A Hugging Face folder -> a toolkit checkpoint (``bridge-hf import``; one process, torch).
 
 The model is built whole (TP1/PP1) in a world of one, the folder's weights are read into it
-(:mod:`bridge_hpc.models.hf.load`) and saved by the toolkit's own model back end into
+(:mod:`bridge_hpc.training.hf.load`) and saved by the toolkit's own model back end into
 ``OUT/iter_0000000`` with its manifest, run_config.json and tracker: a complete checkpoint that
 ``checkpoint.pretrained_checkpoint`` accepts. On a GPU that is megatron-core's sharded format, whose
 global tensors load at any TP/PP layout; on CPU the CPU back end's (CPU runs have no model
@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict
 
 import torch
 
-from bridge_hpc.models.hf import families, mapping
+from bridge_hpc.training.hf import families, mapping
 
 
 def _world_of_one() -> None:
@@ -44,7 +44,6 @@ def import_folder(hf_dir: str, out_dir: str, progress: Callable[[str], None] = l
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from bridge_hpc.models.hf.load import load_hf_weights
     from bridge_hpc.training.checkpoint import layout
     from bridge_hpc.training.checkpoint.megatron import (
         _dcp_writer,
@@ -53,6 +52,7 @@ def import_folder(hf_dir: str, out_dir: str, progress: Callable[[str], None] = l
         _without_empty_extra_state,
     )
     from bridge_hpc.training.engine.model import gpt_model_provider
+    from bridge_hpc.training.hf.load import load_hf_weights
 
     hf = families.read_config(hf_dir)
     cfg = mapping.checked_model_config(hf_dir)

@@ -5,7 +5,7 @@ The checkpoint is read without a distributed job: its model tensors, whole, stra
 ends' layouts are read: the CPU back end's (``model.<name>``, one model: CPU runs have no model
 parallelism) and megatron-core's sharded one on GPUs (global tensors at any TP/PP layout, the layers
 stacked along a first dimension, layer norms under Transformer Engine's names). The tensors are put into
-the family's names and layout (:mod:`bridge_hpc.models.hf.mapping`'s rules, inverted) and written as
+the family's names and layout (:mod:`bridge_hpc.training.hf.mapping`'s rules, inverted) and written as
 ``model.safetensors`` (sharded with an index above :data:`SHARD_BYTES`), with ``config.json`` and,
 where the run had a Hugging Face tokenizer, its files: what ``transformers.AutoModelForCausalLM`` and
 ``AutoTokenizer`` load.
@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.models.hf import families, mapping
+from bridge_hpc.training.hf import families, mapping
 
 #: Above this many bytes of tensors the weights are split into shards with an index (transformers' 5 GB).
 SHARD_BYTES = 5 * 10**9
@@ -104,8 +104,8 @@ def _hf_as_megatron(hf_dir: str) -> Dict[str, torch.Tensor]:
     """A Hugging Face folder's tensors in the local spec's names and layout, whole (one process at
     tensor-parallel size 1, read by the ranks' own loader)."""
     from bridge_hpc.models.hf.convert import _world_of_one
-    from bridge_hpc.models.hf.load import load_hf_weights
     from bridge_hpc.training.engine.model import gpt_model_provider
+    from bridge_hpc.training.hf.load import load_hf_weights
 
     _world_of_one()
     model = gpt_model_provider(mapping.checked_model_config(hf_dir))

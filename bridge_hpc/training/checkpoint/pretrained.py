@@ -12,7 +12,7 @@ reads nothing here (:func:`starts_from_pretrained`); the run's own load happens 
 
 ``pretrained_checkpoint`` is a toolkit checkpoint (a run's ``checkpoints/`` folder or one
 ``iter_NNNNNNN``) or a Hugging Face folder (``config.json`` and ``*.safetensors``), whose tensors each
-rank converts and reads its slices of (:mod:`bridge_hpc.models.hf.load`).
+rank converts and reads its slices of (:mod:`bridge_hpc.training.hf.load`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import List, Optional
 
 import torch
 
-from bridge_hpc.models.hf import families
-from bridge_hpc.models.hf.load import load_hf_weights
 from bridge_hpc.training.checkpoint.config import CheckpointConfig
 from bridge_hpc.training.checkpoint.layout import _rank, _resolve_checkpoint_dir, complete_iterations
 from bridge_hpc.training.checkpoint.megatron import _load_model_and_optimizer
+from bridge_hpc.training.hf import families
+from bridge_hpc.training.hf.load import load_hf_weights
 
 
 def starts_from_pretrained(cfg: CheckpointConfig, with_adapters: bool = False) -> bool:

@@ -118,7 +118,7 @@ def stage_once(tensors: Sequence, began: float, report: bool) -> None:
 
 def end_with_parent(parent_pid: int) -> None:
     """Runs in the write-results Manager process (its initializer): end it when its rank is gone. A
-    rank that fails leaves with ``os._exit`` (see ``bridge_hpc.training.run``), which skips the
+    rank that fails leaves with ``os._exit`` (see ``bridge_hpc.rank``), which skips the
     Manager's shutdown; an orphaned Manager would live on, holding the job's output pipes. (Not
     ``PR_SET_PDEATHSIG``: the Manager is started from a thread that ends right after.)"""
     def watch() -> None:

@@ -379,7 +379,7 @@ class GPTModelConfig:
     ``rope_scaling_factor`` (Llama 3.1's frequency scaling, megatron-core's RotaryEmbedding),
     ``activation_func = "openai_gelu"`` (GPT-2's tanh-approximated gelu, Megatron-LM's name).
     ``hf_config`` names the Hugging Face folder whose ``config.json`` filled this section on the login
-    node (:mod:`bridge_hpc.models.hf.families`); the ranks read nothing from it but its weights, when
+    node (:mod:`bridge_hpc.training.hf.families`); the ranks read nothing from it but its weights, when
     ``checkpoint.pretrained_checkpoint`` names it too.
     """
 

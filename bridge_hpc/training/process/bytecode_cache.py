@@ -9,7 +9,7 @@ process compiles every module from source again. On an H200 host of the device t
 torch install without bytecode, ``PYTHONDONTWRITEBYTECODE=1``) importing the training core took
 15.8-17.8 s that way (3 runs) and 6.9 s with a cache (2026-11-26).
 
-:func:`ensure_bytecode_cache` runs before torch is imported (``python -m bridge_hpc.training.run``).
+:func:`ensure_bytecode_cache` runs before torch is imported (``python -m bridge_hpc.rank``).
 It detects that case from the packages themselves and points Python's ``pycache_prefix`` at a
 writable folder (``[job] bytecode_cache``), for this process and the processes it starts (the
 checkpoint worker, data-loader workers). The first run fills the cache and every later start reads

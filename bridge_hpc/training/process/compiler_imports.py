@@ -8,7 +8,7 @@ imports on an H100 host (benchmarks/results/device-2026-11-27c), paid at every p
 model that never calls one of those functions (one with the fusions off). Deferred, importing the
 training core took 3.0-4.3 s instead of 4.7-5.8 s there (2026-11-27, in-process, 2 runs each).
 
-:func:`deferred`, around the rank's imports of the training code (``bridge_hpc.training.run``),
+:func:`deferred`, around the rank's imports of the training code (``bridge_hpc.rank``),
 replaces both decorators for that time with ones that return a stand-in, and restores torch's own
 afterwards. The stand-in applies torch's decorator to the function the first time it is called and
 calls the result from then on, so a model that uses a fused function compiles it then, as before,

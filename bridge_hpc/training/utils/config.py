@@ -17,7 +17,7 @@ class LoggerConfig:
     Bridge's LoggerConfig (megatron's plus Bridge's MLflow/Comet ones) and bridge_hpc's ``metrics_file``.
 
     ``metrics_file`` is ours (not Bridge's): the JSON-lines file that records every step's loss at
-    full precision; ``bridge_hpc.training.run`` points it at ``<run_dir>/metrics.jsonl``. ``log_progress``
+    full precision; ``bridge_hpc.rank`` points it at ``<run_dir>/metrics.jsonl``. ``log_progress``
     appends Megatron's ``progress.txt`` (plus bridge_hpc's goodput events) in ``checkpoint.save``.
 
     TensorBoard is on by default for jobs: a job file that leaves ``tensorboard_dir`` unset gets

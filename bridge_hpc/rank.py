@@ -1,4 +1,4 @@
-"""``python -m bridge_hpc.training.run JOB.toml [--set section.key=value ...]``: the rank entry point.
+"""``python -m bridge_hpc.rank JOB.toml [--set section.key=value ...]``: the rank entry point.
 
 Every rank of a job runs this: the batch script starts it on the run folder's resolved.toml (paths
 absolute, ``train.exit_signal`` from ``[slurm] signal``), and it works the same on a job file under
@@ -14,6 +14,10 @@ bad input (one line naming file and key), 1 for any other failure. A rank leaves
 process-group and interpreter teardown (:func:`_leave`): a failing one at once, so that it does not
 wait for peers stuck in a collective (srun's ``--kill-on-bad-exit``, or ft_launcher, then ends the
 others within seconds); a finished one as soon as its outputs are durable.
+
+It stands a floor above the two it joins (docs/layout.md): the job file's loader
+(:mod:`bridge_hpc.jobfile`, which reads the training package's torch-free configs) and the training
+package (which never imports the loader).
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ def quiet_known_warnings() -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bridge_hpc.training.run", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bridge_hpc.rank", description=__doc__.split("\n")[0])
     parser.add_argument("config", help="job TOML file or a run folder's resolved.toml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one setting (repeatable); VALUE is a TOML value")

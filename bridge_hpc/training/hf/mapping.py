@@ -172,7 +172,7 @@ def hf_shapes(family: str, model: Dict[str, Any], prefix: str = "") -> Dict[str,
 def check_tensors(tensors: Dict[str, Any], family: str, model: Dict[str, Any], folder: str) -> None:
     """Refuse, naming the file and tensor, a folder whose tensors (``name -> TensorInfo``, from the
     headers) do not make the model: one missing, of another shape, not a float dtype, or unknown."""
-    from bridge_hpc.models.hf.safetensors_files import FLOAT_DTYPES
+    from bridge_hpc.training.hf.safetensors_files import FLOAT_DTYPES
 
     prefix = gpt2_prefix(tensors) if family == "gpt2" else ""
     expected = hf_shapes(family, model, prefix)
@@ -207,8 +207,8 @@ def check_folder(folder: str, model: Dict[str, Any]):
     read the same headers again)."""
     import os
 
-    from bridge_hpc.models.hf import families
-    from bridge_hpc.models.hf.safetensors_files import SafetensorsFolder
+    from bridge_hpc.training.hf import families
+    from bridge_hpc.training.hf.safetensors_files import SafetensorsFolder
 
     hf = families.read_config(folder)
     files = SafetensorsFolder(folder)
@@ -223,8 +223,8 @@ def checked_model_config(folder: str):
     import dataclasses
     import os
 
-    from bridge_hpc.models.hf import families
     from bridge_hpc.training.config import GPTModelConfig
+    from bridge_hpc.training.hf import families
 
     hf = families.read_config(folder)
     fields = families.model_fields(hf, os.path.join(folder, families.CONFIG_FILE))

@@ -3,7 +3,7 @@
 Each rank reads only what it holds: the tensors of its pipeline stage's layers (and the embedding or
 output layer where its stage has them), and of those only its tensor-parallel slice, through
 safetensors' lazy ``get_slice`` (the file is memory-mapped; a slice reads its own bytes). The slices
-are put into megatron-core's layout by :mod:`bridge_hpc.models.hf.mapping`'s rules and copied into the
+are put into megatron-core's layout by :mod:`bridge_hpc.training.hf.mapping`'s rules and copied into the
 parameters in their dtype.
 """
 
@@ -16,8 +16,8 @@ from typing import Dict, List
 import torch
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.models.hf import families, mapping
-from bridge_hpc.models.hf.safetensors_files import SafetensorsFolder
+from bridge_hpc.training.hf import families, mapping
+from bridge_hpc.training.hf.safetensors_files import SafetensorsFolder
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -108,7 +108,7 @@ def load_hf_weights(folder: str, chunks: List[torch.nn.Module]) -> int:
     the login node refused a section that contradicts them), the layout from megatron-core's parallel
     state and each chunk's layers. Every parameter of every chunk is set, or ConfigError names the
     tensor that could not make it (the login node checks the headers before submission:
-    :func:`bridge_hpc.models.hf.mapping.check_folder`)."""
+    :func:`bridge_hpc.training.hf.mapping.check_folder`)."""
     from megatron.core import parallel_state
 
     hf = families.read_config(folder)
