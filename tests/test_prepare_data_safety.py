@@ -240,7 +240,11 @@ def big_input(tmp_path_factory) -> Path:
 def test_ctrl_c_ends_a_run_within_5_s_leaving_nothing(tmp_path, big_input, sig):
     """Item 7: Ctrl-C (SIGINT to the process group, as a terminal sends it) or SIGTERM while two
     workers tokenize: the run ends within 5 s, exit 130, one line, no traceback, no temporary file,
-    no shard published."""
+    no shard published.
+
+    5 s is the promise, not a race: the stop takes 0.2-0.5 s on a 2-core machine with both cores
+    busy. It failed when it was a hang (multiprocessing.Pool's result thread waiting forever on half a
+    result, tests/test_prepare_worker_pool.py) or the interpreter's teardown (2-15 s under load)."""
     prefix = tmp_path / "o"
     proc = subprocess.Popen([sys.executable, "-m", "bridge_hpc.cli.prepare_data", "--input", str(big_input),
                              "--output-prefix", str(prefix), *BYTE_LEVEL, "--workers", "2"],

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import signal
 import subprocess
 import sys
@@ -145,6 +146,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("[prepare-data] interrupted: no shard was left half written; finished shards are kept, and the "
               "same command goes on from them", file=sys.stderr)
+        # Everything is cleaned up; what is left is the interpreter's own teardown, whose garbage
+        # collections over torch's and megatron-core's objects took 2-15 s on a loaded 2-core node
+        # (0.3-0.5 s with them frozen). Frozen objects are skipped by every later collection.
+        gc.freeze()
         return EXIT_INTERRUPTED
 
 

@@ -42,7 +42,6 @@ import hashlib
 import io
 import itertools
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -50,13 +49,13 @@ import socket
 import sys
 import time
 import zlib
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.text import has_control_chars
+from bridge_hpc.prepare import worker_pool
 from bridge_hpc.prepare.prefix_lock import hold_prefix
 from bridge_hpc.training.config import TokenizerConfig
 from bridge_hpc.training.tokenizers import build_tokenizer
@@ -70,8 +69,6 @@ BLOCK_BYTES = 256 * 1024
 #: Blocks per worker sent ahead of the one the writer waits for. Results come back in input order,
 #: so a worker that finishes early idles unless blocks after the awaited one are already queued.
 BLOCKS_IN_FLIGHT = 8
-#: Seconds a stopped pool's workers get to exit before they are killed.
-POOL_STOP_S = 2.0
 #: Bytes of a text file per block of compressed input, to size the worker pool of a ``.gz`` input.
 GZIP_EXPANSION = 4
 #: A shard file up to this size is digested whole on every re-run; a larger one by
@@ -333,10 +330,9 @@ def _init_worker(tokenizer_cfg: TokenizerConfig, json_keys: Sequence[str], appen
     """Set up a process to encode blocks: build the tokenizer once per process (not once per block),
     unless one is given (the process that already built it encodes too).
 
-    A pool worker ignores SIGINT: Ctrl-C reaches the whole process group, and a worker killed while
-    it holds the pool's task queue lock leaves ``Pool.terminate`` waiting for that lock forever; the
-    parent stops its workers itself. SIGTERM (how the parent stops them) gets its default action
-    back, whatever handler the parent had when it forked."""
+    A worker process ignores SIGINT: Ctrl-C reaches the whole process group, and the parent stops its
+    workers itself, after it has stopped reading their results. SIGTERM gets its default action back,
+    whatever handler the parent had when it forked."""
     if in_pool:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -430,43 +426,17 @@ def _encode_block(block: Tuple[int, bytes], check_each_document: bool = False) -
     return _Encoded(bad=bad, lengths=lengths, tokens=tokens)
 
 
-def _stop_pool(pool, workers: Sequence[multiprocessing.process.BaseProcess]) -> None:
-    """Stop a pool's ``workers`` now (an error or Ctrl-C in the parent): terminate, and kill any worker
-    that outlives :data:`POOL_STOP_S`, so the parent never waits on a worker that does not exit."""
-    pool.terminate()
-    deadline = time.monotonic() + POOL_STOP_S
-    for worker in workers:
-        worker.join(max(0.0, deadline - time.monotonic()))
-        if worker.is_alive():
-            worker.kill()
-            worker.join(1.0)
-
-
 def _encode_all(blocks: Iterator[Tuple[int, bytes]], workers: int, initargs: tuple, tokenizer: Any) -> Iterator[_Encoded]:
     """Encoded blocks in input order. One worker: encoded here, with ``tokenizer`` (no second process,
-    no second tokenizer). Several: a pool, with at most :data:`BLOCKS_IN_FLIGHT` ``x workers`` blocks
-    in flight, so a large file is never read into memory far ahead of the writer. However the
-    generator ends (done, a bad line, Ctrl-C), no worker outlives it."""
+    no second tokenizer). Several: :func:`worker_pool.ordered_map`, with at most
+    :data:`BLOCKS_IN_FLIGHT` ``x workers`` blocks in flight, so a large file is never read into memory
+    far ahead of the writer. However the generator ends (done, a bad line, Ctrl-C), no worker outlives it."""
     if workers <= 1:
         _init_worker(*initargs, tokenizer=tokenizer, in_pool=False)
         for block in blocks:
             yield _encode_block(block)
         return
-    others = set(multiprocessing.active_children())
-    pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=initargs)
-    pool_workers = [c for c in multiprocessing.active_children() if c not in others]
-    try:
-        pending: deque = deque()
-        for block in blocks:
-            pending.append(pool.apply_async(_encode_block, (block,)))
-            if len(pending) >= BLOCKS_IN_FLIGHT * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-        pool.close()
-        pool.join()
-    finally:
-        _stop_pool(pool, pool_workers)
+    yield from worker_pool.ordered_map(_encode_block, blocks, workers, _init_worker, initargs, BLOCKS_IN_FLIGHT)
 
 
 # ---------------------------------------------------------------------------------------------
