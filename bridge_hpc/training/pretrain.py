@@ -38,7 +38,7 @@ from bridge_hpc.training.config import (
     runtime_config_update,
 )
 from bridge_hpc.training.datasets.builders import build_data_iterator, build_datasets
-from bridge_hpc.training.engine import cuda_graphs, fused_kernels, parallel
+from bridge_hpc.training.engine import collectives, cuda_graphs, fused_kernels, parallel
 from bridge_hpc.training.engine.grad_reduce_rider import GradReduceRider
 from bridge_hpc.training.engine.metrics import RunStart
 from bridge_hpc.training.engine.model import gpt_model_provider
@@ -238,7 +238,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     startup.mark("optimizer")
     load_start = time.perf_counter()
     data_state = checkpointing.load_checkpoint(state, model, optimizer, scheduler)
-    load_s = time.perf_counter() - load_start
+    load_s = collectives.slowest_rank(time.perf_counter() - load_start)  # one figure for every record of it
     startup.mark("checkpoint load")
     ts = state.train_state
     if ts.step > 0:  # a checkpoint was loaded: reuse the timeouts computed before

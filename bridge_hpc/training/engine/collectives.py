@@ -21,6 +21,19 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def slowest_rank(seconds: float) -> float:
+    """``seconds`` measured on every rank -> the largest of them, on every rank (one all-reduce).
+
+    A phase every rank goes through together (a checkpoint load) lasts as long as its slowest rank;
+    each rank's own clock differs by its scheduling, so a figure that several ranks record (rank 0
+    in progress.txt, the last rank in TensorBoard) must be agreed before it is written."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return seconds
+    value = torch.tensor([seconds], dtype=torch.float64, device=comm_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return float(value.item())
+
+
 def reduce_loss_dicts(loss_dicts: List[Dict[str, torch.Tensor]], group=None) -> Dict[str, torch.Tensor]:
     """Reduce the per-microbatch report dicts of one global batch to one value per key.
 
