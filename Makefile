@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 STAMP = .setup-done
 
-.PHONY: setup cluster demo demo-text demo-sft report-image test lint clean-demo
+.PHONY: setup cluster demo demo-text demo-sft report-image test lint hooks clean-demo
 
 # torch 2.13.0 is the CPU build on these machines' disk; installing it first keeps pip from pulling a
 # multi-GB CUDA build for the range in setup.cfg.
@@ -51,6 +51,11 @@ test: cluster
 
 lint: setup
 	$(PYTHON) -m ruff check bridge_hpc tests benchmarks scripts
+	$(PYTHON) scripts/check_commit_subjects.py
+
+# git's commit-msg hook: a commit whose subject is over 72 characters is refused when it is made.
+hooks:
+	cp scripts/commit-msg .git/hooks/commit-msg
 
 clean-demo:
 	rm -rf runs/local-tiny runs/local-tiny-text runs/local-tiny-sft
