@@ -55,7 +55,8 @@ lint: setup
 
 # git's commit-msg hook: a commit whose subject is over 72 characters is refused when it is made.
 hooks:
-	cp scripts/commit-msg .git/hooks/commit-msg
+	mkdir -p "$$(git rev-parse --git-path hooks)"
+	cp scripts/commit-msg "$$(git rev-parse --git-path hooks)/commit-msg"
 
 clean-demo:
 	rm -rf runs/local-tiny runs/local-tiny-text runs/local-tiny-sft
