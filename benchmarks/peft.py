@@ -117,14 +117,15 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def fine_tune(work: Path, name: str, job: Path, base: Path, steps: int, warmup: int) -> dict:
-    """One fine-tuning run: ``steps`` steps, then SIGUSR1 and its exit save; its figures."""
+def fine_tune(work: Path, name: str, job: Path, base: Path, steps: int, warmup: int, sets: List[str] = ()) -> dict:
+    """One fine-tuning run: ``steps`` steps, then SIGUSR1 and its exit save; its figures. ``sets``: more
+    ``--set`` overrides."""
     run_dir, log = work / name, work / f"{name}.log"
     print(f"[peft] {name} ...", flush=True)
     t0 = time.time()
     # train_iters well past the signal: the run ends through the exit save, not at its last step
     proc = start(job, run_dir, [f"train.train_iters={steps + 1000}",
-                                f"checkpoint.pretrained_checkpoint={json.dumps(str(base))}"], log)
+                                f"checkpoint.pretrained_checkpoint={json.dumps(str(base))}", *sets], log)
     deadline = time.time() + 600
     while steps_done(run_dir) < steps:
         if proc.poll() is not None or time.time() > deadline:
@@ -189,6 +190,8 @@ def main() -> int:
     p.add_argument("--order", default="full,lora,lora,full", help="the runs, in order (default full,lora,lora,full)")
     p.add_argument("--dir", default=None, help="where the runs go (default: a temporary folder, removed after)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "peft.json"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a job-file override for every fine-tuning run (repeatable), e.g. model.cuda_graph_impl=none")
     args = p.parse_args()
     order = args.order.split(",")
     if not set(order) <= {"full", "lora"} or set(order) != {"full", "lora"}:
@@ -209,7 +212,7 @@ def main() -> int:
     results: Dict[str, object] = {
         "model": "tiny GPT" if args.tiny else "~1.3B GPT (benchmarks/parallel.py)", "shape": shape,
         "device": device, "precision": "bf16, distributed adam" if gpu else "fp32, adam", "lora": LORA,
-        "steps": steps, "warmup": warmup, "order": order, "runs": []}
+        "steps": steps, "warmup": warmup, "order": order, "sets": args.set, "runs": []}
     try:
         base = make_base(work, shape, gpu)
         results["base_bytes"] = folder_bytes(base)
@@ -218,7 +221,7 @@ def main() -> int:
             jobs[variant] = work / f"{variant}.toml"
             jobs[variant].write_text(job_toml(shape, gpu, lora=variant == "lora", entry="finetune"))
         for i, variant in enumerate(order):
-            r = fine_tune(work, f"{i + 1}-{variant}", jobs[variant], base, steps, warmup)
+            r = fine_tune(work, f"{i + 1}-{variant}", jobs[variant], base, steps, warmup, args.set)
             results["runs"].append(dict(r, variant=variant))
             write_results(args.json, results, finished=False)
     finally:

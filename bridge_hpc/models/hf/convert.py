@@ -21,10 +21,20 @@ import torch
 
 from bridge_hpc.training.hf import families, mapping
 
+#: The seed of the model a tool builds: its initial values are overwritten by the folder's tensors,
+#: so any seed does; a fixed one keeps a tool's run reproducible.
+TOOL_SEED = 1234
+
 
 def _world_of_one() -> None:
+    """The process state a model build needs, as a rank has it: a process group of one, megatron-core's
+    parallel state (TP1/PP1) and its RNG trackers. On a GPU megatron-core's layers draw their initial
+    weights from the model-parallel CUDA RNG tracker; a tool that never seeded it crashed there
+    ("cuda rng state model-parallel-rng is not added") on every machine with a GPU."""
     import torch.distributed as dist
     from megatron.core import parallel_state
+
+    from bridge_hpc.training.pretrain import set_random_seed
 
     if not dist.is_initialized():
         with socket.socket() as s:
@@ -36,6 +46,7 @@ def _world_of_one() -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+    set_random_seed(TOOL_SEED)
 
 
 def import_folder(hf_dir: str, out_dir: str, progress: Callable[[str], None] = lambda line: None) -> Dict[str, Any]:

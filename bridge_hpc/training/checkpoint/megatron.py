@@ -265,9 +265,13 @@ def _init_empty_distributed_optimizer_state(optimizer) -> list:
 def _torch_adam_step_kept(optimizer) -> Iterator[None]:
     """While a distributed optimizer loads its parameter state: megatron-core's
     ``_set_main_param_and_optimizer_states`` copies into every tensor of a parameter's torch Adam
-    state, ``step`` included, from loaded tensors that never hold ``step`` (it comes from the
-    parameter groups, set just before), and fails with KeyError 'step' without Apex/TE. Here a state
-    tensor missing from the loaded ones is copied onto itself: ``step`` keeps the groups' value."""
+    state, ``step`` included, from the loaded tensors. Those hold no real ``step``: it comes from the
+    parameter groups, set just before. In the ``dp_reshardable`` layout the loaded ``step`` is a
+    ``LocalNonpersistentObject``, i.e. whatever the state held when the sharded state dict was built
+    (the placeholder zero of :func:`_init_empty_distributed_optimizer_state`), and elsewhere it is
+    missing (KeyError 'step' without Apex/TE). Either way ``step`` is taken from the current state,
+    copied onto itself, so it keeps the groups' value. (Seen on a GPU: a resumed LoRA run's Adam
+    counted from step 1 again, so its updates differed from the uninterrupted run's from the first.)"""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     patched = [inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
@@ -277,7 +281,8 @@ def _torch_adam_step_kept(optimizer) -> Iterator[None]:
             group_index, group_order = __inner.model_param_group_index_map[model_param]
             main_param = __inner.optimizer.param_groups[group_index]["params"][group_order]
             current = __inner.optimizer.state[main_param]
-            return __set(model_param, {**{k: v for k, v in current.items() if isinstance(v, torch.Tensor)}, **tensors})
+            kept = {k: v for k, v in current.items() if isinstance(v, torch.Tensor)}
+            return __set(model_param, {**kept, **{k: v for k, v in tensors.items() if k != "step"}})
 
         inner._set_main_param_and_optimizer_states = set_states
     try:

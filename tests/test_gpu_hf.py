@@ -1,0 +1,82 @@
+"""``bridge-hf`` on a GPU node (issue 35); skipped without CUDA.
+
+On a machine with a CUDA GPU the tools build the model on the GPU, where megatron-core's layers draw
+their initial weights from its model-parallel CUDA RNG tracker: ``bridge-hf import`` crashed there
+("cuda rng state model-parallel-rng is not added") until the tools seeded it as a rank does. The CPU
+tests cannot see this. Here, for every family:
+
+* ``bridge-hf import`` then ``bridge-hf export`` through the command line, CUDA visible: exit 0, and the
+  exported tensors are the original ones bit for bit (so transformers gives the same logits);
+* the toolkit's GPT built on the GPU from the folder gives transformers' logits (fp32, TP1).
+
+Run: ``python -m pytest -q tests/test_gpu_hf.py`` (about a minute on an H100).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from bridge_test_helpers import direct_rank_env, single_rank_world
+from hf_models import FAMILIES, VOCAB, batch, hf_logits, make_hf_model, model_config
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+#: fp32 on the GPU (cuDNN/flash attention kernels against transformers' eager attention on the CPU).
+GPU_TOLERANCE = 1e-3
+
+
+def _tensors(folder: str) -> dict:
+    out = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
+def _bridge_hf(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bridge_hpc.cli.hf", *args], capture_output=True, text=True,
+                          env=direct_rank_env(), timeout=300)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_and_export_through_the_cli_on_a_gpu_node(tmp_path, family):
+    original, imported, exported = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "out")
+    make_hf_model(family, original)
+    for args in (("import", original, imported), ("export", imported, exported)):
+        done = _bridge_hf(*args)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-4000:]
+    before, after = _tensors(original), _tensors(exported)
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+
+
+@pytest.fixture
+def gpu_world():
+    yield from single_rank_world("nccl")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_gpt_built_on_the_gpu_gives_transformers_logits(tmp_path, gpu_world, family):
+    from bridge_hpc.models.hf.convert import TOOL_SEED
+    from bridge_hpc.training.engine.model import gpt_model_provider
+    from bridge_hpc.training.hf import load
+    from bridge_hpc.training.pretrain import set_random_seed
+
+    folder = str(tmp_path / family)
+    make_hf_model(family, folder)
+    set_random_seed(TOOL_SEED)  # as a rank and the tools do: the GPU layers' init reads the CUDA RNG tracker
+    model = gpt_model_provider(model_config(folder)).eval()
+    assert next(model.parameters()).is_cuda
+    load.load_hf_weights(folder, [model])
+    b = {k: v.cuda() for k, v in batch().items()}
+    with torch.no_grad():
+        ours = model(b["tokens"], b["position_ids"], None)[..., :VOCAB].float().cpu()
+    theirs = hf_logits(folder, batch()["tokens"])
+    assert (ours - theirs).abs().max().item() <= GPU_TOLERANCE
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
