@@ -33,6 +33,8 @@ TORCH_FREE_TRAINING = (
     # the login node's checks of a Hugging Face folder (config.json, headers, shapes)
     "bridge_hpc.training.hf", "bridge_hpc.training.hf.families", "bridge_hpc.training.hf.safetensors_files",
     "bridge_hpc.training.hf.mapping",
+    # the model a toolkit checkpoint was written by (its run_config.json), checked against [model]
+    "bridge_hpc.training.checkpoint", "bridge_hpc.training.checkpoint.architecture",
 )
 #: The PEFT configs (``[peft]``), read by the torch-free training config: torch-free at module level too.
 TORCH_FREE_PEFT = (

@@ -49,6 +49,9 @@ DATASET_CACHE_DIR = "dataset_cache"
 #: Its presence marks the folder complete; the sizes let a load find a truncated or missing file
 #: before any rank reads it. (Read without torch too: a PEFT run's base digest is taken from it.)
 CHECKPOINT_MANIFEST_FILE = "manifest.json"
+#: In each checkpoint folder, the configuration the run that saved it had (rank 0); the loader reads the
+#: optimizer layout from it, bridge-submit the model a pretrained base was written with.
+CHECKPOINT_RUN_CONFIG_FILE = "run_config.json"
 #: The W&B, MLflow and Comet runs a job continues across requeues and restarts (the last rank writes it,
 #: :mod:`bridge_hpc.training.utils.log_backends`); beside it their files, unless the job sets a place.
 LOGGER_RUNS_FILE = "logger_runs.json"

@@ -31,6 +31,7 @@ from bridge_hpc.contracts import bytecode_cache, fast_path, run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 from bridge_hpc.contracts.text import has_control_chars
+from bridge_hpc.training.checkpoint import architecture as base_architecture
 from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
 from bridge_hpc.training.config import (
     ConfigContainer,
@@ -763,6 +764,7 @@ def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, s
                 raise where.error(f"{section}.{key}", str(err)) from None
             training[section][key] = str(path if path.is_absolute() else base / path)
     _hugging_face_sections(training, where)
+    _toolkit_base_matches_model(training, where)
     dataset = training.get("dataset")
     indexed = dataset is not None and issubclass(dataset_config_class(dataset), GPTDatasetConfig) and not issubclass(
         dataset_config_class(dataset), MockGPTDatasetConfig)  # mock data is a GPTDatasetConfig that reads no files
@@ -847,6 +849,35 @@ def _hugging_face_sections(training: Dict[str, Dict[str, Any]], where: "_Where")
     if "tokenizer" not in training and any(os.path.isfile(os.path.join(folder, name))
                                            for name in hf_families.TOKENIZER_FILES):
         training["tokenizer"] = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": folder}
+
+
+def _toolkit_base_matches_model(training: Dict[str, Dict[str, Any]], where: "_Where") -> None:
+    """A toolkit checkpoint as ``checkpoint.pretrained_checkpoint``: the model it was written by (its
+    run_config.json) against the job's ``[model]``, on every field that fixes a tensor's shape
+    (:mod:`bridge_hpc.training.checkpoint.architecture`), so that a base of another architecture is
+    refused here, not by a size mismatch on every rank after the queue."""
+    pretrained = training.get("checkpoint", {}).get("pretrained_checkpoint")
+    if not isinstance(pretrained, str) or not pretrained.strip() or hf_families.is_hf_folder(pretrained):
+        return
+    folder = base_architecture.base_iteration_folder(pretrained)
+    if folder is None:
+        return  # nothing to compare yet (the ranks say what is missing when they read it)
+    try:
+        saved = base_architecture.saved_model(folder)
+    except ConfigError as err:
+        raise where.error("checkpoint.pretrained_checkpoint", f"{err.path}: {err.message}") from None
+    try:
+        model = build_dataclass(GPTModelConfig, "model", training.get("model", {}),
+                                lambda key, message: ConfigError(message, key=key))
+        model.finalize()
+    except ConfigError as err:
+        raise where.error(err.key or "model", err.message) from None
+    found = base_architecture.first_contradiction(saved, dataclasses.asdict(model))
+    if found is not None:
+        name, wanted, theirs = found
+        raise where.error(f"model.{name}", f"is {wanted!r}, but checkpoint.pretrained_checkpoint {folder} holds a model "
+                          f"with {name} = {theirs!r} (its tensors cannot be read into this model): set model.{name} = "
+                          f"{theirs!r}, or start from a checkpoint of this architecture")
 
 
 def _resolve_forward_step(spec: str, base: Path, where: "_Where") -> str:

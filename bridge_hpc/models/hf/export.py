@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.hf import families, mapping
 
@@ -174,7 +175,7 @@ def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
     if family is None:
         key, wanted = families.misfit(model)
         raise ConfigError(f"is {model.get(key.split('.', 1)[1])!r}: no supported Hugging Face family has this model "
-                          f"(it would need {wanted})", path=os.path.join(folder, "run_config.json"), key=key)
+                          f"(it would need {wanted})", path=os.path.join(folder, run_folder.CHECKPOINT_RUN_CONFIG_FILE), key=key)
     if dtype is None:
         dtype = (base or {}).get("dtype") or (base or {}).get("torch_dtype") or str(
             tensors["embedding.word_embeddings.weight"].dtype).replace("torch.", "")

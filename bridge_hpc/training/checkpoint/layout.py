@@ -32,8 +32,8 @@ TRACKER = run_folder.TRACKER_FILE
 COMMON_FILE = "train_state.pt"
 #: Written last into a checkpoint folder (format 2): see run_folder.CHECKPOINT_MANIFEST_FILE.
 MANIFEST_FILE = run_folder.CHECKPOINT_MANIFEST_FILE
-#: The resolved configuration of the run that saved (rank 0); the loader reads the optimizer layout from it.
-RUN_CONFIG_FILE = "run_config.json"
+#: The resolved configuration of the run that saved (rank 0): see run_folder.CHECKPOINT_RUN_CONFIG_FILE.
+RUN_CONFIG_FILE = run_folder.CHECKPOINT_RUN_CONFIG_FILE
 #: Suffix of a checkpoint folder set aside because it failed verification or loading.
 DAMAGED_SUFFIX = ".damaged"
 _ITER_RE = run_folder.ITERATION_DIR_RE
