@@ -384,3 +384,18 @@ def test_batch_dataloader_pads_each_global_batch_to_one_length_and_resumes(tmp_p
     first_pass = [ds.record(i)["output"] + ds.record(i)["input"] for i in range(13)]
     second_pass = [ds.record(i)["output"] + ds.record(i)["input"] for i in range(13, 26)]
     assert sorted(first_pass) == sorted(second_pass) and first_pass != second_pass
+
+
+def test_a_base_of_another_vocabulary_is_one_line_naming_the_key_and_the_tensor(pretrained, sft_data, tmp_path):
+    """What bridge-submit cannot compare, the vocabulary the tokenizer gives on the ranks (200 extra ids:
+    384 -> 512 rows), fails before any weight is read: one line naming checkpoint.pretrained_checkpoint,
+    the tensor and both shapes, exit 2 (the batch script does not requeue it), no traceback (issue 36)."""
+    from bridge_test_helpers import direct_rank_env
+
+    job = _finetune_job(tmp_path / "ft", pretrained, sft_data)
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", str(job), "--set", "tokenizer.vocab_extra_ids=200"],
+                          cwd=job.parent, env=direct_rank_env(), capture_output=True, text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "key 'checkpoint.pretrained_checkpoint'" in last and "word_embeddings" in last, last
+    assert "(384, 64)" in last and "(512, 64)" in last, last

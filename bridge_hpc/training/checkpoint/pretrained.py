@@ -17,13 +17,18 @@ rank converts and reads its slices of (:mod:`bridge_hpc.training.hf.load`).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.checkpoint.config import CheckpointConfig
 from bridge_hpc.training.checkpoint.layout import _rank, _resolve_checkpoint_dir, complete_iterations
-from bridge_hpc.training.checkpoint.megatron import _load_model_and_optimizer
+from bridge_hpc.training.checkpoint.megatron import (
+    _load_model_and_optimizer,
+    _uses_megatron_dist,
+    model_sharded_state_dict,
+)
 from bridge_hpc.training.hf import families
 from bridge_hpc.training.hf.load import load_hf_weights
 
@@ -55,7 +60,40 @@ def load_pretrained_weights(cfg: CheckpointConfig, chunks: List[torch.nn.Module]
     folder = _resolve_checkpoint_dir(cfg.pretrained_checkpoint)
     if folder is None:
         raise FileNotFoundError(f"no complete checkpoint under {cfg.pretrained_checkpoint}")
+    _check_shapes(chunks, folder)
     _load_model_and_optimizer(chunks, None, folder, load_optim=False)
     if _rank() == 0:
         print(f"loaded pretrained weights from {folder}", flush=True)
     return folder
+
+
+def _expected_shapes(chunks: List[torch.nn.Module]) -> Dict[str, Tuple[int, ...]]:
+    """The global shape of each tensor this model reads, under the key the checkpoint format stores it
+    at: megatron-core's sharded keys (GPU back end), or ``model.<name>`` of torch DCP (CPU back end)."""
+    if _uses_megatron_dist(chunks):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        return {t.key: tuple(t.global_shape) for table in model_sharded_state_dict(chunks).values()
+                for t in table.values() if isinstance(t, ShardedTensor)}
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {f"model.{name}": tuple(t.shape) for name, t in get_model_state_dict(chunks[0]).items()
+            if isinstance(t, torch.Tensor)}
+
+
+def _check_shapes(chunks: List[torch.nn.Module], folder: str) -> None:
+    """Every tensor of the base that this model reads has this model's shape there, or one ConfigError
+    naming ``checkpoint.pretrained_checkpoint``, the tensor and both shapes (exit 2, not requeued: a
+    requeue cannot change either). bridge-submit compares the architectures already
+    (:mod:`bridge_hpc.training.checkpoint.architecture`); what it cannot see (the vocabulary the
+    tokenizer gives, a checkpoint replaced after submission) would otherwise surface as a size
+    mismatch deep inside the load, on every rank. Reads the checkpoint's metadata only."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    for key, shape in sorted(_expected_shapes(chunks).items()):
+        size = getattr(saved.get(key), "size", None)
+        if size is not None and tuple(size) != shape:
+            raise ConfigError(f"{folder} holds {key} with shape {tuple(size)}, this model's is {shape}: the base "
+                              "was written by a model of another architecture or vocabulary",
+                              key="checkpoint.pretrained_checkpoint")
