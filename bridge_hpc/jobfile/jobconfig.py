@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fnmatch
 import math
 import os
 import re
@@ -61,6 +62,17 @@ _RESERVED_ENV_RE = re.compile(
     r"|SLURM_(RESTART_COUNT|PROCID|LOCALID|NODEID|NNODES|NODELIST|NTASKS|NPROCS|CLUSTER_NAME|SUBMIT_DIR|SUBMIT_HOST)"
     r"|ENV|SHELLOPTS|BASHOPTS|IFS|PS1|PS2|PS3|PS4|PROMPT_COMMAND|GLOBIGNORE"
 )
+#: [env] names that hold secrets (patterns: ``*`` stands for any text; matched regardless of case).
+#: Their value must come from the submitting shell, ``NAME = { from_shell = "NAME" }``: a literal would be
+#: written into job.sbatch and resolved.toml. A cluster profile adds its own (``[cluster]
+#: secret_env_names``). A TOML boolean is no secret (``HF_HUB_DISABLE_IMPLICIT_TOKEN = true``).
+SECRET_ENV_NAMES = ("*_API_KEY", "*_TOKEN", "API_KEY", "WANDB_API_KEY", "HF_TOKEN", "MLFLOW_TRACKING_TOKEN",
+                    "COMET_API_KEY")
+#: Keys of the ranks' sections that hold a secret, whatever their value, and the [env] variable that
+#: passes it instead.
+_SECRET_KEYS = {("logger", "comet_api_key"): "COMET_API_KEY"}
+#: What ``[cluster] secret_env_names`` may hold: variable names, ``*`` standing for any text.
+_SECRET_NAME_RE = re.compile(r"[A-Za-z0-9_*]+")
 #: The largest job file or profile read (a profile pointing at /proc/kcore must not be read whole).
 MAX_CONFIG_BYTES = 1 << 20
 #: How deeply tables and arrays may nest (the checks below walk them; no job config needs more).
@@ -172,6 +184,9 @@ class ClusterSection:
     gpus_per_node: Optional[int] = None
     cpus_per_node: Optional[int] = None
     max_time: Optional[str] = None
+    # The site's own secret [env] names, on top of SECRET_ENV_NAMES (``*`` for any text): a literal
+    # value for one is refused; it must be ``{ from_shell = "NAME" }``.
+    secret_env_names: List[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -512,6 +527,36 @@ def _no_control_chars(value: Any, parts: Tuple[str, ...], where: _Where) -> None
             _no_control_chars(v, parts + (k,), where)
 
 
+def _refuse_written_secrets(doc: Dict[str, Any], where: _Where) -> None:
+    """A secret written in a job file, a profile or a ``--set`` would be kept in job.sbatch, resolved.toml
+    or every checkpoint: a key that holds one (``logger.comet_api_key``) is refused whatever its value, and
+    an [env] variable whose name is a secret's (:data:`SECRET_ENV_NAMES`, ``[cluster] secret_env_names``)
+    unless it is ``{ from_shell = "NAME" }``. The messages name the key, never the value."""
+    for (section, key), variable in _SECRET_KEYS.items():
+        body = doc.get(section)
+        if isinstance(body, dict) and key in body:
+            raise where.error(f"{section}.{key}", "an API key may not be written in a job file (it would be kept in "
+                              "resolved.toml and in every checkpoint): remove it and pass the key from your shell "
+                              f'through [env]: {variable} = {{ from_shell = "{variable}" }}', (section, key))
+    cluster = doc.get("cluster")
+    site = cluster.get("secret_env_names", []) if isinstance(cluster, dict) else []
+    if not isinstance(site, list) or not all(isinstance(n, str) and _SECRET_NAME_RE.fullmatch(n) for n in site):
+        raise where.error("cluster.secret_env_names", "expected a list of environment variable names, '*' standing "
+                          'for any text, such as ["MY_SITE_TOKEN", "*_PASSWORD"]')
+    patterns = [(p, "bridge_hpc's secret names") for p in SECRET_ENV_NAMES]
+    patterns += [(p, "cluster.secret_env_names") for p in site]
+    env = doc.get("env")
+    for name, value in (env.items() if isinstance(env, dict) else ()):  # not a table: _build_env names it
+        if isinstance(value, (dict, bool)) or not _ENV_NAME_RE.fullmatch(name):
+            continue  # { from_shell = ... } (or a table _build_env refuses), no secret, or a name refused later
+        for pattern, source in patterns:
+            if fnmatch.fnmatchcase(name.upper(), pattern.upper()):
+                raise where.error(f"env.{name}", f"a secret may not be written in a job file: {name} matches "
+                                  f"{pattern!r} ({source}) and its value would be kept in job.sbatch and "
+                                  f'resolved.toml; expected {name} = {{ from_shell = "{name}" }}, which passes the '
+                                  f"submitting shell's {name} by name")
+
+
 def _build_env(data: Any, where: _Where) -> List[EnvVar]:
     if not isinstance(data, dict):
         raise where.error("env", "expected a table of NAME = value")
@@ -630,12 +675,7 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
     where = _Where(path=path, origin=origin, overridden=tuple(overridden))
 
     known = LAUNCHER_SECTIONS + tuple(TRAINING_SECTIONS)
-    logger_section = doc.get("logger")
-    if isinstance(logger_section, dict) and "comet_api_key" in logger_section:
-        # First, so that no other check echoes the value: a key in a file would be kept in resolved.toml.
-        raise where.error("logger.comet_api_key", "an API key may not be written in a job file (it would be kept in "
-                          "resolved.toml and in every checkpoint): remove it and pass the key from your shell through "
-                          '[env]: COMET_API_KEY = { from_shell = "COMET_API_KEY" }', ("logger", "comet_api_key"))
+    _refuse_written_secrets(doc, where)  # first, so that no other check echoes a secret's value
     for key, value in doc.items():
         if _bad_key(key):
             raise where.error(repr(key), _KEY_NOT_PRINTABLE, (key,))
