@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import List, Optional, TextIO
 
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
-from bridge_hpc.jobfile.jobconfig import JobConfig, check_secrets_present, load_job_config
+from bridge_hpc.jobfile.jobconfig import JobConfig, check_secrets_present, dump_resolved, load_job_config
 from bridge_hpc.launch.render import render_script
 
 
@@ -22,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="job config (TOML); may extend cluster profiles")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any key, e.g. --set slurm.time=02:00:00 --set train.train_iters=500")
-    p.add_argument("--dry-run", action="store_true", help="print the rendered script; write and submit nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check of a real submit that needs no Slurm (the run folder's too), print the "
+                        "rendered script and, on stderr, which checks needed Slurm; write and submit nothing")
     p.add_argument("--force", action="store_true",
                    help="submit even into a run folder that holds a different job (its old files are kept) or "
                         "whose earlier job is still pending or running")
@@ -43,8 +45,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.verify_data:
         verify_data(cfg)
     if args.dry_run:
-        check_secrets_present(cfg)  # as a real submit would: the job would start without it
-        sys.stdout.write(render_script(cfg))
+        # Every check of a real submit that needs no Slurm, the run folder's too, writing nothing.
+        from bridge_hpc.launch.preflight import dry_run
+
+        check_secrets_present(cfg)  # the job would start without it
+        script = render_script(cfg)
+        unchecked = dry_run(cfg, dump_resolved(cfg), force=args.force)
+        sys.stdout.write(script)
+        print(unchecked, file=sys.stderr)
         return 0
     from bridge_hpc.launch.submit import SlurmNotFound, submit  # submitit only when submitting
 

@@ -16,13 +16,19 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, Optional, Sequence
 
 import submitit
 
-from bridge_hpc.contracts import run_folder
-from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.jobfile.jobconfig import JobConfig, check_secrets_present, dump_resolved, parse_toml
+from bridge_hpc.jobfile.jobconfig import JobConfig, check_secrets_present, dump_resolved
+from bridge_hpc.launch.preflight import (
+    SLURM_TOOLS,
+    holds_same_job,
+    make_run_dir,
+    remove_folders,
+    run_dir_error,
+    submitted_job_ids,
+)
 from bridge_hpc.launch.render import render_script
 from bridge_hpc.slurm.query import unfinished_jobs
 
@@ -78,47 +84,8 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def _run_dir_error(cfg: JobConfig, err: OSError) -> ConfigError:
-    what = "it exists and is not a folder" if isinstance(err, FileExistsError) else (err.strerror or str(err))
-    where = f" ({err.filename})" if err.filename and str(err.filename) != cfg.job.run_dir else ""
-    return cfg.error("job.run_dir", f"cannot create or write the run folder {cfg.job.run_dir}: {what}{where}; "
-                     "expected a folder this user can create and write")
-
-
 class SlurmNotFound(Exception):
     """Slurm's client tools are not on PATH: not bad input, a machine without Slurm."""
-
-
-#: What submitting needs on PATH: sbatch, and srun, which submitit looks for before it submits.
-SLURM_TOOLS = ("sbatch", "srun")
-
-
-def make_run_dir(cfg: JobConfig) -> List[Path]:
-    """Create the run folder (and its parents) or say, naming ``job.run_dir``, why it cannot be:
-    a parent that is a file (``/etc/passwd/x``), a read-only file system, ``/proc``, no permission.
-    Returns the folders it created, outermost first."""
-    path = Path(cfg.job.run_dir)
-    created: List[Path] = []
-    try:
-        missing = path
-        while not os.path.lexists(missing) and missing != missing.parent:
-            created.insert(0, missing)
-            missing = missing.parent
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise _run_dir_error(cfg, err) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise cfg.error("job.run_dir", f"cannot write the run folder {path}: "
-                        f"{'read-only file system' if _read_only(path) else 'permission denied'}; "
-                        "expected a folder this user can write")
-    return created
-
-
-def _read_only(path: Path) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager
@@ -159,24 +126,13 @@ def prepare_run_dir(cfg: JobConfig, script: str, resolved: str, force: bool = Fa
 
     The same job submitted again (to continue after a cancel, or from its own resolved.toml)
     reuses the folder and resumes from its checkpoints. A folder that holds a *different* job is left
-    untouched unless ``force``; then, as whenever a file would change, the old one is kept as
-    ``<name>.<n>``: nothing a user has is ever overwritten.
+    untouched unless ``force`` (:func:`~bridge_hpc.launch.preflight.holds_same_job`); then, as whenever
+    a file would change, the old one is kept as ``<name>.<n>``: nothing a user has is ever overwritten.
     """
     folder = cfg.run_folder
     files = {"resolved": Path(folder.resolved_config), "script": Path(folder.job_script)}
-    same_job = False
+    same_job = holds_same_job(cfg, resolved, force)
     try:
-        if files["resolved"].exists():
-            try:
-                same_job = _parse_resolved(files["resolved"].read_text()) == _parse_resolved(resolved)
-            except ValueError:
-                same_job = False
-            if not same_job and not force:
-                raise cfg.error(
-                    "job.run_dir",
-                    f"run folder {cfg.job.run_dir} already holds a different job (see its resolved.toml); "
-                    "choose another job.run_dir, or pass --force to submit anyway (the old files are kept)",
-                )
         for key, text in (("resolved", resolved), ("script", script)):
             path = files[key]
             if path.exists():
@@ -191,15 +147,7 @@ def prepare_run_dir(cfg: JobConfig, script: str, resolved: str, force: bool = Fa
             _atomic_write(path, text)
         Path(folder.logs).mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise _run_dir_error(cfg, err) from None
-
-
-def _parse_resolved(text: str) -> dict:
-    """A resolved.toml's content for comparison (ValueError when it is not TOML)."""
-    try:
-        return parse_toml(text)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
+        raise run_dir_error(cfg, err) from None
 
 
 def submit(cfg: JobConfig, force: bool = False) -> Submission:
@@ -211,9 +159,7 @@ def submit(cfg: JobConfig, force: bool = False) -> Submission:
     created = make_run_dir(cfg)
     missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
     if missing:
-        for folder in reversed(created):  # leave no trace of a submit that cannot happen
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        remove_folders(created)  # leave no trace of a submit that cannot happen
         raise SlurmNotFound(f"{' and '.join(missing)} not found on PATH")
     with _locked(Path(cfg.job.run_dir)):
         if not force:
@@ -227,7 +173,7 @@ def submit(cfg: JobConfig, force: bool = False) -> Submission:
             # sbatch missing (FileNotFoundError naming it) is the caller's to explain; anything else
             # here is submitit writing its submission file into the run folder's logs/.
             if err.filename and str(err.filename).startswith(cfg.job.run_dir):
-                raise _run_dir_error(cfg, err) from None
+                raise run_dir_error(cfg, err) from None
             raise
         warning = None
         try:
@@ -247,34 +193,3 @@ def record_jobs(jobs_log: Path, job_ids: Sequence[str], config: str) -> None:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     with open(jobs_log, "a") as f:
         f.write("".join(json.dumps({"job_id": str(j), "submitted": stamp, "config": config}) + "\n" for j in job_ids))
-
-
-def submitted_job_ids(run_dir: Path, skipped: Optional[List[int]] = None) -> List[str]:
-    """Job ids submitted into a run folder, oldest first (from its jobs.jsonl; [] without one).
-
-    Only Slurm job ids come back (digits, or an array task's ``<job>_<task>``: ``is_job_id``), as they are
-    handed to squeue, sacct and scontrol. A line that is not UTF-8 JSON with such an id under ``job_id``
-    (a torn or edited line, ``--help``) is passed over: its 1-based number is appended to ``skipped``
-    where the caller passes a list, so that it can say how many."""
-    from bridge_hpc.slurm.query import is_job_id
-
-    path = Path(run_folder.RunFolder(str(run_dir)).jobs_log)
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return []
-    ids = []
-    for number, line in enumerate(data.split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            job_id = json.loads(line.decode("utf-8"))["job_id"]
-        except (ValueError, KeyError, TypeError, IndexError):  # UnicodeDecodeError is a ValueError
-            job_id = None
-        if isinstance(job_id, int) and not isinstance(job_id, bool):
-            job_id = str(job_id)
-        if is_job_id(job_id):
-            ids.append(job_id)
-        elif skipped is not None:
-            skipped.append(number)
-    return ids
