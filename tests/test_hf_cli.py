@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 from hf_models import make_hf_model
@@ -70,6 +72,7 @@ BAD = {
 def test_bad_import_input_is_one_line_and_exit_2_with_nothing_written(good, tmp_path, case):
     make, words = BAD[case]
     source = make(good, tmp_path)
+    before = set(os.listdir(tmp_path))
     out = tmp_path / "out"
     proc = subprocess.run(HF + ["import", str(source), str(out)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
@@ -77,7 +80,7 @@ def test_bad_import_input_is_one_line_and_exit_2_with_nothing_written(good, tmp_
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and words in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    assert not out.exists() and not (tmp_path / "out.tmp").exists() and not (tmp_path / "pwned").exists()
+    assert set(os.listdir(tmp_path)) == before  # no OUT, no temporary folder, no pwned
 
 
 def test_export_refuses_what_is_no_checkpoint_and_an_existing_out(good, tmp_path):
@@ -102,3 +105,213 @@ def test_import_writes_a_checkpoint_that_submission_takes_and_a_bad_folder_is_re
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "key 'model.layers.2.input_layernorm.weight': missing" in proc.stderr
+
+
+# --- where the output is written: a temporary folder of the tool's own beside OUT (issue 36) -----------
+
+#: Runs ``bridge-hf`` (its ``__main__``) on a slow disk: every write-mode ``open`` and every ``fsync`` under
+#: $SLOW_UNDER waits half a second, so that a test sees the write phase begin and acts inside it.
+SLOW_DISK = [sys.executable, "-c", """
+import builtins, os, runpy, sys, time
+under, _open, _fsync = os.environ["SLOW_UNDER"], builtins.open, os.fsync
+def _slow(path):
+    if os.path.abspath(str(path)).startswith(under):
+        time.sleep(0.5)
+def slow_open(file, mode="r", *args, **kwargs):
+    if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+"):
+        _slow(os.fsdecode(file))
+    return _open(file, mode, *args, **kwargs)
+def slow_fsync(fd):
+    _slow(os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}"))
+    return _fsync(fd)
+builtins.open, os.fsync = slow_open, slow_fsync
+sys.argv[0] = "bridge-hf"
+runpy.run_module("bridge_hpc.cli.hf", run_name="__main__", alter_sys=True)
+"""]
+#: How long a test waits for a tool to reach its write phase (torch's import alone takes 5-30 s on a
+#: loaded 2-core machine); the wait ends as soon as it is there.
+WRITE_PHASE_WAIT_S = 300
+
+
+@pytest.fixture(scope="module")
+def imported(good, tmp_path_factory):
+    """``bridge-hf import`` of the good folder: a toolkit checkpoint folder (iter_0000000 and the tracker)."""
+    out = tmp_path_factory.mktemp("imported") / "ckpt"
+    proc = subprocess.run(HF + ["import", str(good), str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def _args(command, good, imported, out):
+    return [command, str(good if command == "import" else imported), str(out)]
+
+
+def _error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def _start_slow(args, tmp_path):
+    return subprocess.Popen(SLOW_DISK + args, env={**os.environ, "SLOW_UNDER": str(tmp_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_new_entry(proc, folder, before):
+    """The first entry of ``folder`` not in ``before`` (the tool's temporary output), polled while ``proc`` runs."""
+    deadline = time.monotonic() + WRITE_PHASE_WAIT_S
+    while time.monotonic() < deadline:
+        new = sorted(set(os.listdir(folder)) - before)
+        if new:
+            return new[0]
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"ended (exit {proc.returncode}) before its write phase:\n{out}\n{err[-3000:]}")
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail(f"no temporary output appeared in {WRITE_PHASE_WAIT_S} s")
+
+
+@pytest.mark.parametrize("command", ["import", "export"])
+@pytest.mark.parametrize("kind", ["folder", "symlink"])
+def test_an_existing_out_tmp_is_left_alone(good, imported, tmp_path, command, kind):
+    """Someone's ``OUT.tmp`` (a folder with a file in it, or a link to another folder) is neither removed
+    nor followed: the tool writes into a temporary folder of its own."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if kind == "folder":
+        (tmp_path / "out.tmp").mkdir()
+        (tmp_path / "out.tmp" / "mine.txt").write_text("keep me")
+    else:
+        (tmp_path / "out.tmp").symlink_to(elsewhere)
+    out = tmp_path / "out"
+    proc = subprocess.run(HF + _args(command, good, imported, out), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.is_dir() and not out.is_symlink()
+    assert (out / ("iter_0000000" if command == "import" else "config.json")).exists()
+    assert os.listdir(elsewhere) == []
+    if kind == "folder":
+        assert (tmp_path / "out.tmp" / "mine.txt").read_text() == "keep me"
+    else:
+        assert (tmp_path / "out.tmp").is_symlink() and os.readlink(tmp_path / "out.tmp") == str(elsewhere)
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "out", "out.tmp"]  # no temporary folder left
+
+
+@pytest.mark.parametrize("command,signum", [("import", signal.SIGINT), ("export", signal.SIGINT),
+                                            ("import", signal.SIGTERM)], ids=["import", "export", "import-SIGTERM"])
+def test_ctrl_c_while_writing_leaves_nothing_and_says_so(good, imported, tmp_path, command, signum):
+    """SIGINT (or SIGTERM) in the write phase: no success summary, one line saying OUT was not written,
+    exit status 130, and the tool's temporary folder gone (and nothing else touched)."""
+    out = tmp_path / "out"
+    before = set(os.listdir(tmp_path))
+    proc = _start_slow(_args(command, good, imported, out), tmp_path)
+    _wait_for_new_entry(proc, tmp_path, before)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert stdout == "" and "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and f"{out} was not written" in lines[0], stderr[-3000:]
+    assert set(os.listdir(tmp_path)) == before
+
+
+def test_out_made_by_someone_else_during_an_import_is_not_overwritten(good, tmp_path):
+    """OUT appearing while the import writes (here an empty folder, which a plain rename would replace):
+    one line, exit 2, that folder untouched, the import's temporary folder gone."""
+    out = tmp_path / "out"
+    before = set(os.listdir(tmp_path))
+    proc = _start_slow(["import", str(good), str(out)], tmp_path)
+    _wait_for_new_entry(proc, tmp_path, before)
+    out.mkdir()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
+    lines = _error_lines(stderr)
+    assert len(lines) == 1 and f"{out}: exists already" in lines[0], stderr[-3000:]
+    assert os.listdir(out) == [] and set(os.listdir(tmp_path)) == before | {"out"}
+
+
+def test_two_imports_into_one_out_one_wins_and_the_other_says_so(good, tmp_path):
+    out = tmp_path / "out"
+    procs = [subprocess.Popen(HF + ["import", str(good), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = sorted((p.communicate(timeout=300), p.returncode) for p in procs)
+    codes = sorted(code for _, code in results)
+    assert codes == [0, 2], [err[-2000:] for (_, err), _ in results]
+    (_, loser_err), = [streams for streams, code in results if code == 2]
+    lines = _error_lines(loser_err)
+    assert len(lines) == 1 and f"{out}: exists already" in lines[0] and "Traceback" not in loser_err, loser_err[-3000:]
+    assert (out / "iter_0000000" / "manifest.json").is_file() and (out / "latest_checkpointed_iteration.txt").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.parametrize("command", ["import", "export"])
+def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(good, imported, small_disk, command):
+    filler = small_disk / "filler"
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    filler.write_bytes(b"\0" * (free - 100 * 1024))  # 100 KiB left: less than either output
+    out = small_disk / "out"
+    proc = subprocess.run(HF + _args(command, good, imported, out), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and f"{out}: not written" in lines[0] and "No space left on device" in lines[0], \
+        proc.stderr[-3000:]
+    assert os.listdir(small_disk) == ["filler"]
+
+
+def _run_folder_with(imported, tmp_path, iterations, tracker):
+    """A run's checkpoints/ folder holding copies of the imported checkpoint as ``iterations``."""
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    for i in iterations:
+        folder = root / f"iter_{i:07d}"
+        shutil.copytree(imported / "iter_0000000", folder)
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["iteration"] = i
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    (root / "latest_checkpointed_iteration.txt").write_text(f"{tracker}\n")
+    return root
+
+
+def test_export_says_the_newest_checkpoint_is_damaged_and_which_one_it_exported(imported, tmp_path):
+    root = _run_folder_with(imported, tmp_path, [20, 30], tracker=30)
+    os.truncate(root / "iter_0000030" / "__0_0.distcp", 1000)
+    proc = subprocess.run(HF + ["export", str(root), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert all(words in warnings[0] for words in (
+        "iter_0000030 (iteration 30)", "is damaged", "iter_0000030/__0_0.distcp: 1000 bytes, manifest says 298896",
+        "exporting iter_0000020 (iteration 20) instead")), warnings[0]
+    assert f"checkpoint={root / 'iter_0000020'}" in proc.stdout
+
+
+@pytest.mark.parametrize("given", ["checkpoints", "iteration folder"])
+def test_export_of_a_damaged_only_checkpoint_names_the_file(imported, tmp_path, given):
+    root = _run_folder_with(imported, tmp_path, [10], tracker=10)
+    os.truncate(root / "iter_0000010" / "__0_0.distcp", 1000)
+    source = root if given == "checkpoints" else root / "iter_0000010"
+    proc = subprocess.run(HF + ["export", str(source), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and "iter_0000010/__0_0.distcp: 1000 bytes, manifest says 298896" in lines[0], \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damaged", [".metadata", "__0_0.distcp"])
+def test_export_of_a_checkpoint_damaged_at_its_full_size_is_one_line(imported, tmp_path, damaged):
+    """Bytes overwritten in place pass the size check: the read that fails is one line naming the folder
+    (or its .metadata), exit 2, no traceback."""
+    root = _run_folder_with(imported, tmp_path, [10], tracker=10)
+    path = root / "iter_0000010" / damaged
+    with open(path, "r+b") as f:
+        f.seek(0)
+        f.write(b"\xff" * min(4096, path.stat().st_size))
+    proc = subprocess.run(HF + ["export", str(root), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = _error_lines(proc.stderr)
+    where = path if damaged == ".metadata" else path.parent
+    assert len(lines) == 1 and f"{where}: cannot be read" in lines[0] and "contents are damaged" in lines[0], \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()

@@ -6,23 +6,31 @@
   checkpoint) or one ``iter_NNNNNNN``, saved at any TP/PP layout, as a Hugging Face folder that
   ``transformers.AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer`` load.
 
-``OUT`` must not exist; it appears complete or not at all (written under ``OUT.tmp``, renamed at the
-end). Bad input (a folder without config.json, missing or truncated shards, a tensor of the wrong
-shape, dtype or name, a checkpoint no family fits): one line naming the file and tensor, exit status 2.
-Progress goes to stderr. torch is imported only once the input has been checked.
+``OUT`` must not exist; it appears complete or not at all, and nothing is overwritten: it is written
+into a temporary folder of the tool's own beside it (``.OUT.tmp-XXXXXXXX``; an ``OUT.tmp`` of anyone's
+is left alone), renamed at the end only if ``OUT`` is still absent
+(:mod:`bridge_hpc.contracts.new_output`). Bad input (a folder without config.json, missing or truncated
+shards, a tensor of the wrong shape, dtype or name, a checkpoint no family fits, a damaged checkpoint),
+a full disk, or ``OUT`` made by another run meanwhile: one line naming the file (and tensor), exit
+status 2. Ctrl-C or SIGTERM: one line saying ``OUT`` was not written, exit status 130, the temporary
+folder removed. ``export`` of a run's folder whose newest checkpoint is damaged exports the newest one
+that verifies and says so on stderr (``warning:``). Progress goes to stderr. torch is imported only
+once the input has been checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import time
 from typing import Optional, Sequence
 
+from bridge_hpc.contracts import new_output
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
-from bridge_hpc.contracts.text import has_control_chars
+from bridge_hpc.contracts.text import has_control_chars, one_line
 
 
 def parser() -> argparse.ArgumentParser:
@@ -59,9 +67,25 @@ def _progress(line: str, started: float = time.monotonic()) -> None:
     print(f"[bridge-hf {time.monotonic() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
 
 
-@exits_on_config_error
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
+    try:
+        with new_output.sigterm_as_interrupt():
+            return _run(args)
+    except KeyboardInterrupt:
+        out = one_line(args.out)
+        if new_output.was_published(args.out):
+            print(f"bridge-hf: interrupted after {out} was written completely (it is kept)", file=sys.stderr)
+        else:
+            print(f"bridge-hf: interrupted: {out} was not written (nothing of it is left)", file=sys.stderr)
+        # What is left is the interpreter's teardown: its garbage collections over torch's and
+        # megatron-core's objects take seconds on a loaded machine; frozen objects are skipped.
+        gc.freeze()
+        return new_output.EXIT_INTERRUPTED
+
+
+@exits_on_config_error
+def _run(args: argparse.Namespace) -> int:
     if args.command == "import":
         _check_paths(args.hf_dir, out=args.out)
         from bridge_hpc.training.hf import mapping

@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import socket
 from typing import Any, Callable, Dict
 
 import torch
 
+from bridge_hpc.contracts.new_output import new_output_folder
 from bridge_hpc.training.hf import families, mapping
 
 #: The seed of the model a tool builds: its initial values are overwritten by the folder's tensors,
@@ -51,7 +51,8 @@ def _world_of_one() -> None:
 
 def import_folder(hf_dir: str, out_dir: str, progress: Callable[[str], None] = lambda line: None) -> Dict[str, Any]:
     """Write the Hugging Face model in ``hf_dir`` as a toolkit checkpoint folder ``out_dir`` (new); returns
-    a summary. Written under a temporary name and renamed when complete."""
+    a summary. Written into a temporary folder of its own and renamed when complete
+    (:func:`bridge_hpc.contracts.new_output.new_output_folder`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -72,11 +73,9 @@ def import_folder(hf_dir: str, out_dir: str, progress: Callable[[str], None] = l
     model = gpt_model_provider(cfg)
     progress(f"reading its tensors from {hf_dir}")
     read = load_hf_weights(hf_dir, [model])
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    folder = layout.iteration_dir(tmp, 0)
-    os.makedirs(folder)
-    try:
+    with new_output_folder(out_dir) as tmp:
+        folder = layout.iteration_dir(tmp, 0)
+        os.makedirs(folder)
         progress(f"writing {layout.iteration_dir(out_dir, 0)}")
         if _uses_megatron_dist([model]):
             _save_model_and_optimizer([model], None, folder, save_optim=False, writers=4)
@@ -94,9 +93,5 @@ def import_folder(hf_dir: str, out_dir: str, progress: Callable[[str], None] = l
 
         _write_manifest(folder, 0, 1)
         layout._write_tracker(tmp, 0)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"family": hf["model_type"], "checkpoint": layout.iteration_dir(out_dir, 0), "bytes_read": read,
             "format": "megatron-core dist_checkpointing" if _uses_megatron_dist([model]) else "torch DCP (CPU)"}

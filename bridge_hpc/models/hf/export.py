@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.new_output import new_output_folder
 from bridge_hpc.training.hf import families, mapping
 
 #: Above this many bytes of tensors the weights are split into shards with an index (transformers' 5 GB).
@@ -29,19 +31,24 @@ SHARD_BYTES = 5 * 10**9
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def read_checkpoint(path: str) -> Tuple[str, Dict[str, Any], Dict[str, torch.Tensor]]:
+def _warn(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def read_checkpoint(path: str, warn: Callable[[str], None] = _warn
+                    ) -> Tuple[str, Dict[str, Any], Dict[str, torch.Tensor]]:
     """``(checkpoint folder, its run_config.json, the model's tensors by local-spec name with global layer
     numbers, whole)`` of ``path``: a run's ``checkpoints/`` folder (its newest complete checkpoint) or
-    one ``iter_NNNNNNN``. ConfigError naming the folder when there is none."""
+    one ``iter_NNNNNNN``. ConfigError naming the folder when there is none, and the damaged file when it
+    fails verification; ``warn`` gets one line when a newer, damaged one is passed over (see
+    :func:`checkpoint_folder`)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from bridge_hpc.training.checkpoint.layout import RUN_CONFIG_FILE, _resolve_checkpoint_dir
+    from bridge_hpc.training.checkpoint.layout import RUN_CONFIG_FILE
 
-    folder = _resolve_checkpoint_dir(path) if os.path.isdir(path) else None
-    if folder is None:
-        raise ConfigError("holds no complete checkpoint (expected a run's checkpoints/ folder or one iter_NNNNNNN)",
-                          path=path)
+    folder = checkpoint_folder(path, warn)
     try:
         with open(os.path.join(folder, RUN_CONFIG_FILE)) as f:
             run_config = json.load(f)
@@ -51,8 +58,11 @@ def read_checkpoint(path: str) -> Tuple[str, Dict[str, Any], Dict[str, torch.Ten
         raise ConfigError(f"unreadable, or without a model section ({type(err).__name__})",
                           path=os.path.join(folder, RUN_CONFIG_FILE)) from None
     reader = dcp.FileSystemReader(folder)
-    metadata = reader.read_metadata()
-    cpu_layout = any(key.startswith("model.") for key in metadata.state_dict_metadata)
+    try:
+        metadata = reader.read_metadata()
+        cpu_layout = any(key.startswith("model.") for key in metadata.state_dict_metadata)
+    except (Exception, CheckpointException) as err:
+        raise _unreadable(os.path.join(folder, ".metadata"), err) from None
     wanted: Dict[str, torch.Tensor] = {}
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata) or "_extra_state" in key:
@@ -62,7 +72,10 @@ def read_checkpoint(path: str) -> Tuple[str, Dict[str, Any], Dict[str, torch.Ten
         if not cpu_layout and not key.startswith(("embedding.", "decoder.", "output_layer.")):
             continue
         wanted[key] = torch.empty(item.size, dtype=item.properties.dtype)
-    dcp.load(wanted, storage_reader=reader, no_dist=True)
+    try:
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as err:
+        raise _unreadable(folder, err) from None
     tensors: Dict[str, torch.Tensor] = {}
     for key, value in wanted.items():
         name = key[len("model."):] if cpu_layout else key
@@ -73,11 +86,68 @@ def read_checkpoint(path: str) -> Tuple[str, Dict[str, Any], Dict[str, torch.Ten
         else:
             tensors[mapping.canonical(name)] = value
     if run_config.get("peft"):
-        tensors = _merged_with_base(folder, run_config["peft"], tensors)
+        tensors = _merged_with_base(folder, run_config["peft"], tensors, warn)
     return folder, run_config, tensors
 
 
-def _merged_with_base(folder: str, peft: Dict[str, Any], adapters: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def checkpoint_folder(path: str, warn: Callable[[str], None] = _warn) -> str:
+    """The checkpoint folder ``path`` names: ``path`` itself if it is an ``iter_NNNNNNN`` folder, else the
+    one a run resuming from it would load (:func:`bridge_hpc.training.checkpoint.layout.checkpoint_choice`:
+    the tracker's, else the newest, that passes verification). A newer one passed over because it is
+    damaged is one ``warn`` line naming it, its iteration, the file that makes it so and the folder
+    exported instead; with none left, one ConfigError naming the damaged files."""
+    from bridge_hpc.contracts.run_folder import TRACKER_FILE
+    from bridge_hpc.training.checkpoint import layout
+
+    def described(folder: str) -> str:
+        name = os.path.basename(folder)
+        return f"{name} (iteration {int(layout._ITER_RE.match(name).group(1))})"
+
+    if not os.path.isdir(path):
+        raise ConfigError(_NO_CHECKPOINT, path=path)
+    if layout._ITER_RE.match(os.path.basename(os.path.normpath(path))):
+        problem = layout.verify_checkpoint(path)
+        if problem is not None:
+            raise ConfigError(f"holds no complete checkpoint: {problem}", path=path)
+        return path
+    chosen, damaged, tracker_warning = layout.checkpoint_choice(path)
+    if tracker_warning:
+        warn(tracker_warning)
+    parts = [f"{described(folder)} is damaged ({problem})" for folder, problem in damaged]
+    if chosen is None:
+        raise ConfigError(f"holds no complete checkpoint: {'; '.join(parts)}" if parts else _NO_CHECKPOINT, path=path)
+    if parts:
+        newest = max(layout.complete_iterations(path))
+        first = "the newest checkpoint" if damaged[0][0] == layout.iteration_dir(path, newest) else \
+            f"the checkpoint {TRACKER_FILE} names"
+        parts[0] = f"{first}, {described(damaged[0][0])}, is damaged ({damaged[0][1]})"
+        warn(f"{path}: {'; '.join(parts)}; exporting {described(chosen)} instead")
+    return chosen
+
+
+def _unreadable(path: str, err: BaseException) -> BaseException:
+    """The one line for a checkpoint whose files have their manifest's sizes but cannot be read (their
+    contents damaged): ConfigError naming ``path`` and the first failure; a Ctrl-C that
+    torch.distributed.checkpoint wrapped into its CheckpointException comes back as a KeyboardInterrupt."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:  # CheckpointException: rank -> (exception, traceback)
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    if isinstance(err, KeyboardInterrupt):
+        return KeyboardInterrupt()
+    text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    cause = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    if len(cause) > 200:
+        cause = cause[:200] + "..."
+    return ConfigError(f"cannot be read: its files are all there, at their sizes, but their contents are damaged "
+                       f"({cause})", path=path)
+
+
+_NO_CHECKPOINT = "holds no complete checkpoint (expected a run's checkpoints/ folder or one iter_NNNNNNN)"
+
+
+def _merged_with_base(folder: str, peft: Dict[str, Any], adapters: Dict[str, torch.Tensor],
+                      warn: Callable[[str], None] = _warn) -> Dict[str, torch.Tensor]:
     """The plain model's whole tensors of a PEFT run's checkpoint (``folder``, which holds the adapters
     only): its base (the folder its record names, a toolkit checkpoint or a Hugging Face folder) with
     the adapters merged in (:func:`bridge_hpc.peft.merge.merge_state_dicts`). ConfigError naming the
@@ -97,7 +167,7 @@ def _merged_with_base(folder: str, peft: Dict[str, Any], adapters: Dict[str, tor
     if not peft_checkpoint.matches_record(record, base):
         raise ConfigError(f"names the base model {base!r}, which changed since the adapters were trained on it "
                           "(another digest): merging them into it would export another model", path=record_path)
-    base_tensors = _hf_as_megatron(base) if families.is_hf_folder(base) else read_checkpoint(base)[2]
+    base_tensors = _hf_as_megatron(base) if families.is_hf_folder(base) else read_checkpoint(base, warn)[2]
     return merge_state_dicts(base_tensors, adapters, float(peft["alpha"]), int(peft["dim"]))
 
 
@@ -160,15 +230,16 @@ def _base_config(model: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
-           progress: Callable[[str], None] = lambda line: None) -> Dict[str, Any]:
+           progress: Callable[[str], None] = lambda line: None, warn: Callable[[str], None] = _warn) -> Dict[str, Any]:
     """Write the model of ``checkpoint`` to the new folder ``out_dir`` as a Hugging Face model; returns a
-    summary. The folder is written under a temporary name and renamed when complete (nothing half
-    written is left under ``out_dir``). ``dtype``: the saved tensors' (default: the Hugging Face
-    checkpoint the run started from, else the checkpoint's own)."""
+    summary. The folder is written into a temporary folder of its own and renamed when complete
+    (:func:`bridge_hpc.contracts.new_output.new_output_folder`: nothing half written is left, nothing is
+    overwritten). ``dtype``: the saved tensors' (default: the Hugging Face checkpoint the run started
+    from, else the checkpoint's own). ``warn``: one line when a newer, damaged checkpoint is passed over."""
     from safetensors.torch import save_file
 
     progress(f"reading {checkpoint}")
-    folder, run_config, tensors = read_checkpoint(checkpoint)
+    folder, run_config, tensors = read_checkpoint(checkpoint, warn)
     model = run_config["model"]
     base = _base_config(model)
     family = base["model_type"] if base else families.family_of(model)
@@ -183,10 +254,7 @@ def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
         raise ConfigError(f"expected one of {', '.join(_DTYPES)}, got {dtype!r}", key="--dtype")
     progress(f"converting {len(tensors)} tensors to {family}'s layout ({dtype})")
     hf_tensors = {k: v.to(_DTYPES[dtype]) for k, v in to_hf(tensors, model, family).items()}
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    with new_output_folder(out_dir) as tmp:
         shards = _shards(hf_tensors)
         total = sum(t.numel() * t.element_size() for t in hf_tensors.values())
         weight_map = {}
@@ -201,10 +269,6 @@ def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
         with open(os.path.join(tmp, families.CONFIG_FILE), "w") as f:
             json.dump(families.hf_config(model, base, dtype), f, indent=2, sort_keys=True)
         copied = _copy_tokenizer(run_config.get("tokenizer") or {}, model, tmp)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"checkpoint": folder, "family": family, "dtype": dtype, "tensors": len(hf_tensors), "bytes": total,
             "shards": len(shards), "tokenizer_files": copied}
 

@@ -228,13 +228,24 @@ def find_latest_checkpoint(root: str, world_size: Optional[int] = None) -> Optio
     an unusable tracker, newest) complete one that verifies. :func:`load_checkpoint` picks the same
     folder, and in addition sets damaged ones aside.
     """
+    return checkpoint_choice(root, world_size)[0]
+
+
+def checkpoint_choice(root: str, world_size: Optional[int] = None
+                      ) -> Tuple[Optional[str], List[Tuple[str, str]], Optional[str]]:
+    """:func:`find_latest_checkpoint` with its reasons, for a tool to tell: ``(the folder it picks or
+    None, the better candidates passed over as (folder, :func:`verify_checkpoint`'s line naming the
+    damaged file), the tracker's warning of the load order or None)``. Read-only."""
     if not root or not os.path.isdir(root):
-        return None
-    order, _, _ = _load_order(root)
+        return None, [], None
+    order, _, warning = _load_order(root)
+    damaged: List[Tuple[str, str]] = []
     for path in order:
-        if verify_checkpoint(path, world_size) is None:
-            return path
-    return None
+        problem = verify_checkpoint(path, world_size)
+        if problem is None:
+            return path, damaged, warning
+        damaged.append((path, problem))
+    return None, damaged, warning
 
 
 def _resolve_checkpoint_dir(path: str) -> Optional[str]:
