@@ -440,6 +440,13 @@ def _load_assembled(chunk, saved: dict) -> None:
             entry.data.copy_(saved[entry.key][_index(entry)])
 
 
+def _fused(chunk) -> int:
+    """How many of ``chunk``'s LoRA layers run fused (issue 35: only without tensor or sequence parallelism)."""
+    from bridge_hpc.peft.lora_layers import LoRALinear
+
+    return sum(module.fusable_layout for module in chunk.modules() if isinstance(module, LoRALinear))
+
+
 def _layouts(rank: int, port: int, out: str, kind: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -470,6 +477,7 @@ def _layouts(rank: int, port: int, out: str, kind: str) -> None:
     result["pp2_layers"] = sorted({k.split(".")[2] for k in pp2.state_dict() if k.startswith("decoder.layers.")})
     result["pp2_adapter_names"] = sorted(_global_name(pp2, k) for k, p in pp2.named_parameters() if p.requires_grad)
     result["pp2"] = _train([pp2], STEPS, 0, pipeline=True)
+    result["fused"] = [_fused(tp1), _fused(tp2), _fused(pp2)]
     parallel_state.destroy_model_parallel()
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -481,6 +489,8 @@ def test_tp2_and_pp2_train_as_tp1_and_a_tp2_checkpoint_resumes_at_tp1(tmp_path, 
     r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
     assert r0["tp1"] == r1["tp1"] and r0["tp2"] == r1["tp2"] and r0["pp2"] == r1["pp2"]
     assert r0["tp1"][-1] < r0["tp1"][0]  # it trains
+    # LoRA's fused layers at TP1 (every stage's too), the unfused ones at TP2, against which they are checked
+    assert r0["fused"] == ([8, 0, 4] if kind == "lora" else [0, 0, 0]) and r1["fused"] == r0["fused"]
     for layout in ("tp2", "pp2"):
         assert r0[layout] == pytest.approx(r0["tp1"], rel=1e-4, abs=1e-5), layout
     assert r0["assembled_keys_equal"] and r0["assembled_max_diff"] < 1e-5

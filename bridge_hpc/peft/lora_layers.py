@@ -17,6 +17,9 @@ Checkpoint keys are the layout-free ones of megatron-core (``sharded_state_dict`
 what they were (the wrapper is transparent), the adapter's are ``<layer>.adapter.linear_in.weight`` and
 ``<layer>.adapter.linear_out.weight``, with the split axis and, for a gated ``linear_fc1`` (swiglu), its
 two halves as megatron-core's MLP lays them out, so a TP2 checkpoint loads at TP1.
+
+Without tensor or sequence parallelism a wrapped layer runs base and adapter as one
+:class:`FusedLoRALinear` (issue 35, docs/peft.md): no full-width scale or add, forward or backward.
 """
 
 from __future__ import annotations
@@ -161,9 +164,121 @@ def adapter_for(peft, module, name: Optional[str], prefix: Optional[str],
                                  peft.lora_A_init_method, peft.lora_B_init_method, seed=torch.initial_seed())
 
 
+class FusedLoRALinear(torch.autograd.Function):
+    """``x W^T (+ b) + (s x_a A^T) B^T`` with a frozen ``W`` as four matrix multiplies and no full-width
+    elementwise pass (Megatron Bridge's fused LoRA, without Transformer Engine).
+
+    Forward: ``h = s (x_a A^T)`` (the scale on the rank-wide ``[tokens, dim]``), ``out = x W^T (+ b)``
+    (the bias in the GEMM's epilogue), then ``out += h B^T`` accumulated by the second GEMM itself
+    (``addmm_``, beta = 1). Backward: ``g_h = s (g B)`` (rank-wide), ``grad B = g^T h``, ``grad A =
+    g_h^T x_a``, and ``grad x = g W + g_h A`` with the adapter's part accumulated by its GEMM into the
+    base's; ``W`` gets no gradient. ``x_a`` (``adapter_x``) is the adapter's input where it is not ``x``
+    (dropout before the adapter, training): its gradient is then returned apart, and autograd adds it to
+    ``x``'s through the dropout, as on the unfused path. Saved: ``x`` (and ``x_a``), ``h`` and the
+    weights. Every tensor is in its own dtype (the module's: no autocast in this trainer)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, adapter_x: Optional[torch.Tensor], weight: torch.Tensor,
+                bias: Optional[torch.Tensor], lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        a2d = x2d if adapter_x is None else adapter_x.reshape(-1, adapter_x.shape[-1])
+        h = torch.mm(a2d, lora_a.t()).mul_(scale)
+        out = torch.mm(x2d, weight.t()) if bias is None else torch.addmm(bias, x2d, weight.t())
+        out.addmm_(h, lora_b.t())
+        ctx.save_for_backward(x2d, None if adapter_x is None else a2d, weight, lora_a, lora_b, h)
+        ctx.scale, ctx.x_shape = scale, x.shape
+        ctx.adapter_x_shape = None if adapter_x is None else adapter_x.shape
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x2d, a2d, weight, lora_a, lora_b, h = ctx.saved_tensors
+        need_x, need_adapter_x, _, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        separate = a2d is not None
+        a2d = x2d if a2d is None else a2d
+        g = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_h = torch.mm(g, lora_b).mul_(ctx.scale) if (need_x or need_adapter_x or need_a) else None
+        grad_b = torch.mm(g.t(), h) if need_b else None
+        grad_a = torch.mm(grad_h.t(), a2d) if need_a else None
+        grad_x = grad_adapter_x = None
+        if need_x:
+            grad_x = torch.mm(g, weight)
+            if not separate:
+                grad_x.addmm_(grad_h, lora_a)
+            grad_x = grad_x.view(ctx.x_shape)
+        if separate and need_adapter_x:
+            grad_adapter_x = torch.mm(grad_h, lora_a).view(ctx.adapter_x_shape)
+        grad_bias = g.sum(dim=0) if need_bias else None
+        return grad_x, grad_adapter_x, None, grad_bias, grad_a, grad_b, None
+
+
+def _plain_impls() -> tuple:
+    """The ``_forward_impl`` methods that, for a frozen weight, run megatron-core's ``x W^T (+ b)``."""
+    from bridge_hpc.training.engine.fused_kernels import BiasInGemmColumnParallelLinear
+
+    return (ColumnParallelLinear._forward_impl, RowParallelLinear._forward_impl,
+            BiasInGemmColumnParallelLinear._forward_impl)  # its own path needs a trainable weight
+
+
+def _tp_size(base) -> int:
+    group = getattr(base, "tp_group", None)
+    return group.size() if group is not None else parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _plain_on_this_rank(layer) -> bool:
+    """Whether a megatron-core linear layer (or a :class:`ReplicatedLinear`) multiplies by its own weight
+    with no collective: no tensor or sequence parallelism, expert communication, gathered output or
+    weight gathered at run time (megatron-core's ``gtp_remat``)."""
+    if isinstance(layer, ReplicatedLinear):
+        return True
+    return (_tp_size(layer) == 1 and not getattr(layer, "sequence_parallel", False)
+            and not getattr(layer, "explicit_expert_comm", False) and not getattr(layer, "gather_output", False)
+            and getattr(layer, "gtp_remat_size", 1) == 1)
+
+
+def layout_allows_fusion(base, adapter) -> bool:
+    """Whether ``base``'s forward on this rank is a plain ``x W^T (+ b)`` and ``adapter``'s a plain ``s B A x``
+    (before dropout): megatron-core's own column- or row-parallel layer and the toolkit's adapter, each
+    :func:`_plain_on_this_rank`, no deferred weight gradients. Fixed when the wrapper is built;
+    :meth:`LoRALinear.forward` checks the rest (frozen base, dropout, CPU offloading, extra arguments) at
+    every call."""
+    halves = (adapter.linear_in, adapter.linear_out)
+    return (isinstance(base, (ColumnParallelLinear, RowParallelLinear))
+            and type(base).forward in (ColumnParallelLinear.forward, RowParallelLinear.forward)
+            and type(base)._forward_impl in _plain_impls() and _plain_on_this_rank(base)
+            and not base.config.sequence_parallel and not base.config.defer_embedding_wgrad_compute
+            and type(adapter).forward is ParallelLinearAdapter.forward
+            and all(type(half) in (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)
+                    and getattr(half, "bias", None) is None and _plain_on_this_rank(half) for half in halves))
+
+
 class LoRALinear(AdapterWrapper):
-    """``W x + (alpha / dim) B A x``: the base layer's output plus its adapter's (Bridge's ``LoRALinear``)."""
+    """``W x + (alpha / dim) B A x``: the base layer's output plus its adapter's (Bridge's ``LoRALinear``).
+
+    Where the base's forward is a plain matrix multiply on this rank (:func:`layout_allows_fusion`: no
+    tensor or sequence parallelism) and its weight is frozen, the two run as one :class:`FusedLoRALinear`:
+    the adapter's scale on the rank-wide intermediate, its output and its input gradient accumulated by
+    the matrix multiplies into the base's. Otherwise (tensor or sequence parallelism, dropout after the
+    adapter while training, a base of another kind) the base's forward plus the adapter's, as before.
+    The parameters are the same either way (``to_wrap.weight``, ``adapter.linear_in.weight``,
+    ``adapter.linear_out.weight``), so are checkpoints, merging and export."""
+
+    def __init__(self, to_wrap, adapter: ParallelLinearAdapter):
+        super().__init__(to_wrap, adapter)
+        self.fusable_layout = layout_allows_fusion(to_wrap, adapter)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
+        base, adapter = self.to_wrap, self.adapter
+        dropout = adapter.dropout if adapter.dropout is not None and adapter.dropout.training else None
+        if (self.fusable_layout and not args and not kwargs and not base.weight.requires_grad
+                and (base.bias is None or not base.bias.requires_grad)
+                and (dropout is None or adapter.dropout_position == "pre")
+                and getattr(base.config, "_cpu_offloading_context", None) is None):
+            adapter_x = None if dropout is None else dropout(x)
+            skip_bias = base.skip_bias_add
+            output = FusedLoRALinear.apply(x, adapter_x, base.weight, None if skip_bias else base.bias,
+                                           adapter.linear_in.weight, adapter.linear_out.weight,
+                                           adapter.alpha / adapter.dim)
+            return output, (base.bias if skip_bias else None)
         output, bias = self.to_wrap(x, *args, **kwargs)
         return output + self.adapter(x), bias
