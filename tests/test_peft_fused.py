@@ -162,3 +162,20 @@ def test_a_tiny_gpt_trains_with_the_fused_path_as_with_the_unfused_one(world, mo
         # Adam's first steps move each entry by about lr whatever the gradient's size: compare to lr
         assert float((fused_params[name] - ref_params[name]).abs().max()) < 1e-4, name
     assert fused.state_dict().keys() == reference.state_dict().keys()
+
+
+def test_the_fast_paths_bias_in_gemm_base_is_fused_and_an_unknown_forward_is_not():
+    """The fast path's column layer (its own forward needs a trainable weight) declares that, frozen, it runs
+    ColumnParallelLinear's forward; a subclass with a forward of its own that says nothing is not fused."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from bridge_hpc.training.engine.fused_kernels import BiasInGemmColumnParallelLinear
+
+    class OwnForward(ColumnParallelLinear):
+        def _forward_impl(self, input, weight, *args, **kwargs):
+            return super()._forward_impl(input * 2, weight, *args, **kwargs)
+
+    assert getattr(BiasInGemmColumnParallelLinear, lora_layers.FROZEN_FORWARD_IS_PLAIN) is True
+    assert lora_layers._forward_is_plain(object.__new__(BiasInGemmColumnParallelLinear))
+    assert lora_layers._forward_is_plain(object.__new__(ColumnParallelLinear))
+    assert not lora_layers._forward_is_plain(object.__new__(OwnForward))

@@ -212,12 +212,17 @@ class FusedLoRALinear(torch.autograd.Function):
         return grad_x, grad_adapter_x, None, grad_bias, grad_a, grad_b, None
 
 
-def _plain_impls() -> tuple:
-    """The ``_forward_impl`` methods that, for a frozen weight, run megatron-core's ``x W^T (+ b)``."""
-    from bridge_hpc.training.engine.fused_kernels import BiasInGemmColumnParallelLinear
+#: A class attribute a megatron-core linear subclass sets to True when its ``_forward_impl``, for a
+#: frozen weight, is its parent's plain ``x W^T (+ b)`` (the fast path's bias-in-GEMM layer does: its own
+#: path needs a weight that wants its gradient). Read here, so that no arrow runs up to ``training``.
+FROZEN_FORWARD_IS_PLAIN = "frozen_forward_is_plain"
 
-    return (ColumnParallelLinear._forward_impl, RowParallelLinear._forward_impl,
-            BiasInGemmColumnParallelLinear._forward_impl)  # its own path needs a trainable weight
+
+def _forward_is_plain(base) -> bool:
+    """Whether ``base``'s ``_forward_impl``, for a frozen weight, runs megatron-core's ``x W^T (+ b)``."""
+    impl = type(base)._forward_impl
+    return (impl in (ColumnParallelLinear._forward_impl, RowParallelLinear._forward_impl)
+            or bool(getattr(type(base), FROZEN_FORWARD_IS_PLAIN, False)))
 
 
 def _tp_size(base) -> int:
@@ -245,7 +250,7 @@ def layout_allows_fusion(base, adapter) -> bool:
     halves = (adapter.linear_in, adapter.linear_out)
     return (isinstance(base, (ColumnParallelLinear, RowParallelLinear))
             and type(base).forward in (ColumnParallelLinear.forward, RowParallelLinear.forward)
-            and type(base)._forward_impl in _plain_impls() and _plain_on_this_rank(base)
+            and _forward_is_plain(base) and _plain_on_this_rank(base)
             and not base.config.sequence_parallel and not base.config.defer_embedding_wgrad_compute
             and type(adapter).forward is ParallelLinearAdapter.forward
             and all(type(half) in (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)

@@ -325,6 +325,10 @@ class _LinearWithBias(torch.autograd.Function):
 class BiasInGemmColumnParallelLinear(ColumnParallelLinear):
     """``ColumnParallelLinear`` whose own bias addition happens in the matrix multiply (see the module)."""
 
+    #: For a frozen weight its forward is ColumnParallelLinear's (read by LoRA's fusion check,
+    #: ``bridge_hpc.peft.lora_layers.FROZEN_FORWARD_IS_PLAIN``).
+    frozen_forward_is_plain = True
+
     def _forward_impl(self, input, weight, *args, **kwargs):
         bias = kwargs.get("bias")
         plain = (bias is not None and weight.requires_grad and self.tp_group.size() == 1 and not args
