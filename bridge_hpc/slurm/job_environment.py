@@ -8,6 +8,7 @@ Light on purpose: no torch import, so the login node can use it too.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from dataclasses import dataclass
 from typing import List, Mapping, Optional
@@ -83,6 +84,13 @@ def array_task_index(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     return int(value) if value.isdigit() else None
 
 
+def unused_local_port() -> int:
+    """A TCP port on 127.0.0.1 that the system has free now (a world of one's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 #: The rendezvous variables the ranks read if set (:meth:`JobEnvironment.from_env`), else derive from the
 #: job. The batch script unsets them before ``[env]`` (which may set them on purpose): Slurm's
 #: ``--export=ALL`` would otherwise carry a submitting shell's ``MASTER_PORT`` into every job it submits,
@@ -153,9 +161,11 @@ class JobEnvironment:
                 restart_count=int(env.get("SLURM_RESTART_COUNT", 0) or 0),
                 hostname=hostname,
             )
+        # A world of one agrees with nobody on its port: one the system has free, so that two runs on one
+        # machine (two benchmarks, two tools) never meet on a fixed default.
         return cls(
             launcher="local", rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
-            num_nodes=1, master_addr="127.0.0.1", master_port=int(env.get("MASTER_PORT", 29500)),
+            num_nodes=1, master_addr="127.0.0.1", master_port=int(env.get("MASTER_PORT") or unused_local_port()),
             job_id=env.get("SLURM_JOB_ID"), array_job_id=None, array_task_id=None,
             restart_count=int(env.get("SLURM_RESTART_COUNT", 0) or 0), hostname=hostname,
         )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from typing import Any, Callable, Dict
 
 import torch
@@ -34,13 +33,12 @@ def _world_of_one() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from bridge_hpc.slurm.job_environment import unused_local_port
     from bridge_hpc.training.pretrain import set_random_seed
 
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(unused_local_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
