@@ -46,8 +46,10 @@ report-image: cluster
 	rm -rf runs/report-image
 	$(PYTHON) scripts/report_image.py
 
+# Two workers (pytest-xdist): one runs the Slurm tests in order, the other the rest beside it (see
+# tests/conftest.py); `pytest -q tests` alone runs the same tests one after another.
 test: cluster
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup tests
 
 lint: setup
 	$(PYTHON) -m ruff check bridge_hpc tests benchmarks scripts

@@ -38,13 +38,35 @@ from bridge_test_helpers import free_port
 from bridge_hpc.contracts.requeue import REQUEUE_FILE_ENV
 from bridge_hpc.local_slurm.cluster import LocalCluster
 
+#: The fixtures that reach the local cluster: a test that asks for one is a Slurm test even unmarked.
+SLURM_FIXTURES = frozenset({"slurm_cluster", "slurm_cluster_2nodes", "slurm_cluster_nodes", "_slurm_session"})
+#: pytest-xdist's group (``--dist loadgroup``) of every Slurm test: one worker runs them all, one after
+#: another, in their files' order, as a plain ``pytest`` run does.
+SLURM_GROUP = "slurm"
+
+
+def uses_slurm(item) -> bool:
+    return "slurm" in item.keywords or bool(SLURM_FIXTURES & set(getattr(item, "fixturenames", ())))
+
 
 def pytest_collection_modifyitems(config, items):
+    """Skip the Slurm tests under ``BRIDGE_SKIP_SLURM``; group the tests for ``make test``'s two workers.
+
+    ``make test`` runs ``pytest -n 2 --dist loadgroup`` (README): the Slurm tests are one group, run by one
+    worker in order, since they share one cluster of 2 CPUs (a job of 2 ranks fills it), reconfigure its
+    node count (which cancels running jobs) and read its queue; most of their time is waiting for Slurm
+    (time limits, signals, requeues), which the other worker fills with the rest, one group per file so
+    that a module's fixtures are built once. The Slurm group goes first: it is the longest.
+    """
+    slurm = [item for item in items if uses_slurm(item)]
+    in_slurm = {id(item) for item in slurm}
     if os.environ.get("BRIDGE_SKIP_SLURM") not in (None, "", "0"):
         skip = pytest.mark.skip(reason="BRIDGE_SKIP_SLURM is set")
-        for item in items:
-            if "slurm" in item.keywords:
-                item.add_marker(skip)
+        for item in slurm:
+            item.add_marker(skip)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(SLURM_GROUP if id(item) in in_slurm else item.nodeid.split("::")[0]))
+    items[:] = slurm + [item for item in items if id(item) not in in_slurm]
 
 
 class _SessionCluster:
