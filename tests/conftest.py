@@ -49,6 +49,7 @@ def uses_slurm(item) -> bool:
     return "slurm" in item.keywords or bool(SLURM_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Skip the Slurm tests under ``BRIDGE_SKIP_SLURM``; group the tests for ``make test``'s two workers.
 
