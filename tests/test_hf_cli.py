@@ -315,3 +315,40 @@ def test_export_of_a_checkpoint_damaged_at_its_full_size_is_one_line(imported, t
     assert len(lines) == 1 and f"{where}: cannot be read" in lines[0] and "contents are damaged" in lines[0], \
         proc.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+#: Runs ``bridge-hf`` (its ``__main__``) while a job deletes the checkpoint it reads: on the first ``open``
+#: of $VANISH_AT in the folder $VANISH_FOLDER, that folder is deleted as checkpoint.most_recent_k deletes an
+#: old checkpoint (renamed to ``*.del``, then removed), before the open itself runs. An audit hook: the
+#: deletion happens at that event, whatever the timing of the machine.
+VANISHING = [sys.executable, "-c", """
+import os, runpy, shutil, sys
+folder, target, done = os.environ["VANISH_FOLDER"], os.environ["VANISH_AT"], []
+def hook(event, args):
+    if event == "open" and not done and isinstance(args[0], (str, bytes)):
+        path = os.path.abspath(os.fsdecode(args[0]))
+        if os.path.dirname(path) == folder and os.path.basename(path) == target:
+            done.append(path)
+            os.replace(folder, folder + ".del")
+            shutil.rmtree(folder + ".del")
+sys.addaudithook(hook)
+sys.argv[0] = "bridge-hf"
+runpy.run_module("bridge_hpc.cli.hf", run_name="__main__", alter_sys=True)
+"""]
+
+
+@pytest.mark.parametrize("vanish_at", ["run_config.json", ".metadata", "__0_0.distcp"])
+def test_export_of_a_checkpoint_deleted_while_it_is_read_says_so_in_one_line(imported, tmp_path, vanish_at):
+    """Issue 36, item 7: ``bridge-hf export`` racing a running job's ``most_recent_k`` deletion of the
+    checkpoint it reads: one line naming the checkpoint that vanished and what to do, exit 2, no
+    traceback, no claim of damage, nothing written."""
+    root = _run_folder_with(imported, tmp_path, [10], tracker=10)
+    folder = root / "iter_0000010"
+    proc = subprocess.run(VANISHING + ["export", str(root), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VANISH_FOLDER": str(folder), "VANISH_AT": vanish_at})
+    assert not folder.exists()  # the deletion happened, mid-read
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"error: {folder}: vanished while it was read"), proc.stderr[-3000:]
+    assert "most_recent_k" in lines[0] and "run the export again" in lines[0] and "damaged" not in lines[0], lines[0]
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no OUT, no temporary folder

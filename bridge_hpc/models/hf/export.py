@@ -42,13 +42,33 @@ def read_checkpoint(path: str, warn: Callable[[str], None] = _warn
     one ``iter_NNNNNNN``. ConfigError naming the folder when there is none, and the damaged file when it
     fails verification; ``warn`` gets one line when a newer, damaged one is passed over (see
     :func:`checkpoint_folder`)."""
+    folder = checkpoint_folder(path, warn)
+    try:
+        return _read_folder(folder, warn)
+    except (ConfigError, OSError):
+        if os.path.isdir(folder):
+            raise
+        raise _vanished(path, folder) from None
+
+
+def _vanished(given: str, folder: str) -> ConfigError:
+    """The one line for a checkpoint folder deleted while it was read: a running job's
+    ``checkpoint.most_recent_k`` removes its older checkpoints as it saves newer ones (renamed to
+    ``*.del``, then deleted), so the folder chosen may go in the middle of the read."""
+    again = ("run the export again: it reads the newest checkpoint then" if os.path.normpath(given) != os.path.normpath(folder)
+             else f"export one the run still keeps (in {os.path.dirname(os.path.normpath(folder)) or '.'})")
+    return ConfigError(f"vanished while it was read: deleted meanwhile (a running job's checkpoint.most_recent_k removes "
+                       f"its older checkpoints as it saves newer ones); nothing was written; {again}, or export "
+                       "while the run is stopped", path=folder)
+
+
+def _read_folder(folder: str, warn: Callable[[str], None]) -> Tuple[str, Dict[str, Any], Dict[str, torch.Tensor]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from bridge_hpc.training.checkpoint.layout import RUN_CONFIG_FILE
 
-    folder = checkpoint_folder(path, warn)
     try:
         with open(os.path.join(folder, RUN_CONFIG_FILE)) as f:
             run_config = json.load(f)
