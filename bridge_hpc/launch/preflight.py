@@ -19,6 +19,7 @@ from typing import List, Optional
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.jobfile.jobconfig import JobConfig, parse_toml
+from bridge_hpc.training.checkpoint.architecture import check_resumed_adapters
 
 #: What submitting needs on PATH: sbatch, and srun, which submitit looks for before it submits.
 SLURM_TOOLS = ("sbatch", "srun")
@@ -29,6 +30,20 @@ def run_dir_error(cfg: JobConfig, err: OSError) -> ConfigError:
     where = f" ({err.filename})" if err.filename and str(err.filename) != cfg.job.run_dir else ""
     return cfg.error("job.run_dir", f"cannot create or write the run folder {cfg.job.run_dir}: {what}{where}; "
                      "expected a folder this user can create and write")
+
+
+def check_resume(cfg: JobConfig) -> None:
+    """What the ranks refuse before they resume, refused here before anything is queued: the checkpoint
+    the job would resume from (``checkpoint.load``, else ``checkpoint.save``) holding adapters of another
+    base (``checkpoint.pretrained_checkpoint``), type or shape (``peft.<key>``), or a full model under a
+    PEFT job, or the reverse (``peft``). One ConfigError naming the job file, the key, the checkpoint's
+    peft_base.json and both values (:func:`bridge_hpc.training.checkpoint.architecture.check_resumed_adapters`)."""
+    if cfg.training is None:
+        return
+    try:
+        check_resumed_adapters(cfg.training.checkpoint, cfg.training.peft)
+    except ConfigError as err:
+        raise cfg.error(err.key or "checkpoint.load", err.path and f"{err.path}: {err.message}" or err.message) from None
 
 
 def make_run_dir(cfg: JobConfig) -> List[Path]:
@@ -103,6 +118,7 @@ def dry_run(cfg: JobConfig, resolved: str, force: bool = False) -> str:
     """``bridge-submit --dry-run``'s run-folder checks: those of a real submit that need no Slurm (the
     folder can be created and written, it holds no different job unless ``force``), with nothing left
     behind. Returns one line saying which checks needed Slurm and were not run."""
+    check_resume(cfg)
     created = make_run_dir(cfg)
     try:
         holds_same_job(cfg, resolved, force)

@@ -23,6 +23,7 @@ import submitit
 from bridge_hpc.jobfile.jobconfig import JobConfig, check_secrets_present, dump_resolved
 from bridge_hpc.launch.preflight import (
     SLURM_TOOLS,
+    check_resume,
     holds_same_job,
     make_run_dir,
     remove_folders,
@@ -156,6 +157,7 @@ def submit(cfg: JobConfig, force: bool = False) -> Submission:
     check_secrets_present(cfg)
     script = render_script(cfg)
     resolved = dump_resolved(cfg)
+    check_resume(cfg)
     created = make_run_dir(cfg)
     missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
     if missing:

@@ -140,24 +140,30 @@ def check_resume(checkpoint_folder: str, peft_type: Optional[str], base_folder: 
     """Refuse to resume from ``checkpoint_folder`` where it does not fit this run: adapters of another base
     (``checkpoint.pretrained_checkpoint``) or of other shapes (``peft.<field>``), a full checkpoint under a
     PEFT run or an adapter checkpoint without one (``peft``). ``peft_type`` and ``peft`` are this run's
-    (None: no PEFT); ``base_folder`` the base it read."""
+    (None: no PEFT); ``base_folder`` the base it reads. Each refusal names the checkpoint's record
+    (:data:`BASE_RECORD_FILE`) and both values. The ranks check before they load; bridge-submit the same,
+    before anything is queued (:func:`bridge_hpc.training.checkpoint.architecture.check_resumed_adapters`)."""
     record = read_record(checkpoint_folder)
+    path = os.path.join(checkpoint_folder, BASE_RECORD_FILE)
     if peft_type is None:
         if record is not None:
-            raise ConfigError(f"{checkpoint_folder} holds {record['peft']} adapters of {record['base']}, not a full model: "
+            raise ConfigError(f"{path} records {record['peft']} adapters of {record['base']}, not a full model: "
                               f"resume it with the same [peft] section", key="peft")
         return
     if record is None:
-        raise ConfigError(f"{checkpoint_folder} holds a full model, not {peft_type} adapters: a PEFT run resumes only its "
-                          "own adapter checkpoints (give it another checkpoint.save folder)", key="peft")
+        raise ConfigError(f"{checkpoint_folder} holds a full model (no {BASE_RECORD_FILE}), not {peft_type} adapters: a "
+                          "PEFT run resumes only its own adapter checkpoints (give it another checkpoint.save folder)",
+                          key="peft")
     if record["peft"] != peft_type:
-        raise ConfigError(f"{checkpoint_folder} holds {record['peft']} adapters; this run's [peft] type is {peft_type!r}",
-                          key="peft.type")
+        raise ConfigError(f"{path} records {record['peft']} adapters; this run's [peft] type is {peft_type!r}: resume "
+                          "with the same type", key="peft.type")
     for name in SHAPE_FIELDS:
         if name in record and record[name] != getattr(peft, name):
-            raise ConfigError(f"{checkpoint_folder} holds adapters with {name} = {record[name]!r}; this run has "
+            raise ConfigError(f"{path} records adapters with {name} = {record[name]!r}; this run has {name} = "
                               f"{getattr(peft, name)!r}: resume with the same value", key=f"peft.{name}")
-    if not base_folder or not matches_record(record, base_folder, peft.base_digest):
-        raise ConfigError(f"{checkpoint_folder} holds adapters trained on {record['base']} (digest "
-                          f"{record['base_digest'][:12]}); this run's base {base_folder} differs: resume on the "
-                          "same base", key="checkpoint.pretrained_checkpoint")
+    digest = (peft.base_digest or base_digest(base_folder)) if base_folder else None
+    if not base_folder or not matches_record(record, base_folder, digest):
+        ours = f"{base_folder} (digest {digest[:12]})" if digest else repr(base_folder)
+        raise ConfigError(f"{path} records adapters trained on {record['base']} (digest {record['base_digest'][:12]}); "
+                          f"this run's base is {ours}: resume on the same base, or give this run another "
+                          "checkpoint.save folder", key="checkpoint.pretrained_checkpoint")

@@ -74,3 +74,65 @@ def first_contradiction(saved: Dict[str, Any], wanted: Dict[str, Any]) -> Option
         if name in saved and name in wanted and saved[name] != wanted[name]:
             return name, wanted[name], saved[name]
     return None
+
+
+def loaded_folder(root: str) -> Optional[str]:
+    """The checkpoint folder a run reads from ``root``, or None where that cannot be told without torch:
+    ``root`` itself if it is a complete iteration folder, else, of a checkpoints folder, the tracker's
+    complete checkpoint, else the newest, whose files have their manifest's sizes (the choice of
+    :func:`bridge_hpc.training.checkpoint.layout.checkpoint_choice`, which the ranks make). None also where
+    the one chosen has no manifest (an old format, verified with torch only)."""
+    manifest = run_folder.CHECKPOINT_MANIFEST_FILE
+    if run_folder.ITERATION_DIR_RE.match(os.path.basename(os.path.normpath(root))):
+        return root if os.path.isfile(os.path.join(root, manifest)) else None
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    complete = sorted(int(m.group(1)) for name in names if (m := run_folder.ITERATION_DIR_RE.match(name)) and any(
+        os.path.isfile(os.path.join(root, name, f)) for f in (manifest, "common.pt")))
+    tracked = run_folder.tracked_iteration(root)
+    order = [tracked] + [i for i in reversed(complete) if i < tracked] if tracked in complete else complete[::-1]
+    for iteration in order:
+        folder = run_folder.iteration_dir(root, iteration)
+        try:
+            with open(os.path.join(folder, manifest), encoding="utf-8") as f:
+                files = {str(rel): int(size) for rel, size in json.load(f)["files"].items()}
+        except FileNotFoundError:
+            return None  # an old format's checkpoint: its verification needs torch
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # damaged: the ranks pass it over too
+        if all(_size(os.path.join(folder, rel)) == size for rel, size in files.items()):
+            return folder
+    return None
+
+
+def _size(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def check_resumed_adapters(checkpoint: Any, peft: Any) -> None:
+    """bridge-submit's check of what the ranks check before they resume (:func:`bridge_hpc.peft.checkpoint.check_resume`):
+    the checkpoint a run would resume from ``checkpoint.load`` (else ``checkpoint.save``) against this job's
+    ``[peft]`` and base (``checkpoint.pretrained_checkpoint``: a Hugging Face folder, or the toolkit checkpoint
+    read from it), so that adapters of another base or shape, or a full checkpoint under a PEFT job (or the
+    reverse), are refused before the queue, not on every rank after it. ConfigError naming the key."""
+    from bridge_hpc.peft import checkpoint as peft_checkpoint
+    from bridge_hpc.peft.config import peft_type
+    from bridge_hpc.training.hf import families
+
+    root = checkpoint.load or checkpoint.save
+    resumed = loaded_folder(root) if root else None
+    if resumed is None:
+        return  # nothing to resume: the run starts from its pretrained checkpoint
+    base = checkpoint.pretrained_checkpoint
+    if peft is not None:
+        if not base:
+            return  # the job's own check names checkpoint.pretrained_checkpoint
+        base = base if families.is_hf_folder(base) else loaded_folder(base)
+        if base is None:
+            return  # no base to compare yet (the ranks say what is missing)
+    peft_checkpoint.check_resume(resumed, peft_type(peft) if peft is not None else None, base, peft)
