@@ -48,6 +48,38 @@ def _rename_tensor(folder, old, new):
     path.write_bytes(data[:8] + header.encode() + data[8 + length:])
 
 
+def _header(folder):
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return path, data, length, json.loads(data[8:8 + length])
+
+
+def _move_tensor_onto(folder, name, onto):
+    """Rewrite the header so that tensor ``name`` reads the bytes of tensor ``onto`` (of its size): two
+    tensors on one byte range, and a gap where ``name``'s were."""
+    path, data, length, header = _header(folder)
+    header[name]["data_offsets"] = header[onto]["data_offsets"]
+    text = json.dumps(header, separators=(",", ":"))
+    assert len(text) <= length
+    path.write_bytes(data[:8] + text.ljust(length).encode() + data[8 + length:])
+
+
+def _poison_tensor(folder, name, value):
+    """One float32 value inside tensor ``name`` overwritten in place (the file's size and header unchanged)."""
+    path, data, length, header = _header(folder)
+    start = 8 + length + header[name]["data_offsets"][0] + 4 * 7
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(struct.pack("<f", value))
+
+
+def _damaged(good, tmp, damage):
+    folder = _variant(good, tmp, "x")
+    damage(folder)
+    return folder
+
+
 BAD = {
     "missing folder": (lambda good, tmp: tmp / "nope", "no such file or folder"),
     "no config.json": (lambda good, tmp: (lambda f: (os.remove(f / "config.json"), f)[1])(_variant(good, tmp, "x")),
@@ -65,6 +97,18 @@ BAD = {
     "missing index shard": (lambda good, tmp: (lambda f: ((f / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})), f)[1])(_variant(good, tmp, "x")),
         "model-00002-of-00002.safetensors: missing"),
+    # damaged contents (issue 36, item 9): what can be told without a checksum, which safetensors lacks
+    "NaN in a tensor": (lambda good, tmp: _damaged(good, tmp, lambda f: _poison_tensor(
+        f, "model.layers.1.mlp.up_proj.weight", float("nan"))),
+        "model.safetensors: key 'model.layers.1.mlp.up_proj.weight': holds 1 NaN or infinite value"),
+    "Inf in a tensor": (lambda good, tmp: _damaged(good, tmp, lambda f: _poison_tensor(
+        f, "model.layers.0.self_attn.k_proj.weight", float("-inf"))),
+        "model.safetensors: key 'model.layers.0.self_attn.k_proj.weight': holds 1 NaN or infinite value"),
+    "bytes appended": (lambda good, tmp: _damaged(good, tmp, lambda f: open(f / "model.safetensors", "ab").write(
+        b"\0" * 64)), "bytes after its last tensor"),
+    "overlapping tensors": (lambda good, tmp: _damaged(good, tmp, lambda f: _move_tensor_onto(
+        f, "model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.q_proj.weight")),
+        "not a file safetensors reads"),
 }
 
 
@@ -105,6 +149,21 @@ def test_import_writes_a_checkpoint_that_submission_takes_and_a_bad_folder_is_re
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "key 'model.layers.2.input_layernorm.weight': missing" in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["bytes appended", "overlapping tensors"])
+def test_a_shard_safetensors_would_refuse_is_refused_at_submission(good, tmp_path, case):
+    """Issue 36, item 9: a shard's length or byte ranges that safetensors refuses on the ranks (there: a
+    traceback after the queue) are refused by bridge-submit, from the header alone."""
+    make, words = BAD[case]
+    bad = make(good, tmp_path)
+    job = tmp_path / "job.toml"
+    job.write_text(f'[job]\nentry = "finetune"\n[optimizer]\nlr = 1e-4\n[checkpoint]\npretrained_checkpoint = "{bad}"\n')
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.submit", str(job), "--dry-run"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad / "model.safetensors") in lines[0] and words in lines[0], lines
 
 
 # --- where the output is written: a temporary folder of the tool's own beside OUT (issue 36) -----------

@@ -43,20 +43,32 @@ class _Reader:
             self._files[info.file] = handle
         return handle.get_slice(name)
 
+    def _finite(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (read from tensor ``name``), or ConfigError naming the file and tensor where it holds
+        NaN or infinite values: damaged bytes, or a model that diverged (safetensors has no checksum;
+        these are the damaged contents a reader can tell)."""
+        finite = torch.isfinite(value)
+        if not bool(finite.all()):
+            bad = int(value.numel() - finite.sum())
+            raise ConfigError(f"holds {bad} NaN or infinite value{'s' if bad > 1 else ''} (of the {value.numel()} "
+                              "read): its contents are damaged, or the model diverged; a model's weights are finite",
+                              path=self.folder.tensors[name].file, key=name)
+        return value
+
     def rows(self, name: str, start: int, stop: int, transpose: bool) -> torch.Tensor:
         s = self._slice(name)
         if transpose:
-            return s[:, start:stop].t()
-        return s[start:stop]
+            return self._finite(name, s[:, start:stop]).t()
+        return self._finite(name, s[start:stop])
 
     def cols(self, name: str, start: int, stop: int, transpose: bool) -> torch.Tensor:
         s = self._slice(name)
         if transpose:
-            return s[start:stop, :].t()
-        return s[:, start:stop]
+            return self._finite(name, s[start:stop, :]).t()
+        return self._finite(name, s[:, start:stop])
 
     def full(self, name: str) -> torch.Tensor:
-        return self._slice(name)[:]
+        return self._finite(name, self._slice(name)[:])
 
 
 def _local(rule: mapping.Rule, layer: int, reader: _Reader, shape: torch.Size, model: Dict, tp: int,

@@ -3,8 +3,11 @@
 A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's dtype,
 shape and byte range in the data that follows) and the data. Reading the headers alone tells, on the
 login node and without torch, which tensors a folder holds, their shapes and dtypes, and whether a
-file was cut short (its size is below the end of its last tensor's bytes): what ``bridge-submit`` and
-``bridge-hf`` check before any rank starts.
+file was cut short or has bytes after its last tensor, or whether the tensors' byte ranges overlap or
+leave gaps (safetensors refuses such a file): what ``bridge-submit`` and ``bridge-hf`` check before any
+rank starts. The contents of the tensors are not checked here: the format carries no checksum, so
+damaged bytes inside a tensor show only where they make a value NaN or infinite, which the ranks'
+reader refuses (:mod:`bridge_hpc.training.hf.load`).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def read_header(path: str) -> Dict[str, TensorInfo]:
         raise ConfigError(f"unreadable safetensors header ({type(err).__name__}: {err})", path=path) from None
     if not isinstance(header, dict):
         raise ConfigError("unreadable safetensors header (not a JSON object)", path=path)
-    tensors, end = {}, 0
+    tensors, ranges = {}, []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -72,10 +75,20 @@ def read_header(path: str) -> Dict[str, TensorInfo]:
         if dtype in FLOAT_DTYPES and stop - start != count * FLOAT_DTYPES[dtype]:
             raise ConfigError(f"header gives {stop - start} bytes for a {dtype} tensor of shape {list(shape)}",
                               path=path, key=name)
-        end = max(end, stop)
+        ranges.append((start, stop, name))
         tensors[name] = TensorInfo(name, path, dtype, shape)
+    end = 0  # the tensors' bytes follow each other from the data's start, as safetensors requires
+    for start, stop, name in sorted(ranges):
+        if start != end or stop < start:
+            what = "overlaps the tensor before it" if start < end else "leaves a gap after the tensor before it"
+            raise ConfigError(f"header gives it bytes {start} to {stop} of the data, which {what} (at {end}): not "
+                              "a file safetensors reads", path=path, key=name)
+        end = stop
     if size < 8 + length + end:
         raise ConfigError(f"truncated: {size} bytes, its header says {8 + length + end}", path=path)
+    if size > 8 + length + end:
+        raise ConfigError(f"{size} bytes, its header says {8 + length + end}: bytes after its last tensor (appended "
+                          "to, or another file's header): not a file safetensors reads", path=path)
     return tensors
 
 
