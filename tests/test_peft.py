@@ -84,6 +84,7 @@ def test_toml_section_selects_the_class_and_python_configs_are_checked_alike():
     ({"dim": 8}, "peft.type", "expected one of 'lora', 'dora'"),
     ({"type": "lora", "rank": 8}, "peft.rank", "unknown key"),
     ({"type": "lora", "dim": 0}, "peft.dim", "integer >= 1"),
+    ({"type": "lora", "dim": 100000}, "peft.dim", "is 100000, above the bound model.hidden_size = 64"),
     ({"type": "lora", "alpha": "big"}, "peft.alpha", "expected an integer"),
     ({"type": "lora", "dropout": 1.0}, "peft.dropout", "probability in [0, 1)"),
     ({"type": "lora", "dropout_position": "mid"}, "peft.dropout_position", "expected"),
@@ -111,7 +112,9 @@ def test_peft_needs_the_base_it_trains_on():
     assert err.value.key == "checkpoint.pretrained_checkpoint"
 
 
-def test_bridge_submit_refuses_a_bad_peft_key_with_exit_2(tmp_path):
+@pytest.mark.parametrize("value, words", [("0", "integer >= 1"),
+                                          ("100000", "is 100000, above the bound model.hidden_size = 128")])
+def test_bridge_submit_refuses_a_bad_peft_key_with_exit_2(tmp_path, value, words):
     """The shipped LoRA config with one bad value, in a folder that has what the config reads (its
     datasets, written by megatron-core's builder, and the pretrained run's checkpoint folder), so that the
     PEFT key is the one thing wrong, whether or not ``make demo-text`` ran here."""
@@ -128,9 +131,10 @@ def test_bridge_submit_refuses_a_bad_peft_key_with_exit_2(tmp_path):
             builder.add_document(np.array(doc, dtype=np.uint16), [len(doc)])
         builder.finalize(f"{prefix}.idx")
     (tmp_path / "runs" / "local-tiny-text" / "checkpoints").mkdir(parents=True)
-    proc = submit_cli("configs/local-tiny-text-lora.toml", "--dry-run", "--set", "peft.dim=0", cwd=tmp_path)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert "local-tiny-text-lora.toml" in proc.stderr and "'peft.dim'" in proc.stderr and "integer >= 1" in proc.stderr
+    proc = submit_cli("configs/local-tiny-text-lora.toml", "--dry-run", "--set", f"peft.dim={value}", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert "local-tiny-text-lora.toml" in proc.stderr and "'peft.dim'" in proc.stderr and words in proc.stderr
+    assert not (tmp_path / "runs" / "local-tiny-text-lora").exists()  # nothing written
 
 
 def test_wildcards_match_as_bridge_and_count_layers_over_the_model():

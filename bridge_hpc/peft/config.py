@@ -6,7 +6,7 @@ in Python (``LoRA(dim=16, ...)``). A Python config sets ``ConfigContainer.peft``
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import build_dataclass, did_you_mean
@@ -34,14 +34,21 @@ def peft_type(peft: PEFT) -> str:
     return next((name for name, cls in PEFT_TYPES.items() if type(peft) is cls), type(peft).__name__.lower())
 
 
-def check_peft(peft: Any, num_layers: int) -> None:
-    """Check ``ConfigContainer.peft`` on its own and against a GPT of ``num_layers`` layers: a PEFT instance,
-    its fields (``peft.<field>``), and every ``target_modules`` entry matching at least one layer (a typo
-    would otherwise train nothing there), named as Bridge does."""
+def check_peft(peft: Any, num_layers: int, hidden_size: Optional[int] = None) -> None:
+    """Check ``ConfigContainer.peft`` on its own and against a GPT of ``num_layers`` layers of width
+    ``hidden_size``: a PEFT instance, its fields (``peft.<field>``), an adapter rank ``dim`` of at most
+    ``hidden_size`` (each adapted layer is ``hidden_size`` wide on one side, so ``B A`` has at most that
+    rank: a larger ``dim`` only adds parameters), and every ``target_modules`` entry matching at least one
+    layer (a typo would otherwise train nothing there), named as Bridge does."""
     if not isinstance(peft, PEFT):
         raise ConfigError(f"expected a bridge_hpc.peft PEFT (e.g. bridge_hpc.peft.lora.LoRA), got {type(peft).__name__}",
                           key="peft")
     peft.finalize()
+    dim = getattr(peft, "dim", None)
+    if isinstance(hidden_size, int) and isinstance(dim, int) and dim > hidden_size:
+        raise ConfigError(f"is {dim}, above the bound model.hidden_size = {hidden_size}: expected at most {hidden_size} "
+                          "(every adapted layer is hidden_size wide on one side, so the update B A has at most that "
+                          "rank; a larger dim only adds parameters)", key="peft.dim")
     unmatched = getattr(peft, "unmatched_targets", None)
     if unmatched is not None:
         candidates = adapter_candidates(num_layers)
