@@ -411,3 +411,50 @@ def test_export_of_a_checkpoint_deleted_while_it_is_read_says_so_in_one_line(imp
     assert len(lines) == 1 and lines[0].startswith(f"error: {folder}: vanished while it was read"), proc.stderr[-3000:]
     assert "most_recent_k" in lines[0] and "run the export again" in lines[0] and "damaged" not in lines[0], lines[0]
     assert sorted(os.listdir(tmp_path)) == ["run"]  # no OUT, no temporary folder
+
+
+#: A GPT trained by the toolkit from scratch (its byte-level tokenizer: <eod> = 256, <pad> = 257, no BOS).
+SCRATCH_GPT_JOB = """
+[train]
+train_iters = 1
+micro_batch_size = 1
+global_batch_size = 1
+[optimizer]
+lr = 1e-3
+[model]
+num_layers = 2
+hidden_size = 64
+num_attention_heads = 4
+seq_length = 32
+max_position_embeddings = 32
+[dataset]
+seq_length = 32
+[tokenizer]
+tokenizer_type = "ByteLevelTokenizer"
+[checkpoint]
+save_interval = 1
+"""
+
+
+def test_an_exported_toolkit_gpt_names_its_own_special_tokens_inside_its_vocabulary(tmp_path):
+    """Issue 36, item 10: the config.json of a GPT trained here (no Hugging Face folder to start from)
+    carried no token ids, so transformers gave it GPT-2's bos/eos 50256, outside its vocabulary of 384.
+    It now names its tokenizer's own: eos = <eod> (256), pad = <pad> (257), no BOS."""
+    from bridge_test_helpers import direct_rank_env
+
+    (tmp_path / "job.toml").write_text(SCRATCH_GPT_JOB)
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=tmp_path, env=direct_rank_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "exported"
+    proc = subprocess.run(HF + ["export", str(tmp_path / "runs" / "job" / "checkpoints"), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, 256, 257), config
+    import transformers
+
+    loaded = transformers.AutoConfig.from_pretrained(str(out))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(loaded, name)
+        assert value is None or 0 <= value < loaded.vocab_size, (name, value, loaded.vocab_size)

@@ -287,10 +287,39 @@ def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         with open(os.path.join(tmp, families.CONFIG_FILE), "w") as f:
-            json.dump(families.hf_config(model, base, dtype), f, indent=2, sort_keys=True)
+            json.dump(families.hf_config(model, base, dtype, None if base else _special_token_ids(run_config)), f,
+                      indent=2, sort_keys=True)
         copied = _copy_tokenizer(run_config.get("tokenizer") or {}, model, tmp)
     return {"checkpoint": folder, "family": family, "dtype": dtype, "tensors": len(hf_tensors), "bytes": total,
             "shards": len(shards), "tokenizer_files": copied}
+
+
+def _special_token_ids(run_config: Dict[str, Any]) -> Dict[str, Optional[int]]:
+    """The ``bos``, ``eos`` (a megatron tokenizer's ``eod`` where it has no ``eos``) and ``pad`` ids of the
+    run's tokenizer (its ``[tokenizer]`` section, built again), each None where it has none or cannot be
+    built again here (its files moved, say): a config without them names no special token, rather than
+    transformers' defaults for the family."""
+    from bridge_hpc.training.config import TokenizerConfig
+    from bridge_hpc.training.tokenizers import build_tokenizer
+
+    section = run_config.get("tokenizer")
+    try:
+        cfg = TokenizerConfig(**section)
+        cfg.finalize()
+        tokenizer = build_tokenizer(cfg)
+    except Exception:  # noqa: BLE001 - any failure: no ids rather than wrong ones
+        return {}
+    out: Dict[str, Optional[int]] = {}
+    for name, attributes in (("bos", ("bos",)), ("eos", ("eos", "eod")), ("pad", ("pad",))):
+        for attribute in attributes:
+            try:
+                value = getattr(tokenizer, attribute, None)
+            except Exception:  # noqa: BLE001 - megatron's tokenizers raise where they have no such token
+                value = None
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                out[name] = value
+                break
+    return out
 
 
 def _shards(tensors: Dict[str, torch.Tensor]):

@@ -249,10 +249,15 @@ def misfit(model: Dict[str, Any]) -> Optional[Tuple[str, str]]:
     return None
 
 
-def hf_config(model: Dict[str, Any], base: Optional[Dict[str, Any]], dtype: str) -> Dict[str, Any]:
+def hf_config(model: Dict[str, Any], base: Optional[Dict[str, Any]], dtype: str,
+              special_tokens: Optional[Dict[str, Optional[int]]] = None) -> Dict[str, Any]:
     """The ``config.json`` of an exported model: ``base`` (the ``config.json`` the run started from, when
     it had one) with the model's fields written over it, or a fresh one for the model's family.
-    ``dtype``: the dtype name the tensors are saved in."""
+    ``dtype``: the dtype name the tensors are saved in. ``special_tokens``: the run's tokenizer's
+    ``bos``/``eos``/``pad`` ids, written into a fresh config (each of them, None where the tokenizer has
+    none): without them transformers fills in its class's defaults (GPT-2's 50256, Llama's 1 and 2),
+    which are not this model's tokens and may lie outside its vocabulary. Any ``*_token_id`` outside
+    the vocabulary is written as None (it names no token)."""
     family = base["model_type"] if base else _family_guess(model)
     out: Dict[str, Any] = dict(base or {})
     out["model_type"] = family
@@ -289,6 +294,11 @@ def hf_config(model: Dict[str, Any], base: Optional[Dict[str, Any]], dtype: str)
             out.update(attention_bias=False)
         if family == "llama":
             out.update(mlp_bias=False)
+    if base is None:
+        out.update({f"{name}_token_id": (special_tokens or {}).get(name) for name in ("bos", "eos", "pad")})
+    for key, value in list(out.items()):
+        if key.endswith("_token_id") and isinstance(value, int) and not 0 <= value < vocab:
+            out[key] = None
     out["dtype"] = dtype
     out.pop("torch_dtype", None)
     return out
