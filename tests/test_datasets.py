@@ -29,6 +29,7 @@ from bridge_test_helpers import free_port, single_rank_world
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import ConfigContainer, GPTDatasetConfig, MockGPTDatasetConfig, TokenizerConfig
+from bridge_hpc.training.datasets import config as described
 
 SEQ = 32
 BYTE_LEVEL = {"tokenizer_type": "ByteLevelTokenizer"}
@@ -130,7 +131,7 @@ def test_data_path_selects_gpt_dataset_config_and_mock_stays_default(tmp_path, c
         ConfigContainer.from_sections(_sections(tmp_path, {"data_path": _blend(corpus)}), source="job.toml")
     cfg = ConfigContainer.from_sections(_sections(tmp_path, {"data_path": _blend(corpus), "split": "8,1,1"}),
                                         source="job.toml")
-    assert isinstance(cfg.dataset, GPTDatasetConfig)
+    assert isinstance(cfg.dataset, described.GPTDatasetConfig)  # the loader's torch-free description
     assert cfg.dataset.blend == ([a, b], [0.7, 0.3]) and cfg.dataset.split == "8,1,1"
     cfg = ConfigContainer.from_sections(_sections(tmp_path, {"data_path": f"{a} {b}", "split": "8,1,1"}),
                                         source="job.toml")
@@ -139,7 +140,7 @@ def test_data_path_selects_gpt_dataset_config_and_mock_stays_default(tmp_path, c
                                         source="job.toml")
     assert cfg.dataset.blend is None and cfg.dataset.blend_per_split == [([a], None), ([b], None), None]
     cfg = ConfigContainer.from_sections(_sections(tmp_path, {"seq_length": SEQ}, tokenizer=False), source="job.toml")
-    assert isinstance(cfg.dataset, MockGPTDatasetConfig)
+    assert isinstance(cfg.dataset, described.MockGPTDatasetConfig)
 
 
 def test_relative_prefixes_resolve_against_a_base_folder(corpus):

@@ -246,7 +246,13 @@ def test_a_killed_run_loses_nothing_the_next_run_does_not_log(tmp_path):
 #: port 1), W&B fine: each failure is one warning line, metrics.jsonl and W&B get every step.
 FAILING = """
 import sys
-sys.modules["comet_ml"] = None  # as if not installed: import comet_ml raises ImportError
+import bridge_hpc.rank as rank
+_build = rank.build_config
+def build_config(*args):  # the config is checked where comet_ml is installed (LoggerConfig.finalize
+    cfg = _build(*args)   # refuses a missing package); on the rank it is gone: import comet_ml fails
+    sys.modules["comet_ml"] = None
+    return cfg
+rank.build_config = build_config
 exec(compile(open(sys.argv.pop(1)).read(), "run", "exec"))
 """
 
@@ -418,7 +424,7 @@ def test_a_comet_key_in_a_python_config_is_used_and_never_written(tmp_path, capl
     from bridge_hpc.training.state import GlobalState
     from bridge_hpc.training.utils.log_backends import comet_api_key, config_for_backends
 
-    cfg = _config(tmp_path, ['logger.comet_project="c"'])
+    cfg = _config(tmp_path, ['logger.comet_project="c"', 'logger.comet_experiment_name="x"'])
     cfg.logger.comet_api_key = "sk-PYTHON-SECRET-42"
     state = GlobalState()
     state.cfg = cfg
@@ -447,9 +453,9 @@ def test_a_comet_key_in_a_python_config_is_used_and_never_written(tmp_path, capl
     ('[logger]\nwandb_project = "p"\nwandb_entity = "  "\n', "logger.wandb_entity"),
     ('[logger]\nmlflow_experiment = "e"\nmlflow_tags = "a=b"\n', "logger.mlflow_tags"),
     ('[logger]\nmlflow_experiment = "e"\nmlflow_tracking_uri = "\\n"\n', "logger.mlflow_tracking_uri"),
-    ('[logger]\nmlflow_tracking_uri = "file:///x"\n', "logger.mlflow_tracking_uri"),
+    ('[logger]\nmlflow_experiment = "e"\n', "logger.mlflow_run_name"),  # Bridge's rule (issue 38)
     ('[logger]\ncomet_project = "c"\ncomet_tags = { a = 1 }\n', "logger.comet_tags"),
-    ('[logger]\ncomet_workspace = "w"\n', "logger.comet_workspace"),
+    ('[logger]\ncomet_project = "c"\n', "logger.comet_experiment_name"),  # Bridge's rule (issue 38)
     ('[logger]\ncomet_project = "c$(id)\\u001b[2J"\n', "logger.comet_project"),
 ])
 def test_bad_logger_keys_at_submission_are_one_line_exit_2(tmp_path, text, key):

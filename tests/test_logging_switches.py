@@ -86,6 +86,7 @@ def test_a_comet_key_is_never_in_the_saved_or_logged_config(tmp_path, caplog):
     cfg = _python_built()
     cfg.logger.comet_api_key = "sk-NEVER-WRITTEN-7"
     cfg.logger.comet_project = "p"
+    cfg.logger.comet_experiment_name = "x"  # Bridge's rule (issue 38)
     cfg.finalize_sections()
     cfg.validate(world_size=1)
     assert cfg.to_dict()["logger"]["comet_api_key"] == "<redacted>"

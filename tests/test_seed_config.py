@@ -592,13 +592,15 @@ def _sections(tmp_path: Path, dataset: dict, specials=FIM_SPECIALS) -> dict:
 def test_fim_keys_select_gpt_fim_dataset_config_with_megatron_lm_defaults(tmp_path, prefix):
     cfg = ConfigContainer.from_sections(_sections(tmp_path, {"data_path": [prefix], "fim_rate": 1.0}),
                                         source="job.toml")
-    assert type(cfg.dataset) is GPTFIMDatasetConfig
+    from bridge_hpc.training.datasets import config as described  # the job file's: torch-free descriptions
+
+    assert type(cfg.dataset) is described.GPTFIMDatasetConfig and issubclass(GPTFIMDatasetConfig, type(cfg.dataset))
     assert (cfg.dataset.fim_rate, cfg.dataset.fim_spm_rate) == (1.0, 0.5)
     assert cfg.dataset.fim_extra_tokens == {"prefix": "<fim_prefix>", "middle": "<fim_middle>",
                                             "suffix": "<fim_suffix>", "pad": "<fim_pad>"}
     assert cfg.dataset.blend == ([prefix], None)
     plain = ConfigContainer.from_sections(_sections(tmp_path, {"data_path": [prefix]}), source="job.toml")
-    assert type(plain.dataset) is GPTDatasetConfig
+    assert type(plain.dataset) is described.GPTDatasetConfig and issubclass(GPTDatasetConfig, type(plain.dataset))
     # Bridge's signature: the fim_* parameters first, GPTDatasetConfig's as keywords
     direct = GPTFIMDatasetConfig(0.3, 0.0, {"eod": "<eod>"}, data_path=[prefix], split="1", seq_length=SEQ)
     direct.finalize()
@@ -638,7 +640,7 @@ def test_job_loader_makes_fim_dataset_prefixes_absolute(tmp_path, prefix):
                    + '\n[tokenizer]\ntokenizer_type = "ByteLevelTokenizer"\n'
                      'special_tokens = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]\n')
     loaded = load_job_config(job, (), cwd=tmp_path)
-    assert type(loaded.training.dataset) is GPTFIMDatasetConfig
+    assert isinstance(loaded.training.dataset, GPTFIMDatasetConfig.__mro__[1])  # the torch-free description
     assert loaded.raw["dataset"]["data_path"] == [str(local / "docs")]
     assert loaded.training.dataset.blend == ([str(local / "docs")], None)
 

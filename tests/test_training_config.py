@@ -8,7 +8,8 @@ from bridge_test_helpers import TINY
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.rank import build_config
-from bridge_hpc.training.config import ConfigContainer, MockGPTDatasetConfig
+from bridge_hpc.training.config import ConfigContainer
+from bridge_hpc.training.datasets import config as described
 
 
 def sections(**changes):
@@ -26,7 +27,8 @@ def test_tiny_builds_and_validates():
     assert cfg.train.train_iters == 40 and cfg.model.hidden_size == 64
     assert cfg.model.ffn_hidden_size == 256  # finalize() derived it
     assert cfg.data_parallel_size == 2
-    assert isinstance(cfg.dataset, MockGPTDatasetConfig) and cfg.dataset.vocab_size == 128
+    # the job file's loader builds the torch-free description (the ranks' class derives from it)
+    assert isinstance(cfg.dataset, described.MockGPTDatasetConfig) and cfg.dataset.vocab_size == 128
     assert cfg.scheduler.lr_decay_iters == 40  # defaults to train_iters
     assert cfg.train.exit_signal == ["SIGUSR1", "SIGTERM"]  # slurm.signal's default, plus SIGTERM
 

@@ -42,6 +42,20 @@ class ConfigError(ValueError, AssertionError):
         return one_line(f"{prefix}: {self.message}" if prefix else self.message)
 
 
+class MissingPackageError(ConfigError, ModuleNotFoundError):
+    """A config turns on something whose package is not installed: a :class:`ConfigError` naming the key,
+    and the ModuleNotFoundError Megatron Bridge raises there (``LoggerConfig.finalize`` for MLflow and
+    Comet ML), so ``except ModuleNotFoundError`` written against Bridge catches it. ``name`` is the package."""
+
+    def __init__(self, message: str, *, package: str, path: Optional[str] = None, key: Optional[str] = None):
+        super().__init__(message, path=path, key=key)
+        self.name = package
+
+
+class UnexpectedKeywordError(ConfigError, TypeError):
+    """A config given a field its type does not take: a :class:`ConfigError` naming the key, and the
+    TypeError Megatron Bridge raises there (``MockGPTDatasetConfig.finalize`` with a ``blend``)."""
+
 
 def exits_on_config_error(main: F) -> F:
     """Decorate a CLI ``main`` so that a ConfigError becomes one line on stderr and exit status 2."""

@@ -36,13 +36,12 @@ from bridge_hpc.training.checkpoint import architecture as base_architecture
 from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
 from bridge_hpc.training.config import (
     ConfigContainer,
-    GPTDatasetConfig,
     GPTModelConfig,
-    MockGPTDatasetConfig,
     absolute_dataset_paths,
     dataset_config_class,
     recipe_fields,
 )
+from bridge_hpc.training.datasets.config import GPTDatasetConfig, MockGPTDatasetConfig  # the torch-free ones
 from bridge_hpc.training.engine import speed_defaults
 from bridge_hpc.training.hf import families as hf_families
 from bridge_hpc.training.hf import mapping as hf_mapping

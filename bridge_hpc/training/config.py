@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 # The sections that live beside the components that read them, at Megatron Bridge's path too.
 from bridge_hpc.training.checkpoint.config import CheckpointConfig  # noqa: E402,F401 - Bridge's name, re-exported
+from bridge_hpc.training.datasets import config as _datasets  # noqa: E402 - the torch-free descriptions
 from bridge_hpc.training.datasets.config import (  # noqa: E402,F401 - Bridge's names, re-exported
     DEFAULT_SPLIT,
     FIM_TOKEN_KEYS,
@@ -55,11 +56,8 @@ from bridge_hpc.training.datasets.config import (  # noqa: E402,F401 - Bridge's 
     DatasetBuildContext,
     DatasetProvider,
     FinetuningDatasetConfig,
-    GPTDatasetConfig,
-    GPTFIMDatasetConfig,
     IndexedDatasetHeader,
     JsonlProblem,
-    MockGPTDatasetConfig,
     Progress,
     absolute_dataset_paths,
     check_jsonl_records,
@@ -357,7 +355,7 @@ SECTIONS: Dict[str, type] = {
     "optimizer": OptimizerConfig,
     "ddp": DistributedDataParallelConfig,
     "scheduler": SchedulerConfig,
-    "dataset": MockGPTDatasetConfig,
+    "dataset": _datasets.MockGPTDatasetConfig,
     "logger": LoggerConfig,
     "checkpoint": CheckpointConfig,
     "dist": DistributedInitConfig,
@@ -387,7 +385,8 @@ class ConfigContainer:
     model: GPTModelConfig
     optimizer: OptimizerConfig
     scheduler: SchedulerConfig
-    dataset: Union[GPTDatasetConfig, FinetuningDatasetConfig, MockGPTDatasetConfig, DatasetProvider]
+    dataset: Union[_datasets.GPTDatasetConfig, FinetuningDatasetConfig, _datasets.MockGPTDatasetConfig,
+                   DatasetProvider]
     logger: LoggerConfig
     checkpoint: CheckpointConfig
     rng: RNGConfig = field(default_factory=RNGConfig)
@@ -454,6 +453,12 @@ class ConfigContainer:
                 kwargs[name] = peft_from_section(body, error)
                 continue
             section_cls = dataset_config_class(body) if name == "dataset" else SECTIONS[name]
+            if section_cls is _datasets.GPTFIMDatasetConfig and not any(body.get(k) is not None
+                                                                         for k in GPT_DATASET_PATH_KEYS):
+                # (in Python, Bridge's GPTFIMDatasetConfig without data is mock data; a job file's fim_*
+                # keys without a data path are a forgotten one)
+                raise error("dataset.data_path", "must be set (or train_data_path / valid_data_path / "
+                            "test_data_path): the fim_* keys ask for fill-in-the-middle on indexed data")
             kwargs[name] = build_dataclass(section_cls, name, body, error)
         for name in ("train", "model", "optimizer", "scheduler", "dataset", "logger", "checkpoint"):
             kwargs.setdefault(name, build_dataclass(SECTIONS[name], name, {}, error))
@@ -595,12 +600,12 @@ class ConfigContainer:
             _check(m.seq_length % (2 * m.context_parallel_size) == 0, "model.seq_length",
                    f"{m.seq_length} is not divisible by 2 x model.context_parallel_size "
                    f"({2 * m.context_parallel_size}), which context parallelism needs")
-        if isinstance(self.dataset, GPTDatasetConfig) and self.dataset.seq_length is None:
+        if isinstance(self.dataset, _datasets.GPTDatasetConfig) and self.dataset.seq_length is None:
             self.dataset.seq_length = m.seq_length  # mock mode too
         seq_length = getattr(self.dataset, "seq_length", None)
         _check(seq_length is None or seq_length == m.seq_length, "dataset.seq_length",
                f"{seq_length} differs from model.seq_length ({m.seq_length})")
-        if isinstance(self.dataset, MockGPTDatasetConfig):
+        if isinstance(self.dataset, _datasets.MockGPTDatasetConfig):
             if self.dataset.vocab_size is None:
                 self.dataset.vocab_size = m.vocab_size
             _check(self.dataset.vocab_size <= m.vocab_size, "dataset.vocab_size",
@@ -648,16 +653,29 @@ class ConfigContainer:
 
     def _validate_training_scheduler_compatibility(self) -> None:
         """Training counted in iterations takes the scheduler's ``*_iters`` fields, in samples its
-        ``*_samples`` fields (Bridge's rule); the other unit's must stay unset."""
-        by_samples = self.train.train_samples is not None
-        unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
-        for name in ("lr_decay", "lr_warmup", "lr_wsd_decay"):
-            key = f"{name}_{other}"
-            value = getattr(self.scheduler, key)
-            _check(not value, f"scheduler.{key}",
-                   f"is for training counted in {other.replace('iters', 'iterations')}, and this run is counted in "
-                   f"{unit.replace('iters', 'iterations')} (train.train_{'samples' if by_samples else 'iters'}): "
-                   f"use scheduler.{name}_{unit}")
+        ``*_samples`` fields; the other unit's must stay unset (Bridge's rules and words, after the key;
+        the WSD decay fields are checked too, which Bridge leaves to megatron-core)."""
+        s = self.scheduler
+        if self.train.train_samples is not None:
+            rules = (("lr_decay_iters", s.lr_decay_iters is None,
+                      "Use lr_decay_samples for sample-based training, not lr_decay_iters"),
+                     ("lr_warmup_iters", s.lr_warmup_iters == 0,
+                      "Use lr_warmup_samples for sample-based training, not lr_warmup_iters"),
+                     ("lr_wsd_decay_iters", s.lr_wsd_decay_iters is None,
+                      "Use lr_wsd_decay_samples for sample-based training, not lr_wsd_decay_iters"),
+                     ("lr_warmup_samples", s.lr_warmup_fraction is None or s.lr_warmup_samples == 0,
+                      "Can only specify one of lr_warmup_fraction or lr_warmup_samples"))
+        else:
+            rules = (("lr_decay_samples", s.lr_decay_samples is None,
+                      "Use lr_decay_iters for iteration-based training, not lr_decay_samples"),
+                     ("lr_warmup_samples", s.lr_warmup_samples == 0,
+                      "Use lr_warmup_iters for iteration-based training, not lr_warmup_samples"),
+                     ("lr_wsd_decay_samples", s.lr_wsd_decay_samples is None,
+                      "Use lr_wsd_decay_iters for iteration-based training, not lr_wsd_decay_samples"),
+                     ("lr_warmup_iters", s.lr_warmup_fraction is None or s.lr_warmup_iters == 0,
+                      "Can only specify one of lr_warmup_fraction or lr_warmup_iters"))
+        for name, holds, message in rules:
+            _check(holds, f"scheduler.{name}", message)
 
     def _calculate_scheduler_steps(self) -> None:
         """The scheduler's steps, in samples, from the iteration or the sample counts (Bridge's and
@@ -772,7 +790,16 @@ def runtime_config_update(cfg: ConfigContainer) -> None:
     ``model``, ``optimizer`` and ``ddp`` (:meth:`MixedPrecisionConfig.setup`); after 2,
     ``comm_overlap`` sets the data-parallel overlaps and bucket size in ``ddp``
     (:meth:`CommOverlapConfig.setup`). Raises ConfigError naming the key.
+
+    First of all, a GPT dataset config that is the job file's torch-free description becomes the class
+    of the same name that is also megatron-core's ``GPTDatasetConfig``, as in Bridge
+    (:mod:`bridge_hpc.training.datasets.megatron_configs`).
     """
+    if type(cfg.dataset) in (_datasets.GPTDatasetConfig, _datasets.GPTFIMDatasetConfig, _datasets.MockGPTDatasetConfig):
+        # the job file's torch-free description becomes Bridge's class, megatron-core's subclass
+        from bridge_hpc.training.datasets.megatron_configs import for_ranks
+
+        cfg.dataset = for_ranks(cfg.dataset)
     cfg.finalize_sections()
     if cfg.mixed_precision is not None:
         cfg.mixed_precision = get_mixed_precision_config(cfg.mixed_precision)
@@ -880,7 +907,8 @@ def _reads_indexed_data(dataset: Any) -> bool:
     """A :class:`GPTDatasetConfig` that reads ``.bin``/``.idx`` files: not the mock one, which is a
     GPTDatasetConfig too (as in Bridge) but reads nothing, nor one without any data (megatron-core's
     mock mode, ``mock`` set by finalize)."""
-    return isinstance(dataset, GPTDatasetConfig) and not isinstance(dataset, MockGPTDatasetConfig) and not dataset.mock
+    return (isinstance(dataset, _datasets.GPTDatasetConfig) and not isinstance(dataset, _datasets.MockGPTDatasetConfig)
+            and not dataset.mock)
 
 
 def _get_mcore_transformer_parent(model_config: Any) -> type:
@@ -948,3 +976,22 @@ def _rank() -> int:
     except ImportError:
         pass
     return int(os.environ.get("RANK", "0"))
+
+
+#: Bridge's dataset config names that are megatron-core subclasses: resolved on first use
+#: (:func:`__getattr__`), so that importing this module stays torch-free for the login node, which reads
+#: the torch-free descriptions of :mod:`bridge_hpc.training.datasets.config` instead.
+MEGATRON_DATASET_CONFIGS = ("GPTDatasetConfig", "GPTFIMDatasetConfig", "MockGPTDatasetConfig")
+
+
+def __getattr__(name: str) -> Any:
+    """``GPTDatasetConfig``, ``GPTFIMDatasetConfig``, ``MockGPTDatasetConfig``: Megatron Bridge's classes,
+    subclasses of megatron-core's ``GPTDatasetConfig`` (:mod:`bridge_hpc.training.datasets.megatron_configs`;
+    the first use imports torch and megatron-core)."""
+    if name in MEGATRON_DATASET_CONFIGS:
+        from bridge_hpc.training.datasets import megatron_configs
+
+        value = getattr(megatron_configs, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -237,8 +237,9 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     timers("forward-backward", log_level=1).start(barrier=barrier)
     while rerun_state_machine.should_run_forward_backward(data_iterator):
         zero_grads(model, optimizer)
-        _handle_mxfp8_param_buffer_copy(optimizer, cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag,
-                                        cfg.ddp.overlap_param_gather)
+        _handle_mxfp8_param_buffer_copy(optimizer, model=model,
+                                        reuse_grad_buf_for_mxfp8_param_ag=cfg.optimizer.reuse_grad_buf_for_mxfp8_param_ag,
+                                        overlap_param_gather=cfg.ddp.overlap_param_gather)
         if graph is not None:
             fused_step = installed_fused_step(optimizer)
             reports = graph.forward_backward(forward_step_func, data_iterator, model, get_num_microbatches(global_state),
@@ -555,25 +556,39 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
     _finish_train(global_state)
 
 
-def _finish_train(global_state: GlobalState) -> None:
-    """The end of the loop (Bridge's function): the TensorBoard events written so far reach the file
-    now, so that an evaluation or a teardown after the loop that dies loses none of them. Async saves
-    are finished by the exit decision that ended the loop (:func:`checkpoint_and_decide_exit`), and fault
+def _finish_train(global_state: GlobalState, checkpoint_manager: Any = None) -> None:
+    """The end of the loop (Bridge's function and signature): Bridge's ``checkpoint_manager``, when one is
+    given, finishes its pending async saves (``finalize_async_saves(state=, blocking=True, terminate=True)``,
+    as Bridge calls it); then the TensorBoard events written so far reach the file, so that an evaluation
+    or a teardown after the loop that dies loses none of them. This loop passes no manager: its async
+    saves are finished by the exit decision that ended it (:func:`checkpoint_and_decide_exit`), and fault
     tolerance and straggler detection shut down after the final evaluation (``pretrain``), which they
     still watch."""
+    if checkpoint_manager is not None:
+        checkpoint_manager.finalize_async_saves(state=global_state, blocking=True, terminate=True)
     writer = global_state.tensorboard_logger
     if writer is not None:
         writer.flush()
 
 
-def _handle_mxfp8_param_buffer_copy(optimizer, reuse_grad_buf_for_mxfp8_param_ag: bool,
-                                    overlap_param_gather: bool) -> None:
+def _handle_mxfp8_param_buffer_copy(optimizer, reuse_grad_buf_for_mxfp8_param_ag: Any,
+                                    overlap_param_gather: Any, model: Any = None) -> None:
     """Bridge's: with MXFP8 parameters whose all-gather reuses the gradient buffer and overlaps the
     forward, the main parameters are copied into the (shared) parameter buffer after the gradient
-    buffer is zeroed, else the all-gather would send zeros. ``optimizer.reuse_grad_buf_for_mxfp8_param_ag``
-    needs Transformer Engine's MXFP8 and is refused without it, so here this runs only by reading;
-    its condition and call are megatron-core's ``DistributedOptimizer._copy_main_params_to_param_buffer``."""
+    buffer is zeroed, else the all-gather would send zeros. With ``model`` (Bridge's newer signature,
+    ``(optimizer, model, reuse_grad_buf_for_mxfp8_param_ag, overlap_param_gather)``, by keyword or in
+    that order), not while the forward pre-hooks are off (``model[0]`` has no
+    ``remove_forward_pre_hook_handles``: the first step's parameters are in place already). The
+    documented order without ``model`` works too. ``optimizer.reuse_grad_buf_for_mxfp8_param_ag`` needs
+    Transformer Engine's MXFP8 and is refused without it, so here this runs only by reading; its
+    condition and call are megatron-core's ``DistributedOptimizer._copy_main_params_to_param_buffer``."""
+    if isinstance(model, bool) and not isinstance(reuse_grad_buf_for_mxfp8_param_ag, bool):
+        # Bridge's newer positional order: (optimizer, model, reuse, overlap)
+        model, reuse_grad_buf_for_mxfp8_param_ag, overlap_param_gather = (
+            reuse_grad_buf_for_mxfp8_param_ag, overlap_param_gather, model)
     if not (reuse_grad_buf_for_mxfp8_param_ag and overlap_param_gather):
+        return
+    if model is not None and not getattr(model[0], "remove_forward_pre_hook_handles", None):
         return
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 

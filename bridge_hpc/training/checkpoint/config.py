@@ -102,6 +102,12 @@ class CheckpointConfig:
     verify_integrity: bool = False
 
     def finalize(self) -> None:
+        # Megatron Bridge's rules, in its words after the key (before checkpoint.load defaults to save)
+        _check(self.ckpt_step is None or self.load is not None, "checkpoint.ckpt_step",
+               f"ckpt_step={self.ckpt_step} specified but checkpoint.load is None. "
+               "Please set checkpoint.load to the base checkpoint directory.")
+        _check(not (self.load_main_params_from_ckpt and self.load_optim), "checkpoint.load_main_params_from_ckpt",
+               "load_main_params_from_ckpt must be used with load_optim=False")
         if self.load is None:
             self.load = self.save
         _check(self.save_interval is None or self.save_interval > 0,

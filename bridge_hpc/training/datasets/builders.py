@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from bridge_hpc.contracts import signals
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.training.config import (
+from bridge_hpc.training.datasets.config import (  # the descriptions: the ranks' classes derive from them
     DataloaderConfig,
     DatasetBuildContext,
     DatasetProvider,

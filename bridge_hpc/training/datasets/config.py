@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Literal, NamedTuple, Optional, Tuple, Union
 
-from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.contracts.errors import ConfigError, UnexpectedKeywordError
 from bridge_hpc.contracts.schema import DeferredPostInit, check_left_at_default, did_you_mean
 from bridge_hpc.contracts.schema import check as _check
 
@@ -496,9 +496,10 @@ class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
         if self.data_path is None and not per_split and (self.blend is not None or self.blend_per_split is not None):
             self._finalize_given_blends()
             return
-        if self.data_path is None and not per_split and not isinstance(self, GPTFIMDatasetConfig):
-            # megatron-core's rule: no blend at all means mock data (a config built in Python; a job
-            # file without data paths gets MockGPTDatasetConfig, see dataset_config_class).
+        if self.data_path is None and not per_split:
+            # megatron-core's rule: no blend at all means mock data (a config built in Python, FIM data
+            # too, as in Bridge; a job file without data paths gets MockGPTDatasetConfig, see
+            # dataset_config_class).
             self.mock, self.split = True, self.split or "1,1,1"
             _check(self.seq_length is None or self.seq_length > 0, "dataset.seq_length", "must be > 0")
             return
@@ -623,7 +624,10 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
     ``(random_seed, split, index)``, so resume is exact without any data on disk.
 
     ``vocab_size`` (bridge_hpc's) bounds the token ids; None takes the model's vocabulary size.
-    ``finalize`` refuses data paths and blends, as Bridge's does, and sets megatron-core's ``mock``.
+    ``finalize`` refuses ``blend`` / ``blend_per_split`` with Bridge's TypeError ("got an unexpected
+    keyword argument 'blend'", a ConfigError naming the key too) and data paths with a ConfigError (Bridge
+    would turn ``data_path`` into a blend and read it: mock data reads no files here), and sets
+    megatron-core's ``mock``.
     """
 
     vocab_size: Optional[int] = None
@@ -634,6 +638,9 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
     def finalize(self) -> None:
         DataloaderConfig.finalize(self)
         self._check_megatron_options()
+        for key in ("blend", "blend_per_split"):  # Bridge's error, in its words after the key
+            if getattr(self, key):
+                raise UnexpectedKeywordError(f"got an unexpected keyword argument '{key}'", key=f"dataset.{key}")
         for key in (*GPT_DATASET_PATH_KEYS, "blend", "blend_per_split"):
             _check(getattr(self, key) is None, f"dataset.{key}", "must be unset for mock data (it reads no files)")
         self.mock = True

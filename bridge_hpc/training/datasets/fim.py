@@ -24,7 +24,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig as MCoreGPTDatasetConfig
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.training.config import GPTFIMDatasetConfig
+from bridge_hpc.training.datasets.config import GPTFIMDatasetConfig
 
 __all__ = ["FIMSettings", "GPTFIMDataset", "MCoreGPTFIMDatasetConfig", "apply_fim", "fim_settings", "token_id"]
 

@@ -294,15 +294,30 @@ class SchedulerConfig:
             self.lr_warmup_fraction is None or 0 <= self.lr_warmup_fraction <= 1,
             "scheduler.lr_warmup_fraction", "must be in [0, 1]",
         )
+        # Megatron Bridge's rules, in its words after the key
+        iter_fields = (self.lr_decay_iters is not None or self.lr_warmup_iters != 0
+                       or self.lr_wsd_decay_iters is not None)
+        sample_fields = (self.lr_decay_samples is not None or self.lr_warmup_samples != 0
+                         or self.lr_wsd_decay_samples is not None)
+        _check(not (iter_fields and sample_fields), "scheduler." + next(
+            (k for k in ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples")
+             if getattr(self, k) not in (None, 0)), "lr_decay_samples"),
+            "Cannot mix iteration-based and sample-based scheduler fields. Found iteration fields: "
+            f"lr_decay_iters={self.lr_decay_iters}, lr_warmup_iters={self.lr_warmup_iters}, "
+            f"lr_wsd_decay_iters={self.lr_wsd_decay_iters}. Found sample fields: "
+            f"lr_decay_samples={self.lr_decay_samples}, lr_warmup_samples={self.lr_warmup_samples}, "
+            f"lr_wsd_decay_samples={self.lr_wsd_decay_samples}. Use either iteration fields OR sample fields, "
+            "not both.")
         _check(
-            not (self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples)),
+            self.lr_warmup_fraction is None or (self.lr_warmup_iters == 0 and self.lr_warmup_samples == 0),
             "scheduler.lr_warmup_fraction",
-            "set either lr_warmup_fraction or lr_warmup_iters / lr_warmup_samples, not both",
+            f"Cannot specify lr_warmup_fraction={self.lr_warmup_fraction} with lr_warmup_iters={self.lr_warmup_iters} "
+            f"or lr_warmup_samples={self.lr_warmup_samples}. "
+            "Use either lr_warmup_fraction OR lr_warmup_iters OR lr_warmup_samples.",
         )
         _check(
             not (self.use_checkpoint_opt_param_scheduler and self.override_opt_param_scheduler),
-            "scheduler.override_opt_param_scheduler",
-            "conflicts with scheduler.use_checkpoint_opt_param_scheduler = true",
+            "scheduler.override_opt_param_scheduler", "both override and use-checkpoint are set.",
         )
         for key in ("start_weight_decay", "end_weight_decay"):
             value = getattr(self, key)

@@ -99,8 +99,15 @@ class NVRxStragglerDetectionConfig:
     logger_name: str = "megatron.bridge.NVRxStragglerDetection"
 
     def finalize(self) -> None:
-        _check(self.report_time_interval > 0, "nvrx_straggler.report_time_interval", "must be > 0")
+        _check(self.report_time_interval > 0, "nvrx_straggler.report_time_interval",
+               "report_time_interval must be positive.")
         _check(self.profiling_interval > 0, "nvrx_straggler.profiling_interval", "must be > 0")
+        if self.enabled:  # Megatron Bridge's rules, in its words after the key
+            _check(self.calc_relative_gpu_perf or self.calc_individual_gpu_perf, "nvrx_straggler.calc_relative_gpu_perf",
+                   "At least one of calc_relative_gpu_perf or calc_individual_gpu_perf must be True when NVRx "
+                   "straggler detection is enabled.")
+            for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
+                _check(0.0 <= getattr(self, name) <= 1.0, f"nvrx_straggler.{name}", f"{name} must be between 0.0 and 1.0.")
 
 
 @dataclass

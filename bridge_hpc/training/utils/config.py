@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Literal, Optional
 
+from bridge_hpc.contracts.errors import MissingPackageError
 from bridge_hpc.contracts.schema import check as _check
 
 
@@ -86,6 +87,8 @@ class LoggerConfig:
     mlflow_run_name: Optional[str] = None
     mlflow_tracking_uri: Optional[str] = None
     mlflow_tags: Optional[Dict[str, str]] = None
+    #: Bridge's: the run's description (MLflow's Description panel), given to ``mlflow.start_run``.
+    mlflow_description: Optional[str] = None
     comet_project: Optional[str] = None
     comet_experiment_name: Optional[str] = None
     comet_workspace: Optional[str] = None
@@ -123,24 +126,59 @@ class LoggerConfig:
             ("moe_routing_trace_dump_weights", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
         ):
             _check(not getattr(self, name), f"logger.{name}", f"must be left at its default: {why}")
+        # (an empty run or experiment name of a backend that is on gets Bridge's words, below)
+        names = {"wandb_exp_name": self.wandb_project, "mlflow_run_name": self.mlflow_experiment,
+                 "comet_experiment_name": self.comet_project}
         for name in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "mlflow_experiment",
-                     "mlflow_run_name", "mlflow_tracking_uri", "comet_project", "comet_experiment_name",
-                     "comet_workspace", "save_config_filepath"):
+                     "mlflow_run_name", "mlflow_tracking_uri", "mlflow_description", "comet_project",
+                     "comet_experiment_name", "comet_workspace", "save_config_filepath"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, str) and value.strip() != ""), f"logger.{name}",
-                   "must be a non-empty string, or unset")
+            _check(value is None or (isinstance(value, str) and value.strip() != "")
+                   or (value == "" and names.get(name)), f"logger.{name}", "must be a non-empty string, or unset")
         if self.save_config_filepath is not None and self.save_config_filepath.endswith((".yaml", ".yml")):
             import importlib.util
 
             _check(importlib.util.find_spec("yaml") is not None, "logger.save_config_filepath",
                    "names a YAML file, and PyYAML is not installed here: install it, or name a .json file")
-        for name, backend in (("wandb_exp_name", "wandb_project"), ("wandb_save_dir", "wandb_project"),
-                              ("wandb_entity", "wandb_project"), ("mlflow_run_name", "mlflow_experiment"),
-                              ("mlflow_tracking_uri", "mlflow_experiment"), ("mlflow_tags", "mlflow_experiment"),
-                              ("comet_experiment_name", "comet_project"), ("comet_workspace", "comet_project"),
-                              ("comet_tags", "comet_project")):
-            _check(getattr(self, name) is None or getattr(self, backend) is not None, f"logger.{name}",
-                   f"is set but logger.{backend} is not, so that backend is off")
+        for name in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
+            _check(getattr(self, name) is None or self.wandb_project is not None, f"logger.{name}",
+                   "is set but logger.wandb_project is not, so W&B is off")
+        self._check_bridges_rules()
+
+    def _check_bridges_rules(self) -> None:
+        """Megatron Bridge's rules, in its words after the key: a backend that is on needs its run or
+        experiment name (ValueError: Bridge's GlobalState says it for W&B, its finalize for MLflow and
+        Comet); any MLflow or Comet field set needs that backend's package (ModuleNotFoundError). The
+        package is looked up, not imported (the login node imports no logger package)."""
+        _check(not self.wandb_project or self.wandb_exp_name != "", "logger.wandb_exp_name",
+               "Please specify the wandb experiment name!")
+        _check(not self.mlflow_experiment or self.mlflow_run_name, "logger.mlflow_run_name",
+               "Set logger.mlflow_run_name when enabling MLFlow logging.")
+        _check(not self.comet_project or self.comet_experiment_name, "logger.comet_experiment_name",
+               "Set logger.comet_experiment_name when enabling Comet ML logging.")
+        _require_package(self, "mlflow", ("mlflow_experiment", "mlflow_run_name", "mlflow_tracking_uri",
+                                          "mlflow_tags", "mlflow_description"),
+                         "MLFlow logging is configured, but the 'mlflow' package is not installed. "
+                         "Install it via pip install mlflow or uv add mlflow")
+        _require_package(self, "comet_ml", ("comet_project", "comet_experiment_name", "comet_workspace",
+                                            "comet_api_key", "comet_tags"),
+                         "Comet ML logging is configured, but the 'comet_ml' package is not installed. "
+                         "Install it via pip install comet-ml or uv add comet-ml")
+
+
+def _require_package(section: "LoggerConfig", package: str, names: tuple, message: str) -> None:
+    """Raise MissingPackageError naming the first of ``names`` that is set when ``package`` is not installed."""
+    used = [name for name in names if getattr(section, name)]
+    if not used:
+        return
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a package whose import is blocked, or a module without a spec
+        found = False
+    if not found:
+        raise MissingPackageError(message, package=package, key=f"logger.{used[0]}")
 
 
 @dataclass
@@ -167,9 +205,14 @@ class ProfilingConfig:
     memory_snapshot_path: str = "snapshot.pickle"
 
     def finalize(self) -> None:
-        _check(self.profile_step_end > self.profile_step_start, "profiling.profile_step_end",
-               "must be > profiling.profile_step_start")
+        # Megatron Bridge's rules, in its words after the key
         _check(not (self.use_nsys_profiler and self.use_pytorch_profiler), "profiling.use_nsys_profiler",
-               "and profiling.use_pytorch_profiler are exclusive (one profiler at a time)")
+               "Exactly one of pytorch or nsys profiler should be enabled, not both, when ProfilingConfig is active.")
+        _check(self.profile_step_start >= 0, "profiling.profile_step_start",
+               f"profile_step_start must be >= 0, got {self.profile_step_start}")
+        _check(self.profile_step_end >= 0, "profiling.profile_step_end",
+               f"profile_step_end must be >= 0, got {self.profile_step_end}")
+        _check(self.profile_step_end > self.profile_step_start, "profiling.profile_step_end",
+               f"profile_step_end ({self.profile_step_end}) must be > profile_step_start ({self.profile_step_start})")
         _check(not self.pytorch_profiler_collect_chakra, "profiling.pytorch_profiler_collect_chakra",
                "must be false: Chakra execution traces are not collected by bridge_hpc's profiler")

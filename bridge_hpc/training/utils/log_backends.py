@@ -63,6 +63,9 @@ LABELS = {"wandb": "W&B", "mlflow": "MLflow", "comet": "Comet"}
 SWITCHES = {"wandb": "wandb_project", "mlflow": "mlflow_experiment", "comet": "comet_project"}
 #: Seconds :meth:`LogBackends.close` waits for the backends to take the last steps and close their runs.
 CLOSE_TIMEOUT_S = 20.0
+#: Seconds after which a backend whose run has not started (a server that accepts and never answers) is
+#: one warning, while the run goes on, rather than only at the end.
+START_PATIENCE_S = 60.0
 #: Seconds between W&B's writes of its ``.wandb`` file (its default is 15): what a SIGTERM can lose.
 WANDB_FLUSH_INTERVAL_S = 1.0
 #: Steps waiting for their checkpoint beyond which the oldest go out anyway (a run without interval saves).
@@ -352,14 +355,16 @@ class MlflowBackend(_Backend):
                 logger.warning("MLflow run %s cannot be continued (%s): starting a new one", run_id, _one_line(err))
                 run_id = None
         if run_id is None:
-            experiment = client.get_experiment_by_name(self.log.mlflow_experiment)
-            experiment_id = (experiment.experiment_id if experiment is not None
-                             else client.create_experiment(self.log.mlflow_experiment))
+            # Bridge's calls: the tracking URI, the experiment, then the run with its name, tags and
+            # description (it stays this thread's active run; the rank's thread continues it by id)
+            mlflow.set_tracking_uri(uri)
+            mlflow.set_experiment(self.log.mlflow_experiment)
             name = self.log.mlflow_run_name
             if name and self.saved.get("run_id"):
                 name = f"{name} (restart {self.restart_count})"
             tags = {str(k): str(v) for k, v in (self.log.mlflow_tags or {}).items()}
-            run_id = client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+            run_id = mlflow.start_run(run_name=name, tags=tags or None,
+                                      description=self.log.mlflow_description).info.run_id
             params = [Param(_MLFLOW_BAD.sub("_", key)[:250], str(value)[: self.PARAM_CHARS])
                       for key, value in flatten(config_for_backends(self.cfg)).items()]
             try:
@@ -384,7 +389,11 @@ class MlflowBackend(_Backend):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + self.BATCH])
 
     def finish(self) -> None:
-        self.client.set_terminated(self.run_id)
+        active = self.mlflow.active_run()
+        if active is not None and active.info.run_id == self.run_id:
+            self.mlflow.end_run()  # the run this thread started (Bridge's start_run)
+        else:
+            self.client.set_terminated(self.run_id)
 
 
 class CometBackend(_Backend):
@@ -492,6 +501,9 @@ class LogBackends:
             self._threads[name] = thread
             thread.start()
             self._queues[name].put((self._start, (name, restart_count)))
+            watch = threading.Timer(START_PATIENCE_S, self._not_started, (name,))
+            watch.daemon = True
+            watch.start()
 
     def add(self, step: int, values: Dict[str, Any], only: Optional[str] = None) -> None:
         if not values or (only is not None and only not in self.names):
@@ -535,8 +547,8 @@ class LogBackends:
             thread.join(max(0.0, timeout - (time.monotonic() - began)))
             if thread.is_alive():
                 late.append(LABELS[name])
-        if late:
-            logger.warning("%s did not close within %.0f s; its last steps may be missing", " and ".join(late), timeout)
+        for name in late:
+            logger.warning("%s did not close within %.0f s: %s", LABELS[name], timeout, self._logged(name))
         logger.debug("log backends closed in %.2f s", time.monotonic() - began)
         self._threads.clear()
 
@@ -551,6 +563,27 @@ class LogBackends:
         if wait and name in self._started:
             self._started[name].wait(wait)
         return None if name in self._failed else self._backends.get(name)
+
+    def _where(self, name: str) -> str:
+        uri = getattr(self.cfg.logger, "mlflow_tracking_uri", None) if name == "mlflow" else None
+        return f" at {uri}" if uri else ""
+
+    def _logged(self, name: str) -> str:
+        """What of this run backend ``name`` holds, in words (for a warning)."""
+        if not self._started[name].is_set():
+            return f"its run never started (no answer{self._where(name)}): no step of this run was logged to it"
+        through = (self._runs.get(name) or {}).get("logged_through", 0)
+        if through <= self._resume_step:
+            return "no step of this run was logged to it"
+        return (f"steps through {through} of this run were logged to it"
+                + (f", steps {through + 1} to {self.last_step} were not" if self.last_step > through else ""))
+
+    def _not_started(self, name: str) -> None:
+        """Called once, :data:`START_PATIENCE_S` after :meth:`open`: a backend still starting is said now."""
+        if not self._started[name].is_set() and name not in self._failed and self._threads:
+            logger.warning("%s has not answered for %.0f s (the start of its run%s): nothing of this run is logged to "
+                           "it yet; its steps wait and go out when it answers; training goes on", LABELS[name],
+                           START_PATIENCE_S, self._where(name))
 
     # --- each backend's thread -----------------------------------------------------------------
 
