@@ -115,9 +115,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             "runs": [r.__dict__ for r in runs],
             "logs": [str(p) for p in log_paths(run_dir, job_id)],
         })
+    live = None
+    if jobs[-1]["state"] not in TERMINAL_STATES and jobs[-1]["state"] != "UNKNOWN":
+        from bridge_hpc.cli.watch import LiveReader
+
+        live = LiveReader(run_dir, ids[-1], paths).poll()
+    eta = None if live is None else {"job_id": ids[-1], "seconds": live.eta_s, "note": live.eta_note,
+                                     "step": live.step, "train_iters": live.train_iters,
+                                     "allocation_left_s": live.allocation_left_s}
     try:
         if args.json:
-            print(json.dumps({"run_dir": str(run_dir), "jobs": jobs}, indent=2))
+            print(json.dumps({"run_dir": str(run_dir), "jobs": jobs, "eta": eta}, indent=2))
         else:
             print(f"run folder {one_line(str(run_dir))}")
             print(f"{'job':>8}  {'state':<12} {'restarts':>8}  log")
@@ -126,6 +134,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for n, r in enumerate(job["runs"]):
                     print(f"{'':>8}    run {n}: {r['state']:<10} start {r['start'] or '-'}  end {r['end'] or '-'}  "
                           f"elapsed {r['elapsed'] or '-'}  exit {r['exit_code'] or '-'}  {r['reason']}")
+            if live is not None:
+                from bridge_hpc.report.live import eta_text, format_duration
+
+                print(f"job {ids[-1]}: step {live.step if live.step is not None else '-'}/{live.train_iters or '?'}; "
+                      f"job ETA (to train_iters, across requeues) {one_line(eta_text(live))}; "
+                      f"allocation left {format_duration(live.allocation_left_s)}")
         sys.stdout.flush()
         if args.follow:
             from bridge_hpc.cli.watch import watch

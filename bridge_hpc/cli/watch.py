@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
-from bridge_hpc.report.live import LiveDisplay, LiveStatus, MetricsTail, add_training_figures
+from bridge_hpc.contracts.save_interval import read_history
+from bridge_hpc.report.live import LiveDisplay, LiveStatus, MetricsTail, add_training_figures, job_eta
 from bridge_hpc.report.run_paths import RunPaths, read_run_paths
 from bridge_hpc.slurm.query import job_finished, job_runs, job_times
 
@@ -41,11 +42,35 @@ class LiveReader:
                             finished=job_finished(state))
         self._metrics.poll()
         add_training_figures(status, list(self._metrics.records))
+        limit_s = None
         if state == "RUNNING":
             times = job_times(self.job_id)
             if times is not None:
                 status.allocation_left_s = max(0.0, times.end - time.time())
+                limit_s = times.limit_s
+        if not status.finished:
+            add_job_eta(status, self.paths, limit_s)
         return status
+
+
+def add_job_eta(status: LiveStatus, paths: RunPaths, time_limit_s: Optional[float] = None) -> None:
+    """The job's ETA across requeues (:func:`bridge_hpc.report.live.job_eta`) from the run folder's
+    progress log, in place of the training time alone."""
+    try:
+        history = read_history(paths.progress_log, last_run_live=status.state == "RUNNING")
+    except OSError:
+        history = None
+    if history is None or not history.runs:
+        if status.eta_s is not None:
+            status.eta_note = "training time only: no progress.txt yet, so requeues are not counted"
+        else:
+            status.eta_note = "not yet: no step of this job timed yet"
+        return
+    prior, prior_from = paths.interval_prior
+    eta = job_eta(history, status.step, status.train_iters, status.step_s, running=status.state == "RUNNING",
+                  allocation_left_s=status.allocation_left_s, time_limit_s=time_limit_s, prior_mtbf_s=prior,
+                  prior_from=prior_from)
+    status.eta_s, status.eta_note = eta.seconds, eta.note
 
 
 def watch(run_dir: Path, job_id: str, style: str, stream: TextIO = sys.stdout,

@@ -8,7 +8,7 @@ Users already have tools that parse it, some by position (Megatron itself reads 
 ``Saved checkpoint`` line as the 8th tab-separated token), so bridge_hpc keeps the standard events and
 fields exactly where Megatron puts them and only *appends*: extra fields go after the standard ones,
 extra events (``Loaded checkpoint``, ``First step``, ``Ending job``, ``Restart``, ``Checkpoint
-fallback``, ``Checkpoint save failed``, ``Result validation``) use the same
+fallback``, ``Checkpoint save failed``, ``Result validation``, ``Save interval``) use the same
 ``Key: value`` style.  These extra events are what make goodput computable: why a run ended, and the
 time spent on start-up, checkpoint load and save and on steps that were lost.
 
@@ -39,6 +39,9 @@ CHECKPOINT_SAVE_FAILED = "Checkpoint save failed"
 #: A loss that failed result validation and the re-run of its step (``[rerun_state_machine]``): which
 #: check, on how many ranks, whether the re-run reproduced it, and whether training went on.
 RESULT_VALIDATION = "Result validation"
+#: The interval a run chose with ``[checkpoint] save_interval = "auto"``, and its inputs (the fields are
+#: :mod:`bridge_hpc.contracts.save_interval`'s).
+SAVE_INTERVAL = "Save interval"
 
 SAVE_EVENTS = (SAVED_CHECKPOINT, SAVING_ASYNC)
 
@@ -438,6 +441,11 @@ class ProgressLog:
         its cause next to it."""
         self._write(CHECKPOINT_SAVE_FAILED, [(ITERATION, str(iteration)), ("Failures in a row", str(failures)),
                                              ("Action", "stop" if stop else "retry"), (REASON, reason)])
+
+    def save_interval(self, fields: List[Tuple[str, str]]) -> None:
+        """The run chose its checkpoint interval (``save_interval = "auto"``): ``fields`` are
+        :meth:`bridge_hpc.contracts.save_interval.Choice.progress_fields`."""
+        self._write(SAVE_INTERVAL, [(key, " ".join(value.split())) for key, value in fields])
 
     # -- plumbing ----------------------------------------------------------------------------------
 

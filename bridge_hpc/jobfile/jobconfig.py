@@ -183,6 +183,9 @@ class ClusterSection:
     gpus_per_node: Optional[int] = None
     cpus_per_node: Optional[int] = None
     max_time: Optional[str] = None
+    # The mean time between failures of one node, in hours: the prior of ``[checkpoint] save_interval =
+    # "auto"`` until a run has its own history (bridge_hpc.contracts.save_interval).
+    node_mtbf_hours: Optional[float] = None
     # The site's own secret [env] names, on top of SECRET_ENV_NAMES (``*`` for any text): a literal
     # value for one is refused; it must be ``{ from_shell = "NAME" }``.
     secret_env_names: List[str] = field(default_factory=list)
@@ -612,6 +615,9 @@ def _validate_slurm(s: SlurmSection, c: ClusterSection, where: _Where) -> signal
         if key in _OWNED_OPTIONS:
             use = f"; use slurm.{_FIELD_OPTIONS[key]}" if key in _FIELD_OPTIONS else ""
             raise where.error(f"slurm.extra.{key}", f"set by bridge_hpc itself{use}")
+    if c.node_mtbf_hours is not None and not (0 < c.node_mtbf_hours < float("inf")):
+        raise where.error("cluster.node_mtbf_hours", "expected a positive number of hours (the mean time between "
+                          f"failures of one node), got {c.node_mtbf_hours!r}")
     # Contradictions against the cluster profile.
     if c.partitions and s.partition is not None and s.partition not in c.partitions:
         raise where.error("slurm.partition", f"{s.partition!r} is not a partition of cluster {c.name or '(profile)'}: "
@@ -733,6 +739,9 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         except ConfigError as err:
             raise (where.error(err.key, err.message) if err.key else err) from None
         resolved["job"][fast_path.TOML_KEY] = record.to_toml()
+    if container_cfg is not None:  # the prior of save_interval = "auto": the cluster's, over this job's nodes
+        container_cfg.checkpoint.node_mtbf_hours = cluster.node_mtbf_hours
+        container_cfg.checkpoint.nodes = slurm.nodes
     resolved.update(sections)
     return JobConfig(
         path=path, job=job, slurm=slurm, env=env, container=container, setup=setup,

@@ -54,6 +54,7 @@ from bridge_hpc.contracts.progress_log import (
     STEPS_LOST,
     Run,
 )
+from bridge_hpc.contracts.save_interval import step_samples as _step_samples
 from bridge_hpc.report.curves import TrainingCurves
 
 UNKNOWN = "?"
@@ -168,21 +169,6 @@ def _clip(duration: float, *overheads: Optional[float]) -> List[Optional[float]]
 
 # --------------------------------------------------------------------------------------------------
 # Building
-
-
-def _step_samples(run: Run) -> Tuple[float, int]:
-    """(training seconds, steps) between the first step and each save of a run, saves excluded.
-
-    A save line is written after the save, so the interval before it holds the steps plus the save.
-    """
-    marks = run.of(FIRST_STEP, *SAVE_EVENTS)
-    seconds, steps = 0.0, 0
-    for before, after in zip(marks, marks[1:]):
-        di = (_iteration(after) or 0) - (_iteration(before) or 0)
-        dt = after.time - before.time - (after.number(SAVE_SECONDS) or 0.0)
-        if di > 0 and dt > 0:
-            seconds, steps = seconds + dt, steps + di
-    return seconds, steps
 
 
 def _iteration(event) -> Optional[int]:

@@ -13,9 +13,14 @@ job config: the report side depends on the run folder's contracts alone):
 - Slurm (:mod:`bridge_hpc.slurm.query`): every run of the job (state, restarts) and the current
   run's end time.
 
-The ETA is training time only: the steps left times the median of the recent step times. Queue
-waits after a preemption are not in it (they cannot be known); the allocation's time left says
-whether this allocation will see the end.
+The job's ETA (:func:`job_eta`) is to ``train_iters`` across requeues, from the run folder's history
+(progress.txt, read by :mod:`bridge_hpc.contracts.save_interval`, the reader the interval rule uses):
+the steps left times the median of the recent step times, plus the saves' share of training so far,
+plus the requeues still expected -- the allocations the time limit will end, and the interruptions
+expected at the history's rates (unwarned: the mean time between them as the interval rule estimates
+it; warned preemptions: as often as so far) -- each costing this run's mean start-up, lost work and
+queue wait between its allocations. Before a step has been timed it says "not yet" and why, never a
+guess. The current allocation's time left is shown beside it, labelled.
 
 Where output is not a terminal (a pipe, a log file, CI), both print plain lines without control
 codes: one when the state changes, else at most one per ``interval`` seconds when the step moved.
@@ -24,6 +29,7 @@ codes: one when the state changes, else at most one per ``interval`` seconds whe
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Deque, List, Optional, TextIO
 
+from bridge_hpc.contracts import save_interval as history_rules
 from bridge_hpc.contracts.metrics_file import LOSS, STEP, STEP_TIME_S, TOKENS_PER_S
 
 #: How many recent steps the rate, step time and ETA are taken over.
@@ -54,7 +61,9 @@ class LiveStatus:
     train_iters: Optional[int] = None
     loss: Optional[float] = None
     tokens_per_s: Optional[float] = None
-    eta_s: Optional[float] = None
+    eta_s: Optional[float] = None  # the job's, to train_iters across requeues (None: not known yet)
+    eta_note: str = ""  # what the ETA is made of, or why there is none yet
+    step_s: Optional[float] = None  # the median of the recent step times
     allocation_left_s: Optional[float] = None
     reason: str = ""
     finished: bool = False  # Slurm is done with the job (a requeue is not done)
@@ -119,8 +128,68 @@ def add_training_figures(status: LiveStatus, records: List[dict]) -> None:
     rates = [r[TOKENS_PER_S] for r in records if r.get(TOKENS_PER_S)]
     status.tokens_per_s = statistics.median(rates) if rates else None
     times = [r[STEP_TIME_S] for r in records if r.get(STEP_TIME_S)]
-    if times and status.train_iters is not None:
-        status.eta_s = max(0, status.train_iters - status.step) * statistics.median(times)
+    status.step_s = statistics.median(times) if times else None
+    if status.step_s is not None and status.train_iters is not None:
+        status.eta_s = max(0, status.train_iters - status.step) * status.step_s
+        status.eta_note = "training time at the recent step time"
+
+
+@dataclass
+class JobEta:
+    """The job's ETA to ``train_iters`` across requeues: ``seconds`` None where it cannot be estimated yet,
+    ``note`` then saying why; else what it is made of."""
+
+    seconds: Optional[float]
+    note: str
+    parts: dict = field(default_factory=dict)
+
+
+def job_eta(history: history_rules.History, step: Optional[int], train_iters: Optional[int],
+            step_s: Optional[float], *, running: bool, allocation_left_s: Optional[float] = None,
+            time_limit_s: Optional[float] = None, prior_mtbf_s: Optional[float] = None,
+            prior_from: str = "") -> JobEta:
+    """The ETA of the module docstring. ``history`` is the run folder's (its last run live where
+    ``running``); ``step``/``step_s`` the newest step and the recent step time (metrics.jsonl);
+    ``allocation_left_s``/``time_limit_s`` Slurm's for the current allocation."""
+    if train_iters is None:
+        return JobEta(None, "not known: resolved.toml records no train.train_iters")
+    if step is not None and step >= train_iters:
+        return JobEta(0.0, "train_iters reached")
+    if step_s is None:
+        return JobEta(None, "not yet: no step of this job timed yet (metrics.jsonl)")
+    left = (train_iters - (step or 0)) * step_s
+    trained = [r for r in history.runs if r.trained]
+    training = sum(r.training_span_s for r in trained)
+    saves = sum(history.interval_save_costs)
+    save_share = saves / training if training > 0 else 0.0
+    work = left * (1.0 + save_share)
+    startups = [r.first_step - r.start for r in trained if r.first_step is not None]
+    startup = statistics.mean(startups) if startups else None
+    lost = [max(r.end - max([r.first_step] + [t for t, _ in r.saves]), 0.0) for r in trained if r.unwarned]
+    waits = history.queue_waits_s
+    queue = statistics.mean(waits) if waits else 0.0
+    mtbf, _ = history_rules.mtbf_estimate(history, prior_mtbf_s, prior_from or "[cluster] prior")
+    warned = sum(1 for r in history.runs if r.reason in ("signal", "straggler", "transient_fault"))
+    unwarned_expected = work / mtbf
+    warned_expected = work * warned / history.allocated_s if history.allocated_s > 0 else 0.0
+    limit_expected = 0
+    if running and allocation_left_s is not None and time_limit_s and work > allocation_left_s:
+        usable = time_limit_s - (startup or 0.0)
+        limit_expected = math.ceil((work - allocation_left_s) / usable) if usable > 0 else 0
+    requeues = unwarned_expected + warned_expected + limit_expected + (0 if running else 1)
+    if requeues > 0 and startup is None:
+        return JobEta(None, "not yet: no run's start-up recorded (progress.txt), and a requeue is expected")
+    per_requeue = (startup or 0.0) + queue
+    lost_each = statistics.mean(lost) if lost else 0.0
+    seconds = work + requeues * per_requeue + unwarned_expected * lost_each
+    parts = {"steps_left": train_iters - (step or 0), "step_s": step_s, "save_share": save_share,
+             "requeues_expected": requeues, "startup_s": startup, "queue_wait_s": queue if waits else None,
+             "lost_per_interruption_s": lost_each, "unwarned_mtbf_s": mtbf, "unwarned_expected": unwarned_expected,
+             "time_limit_requeues": limit_expected}
+    queue_text = f"queue {format_duration(queue)} each" if waits else "no queue wait seen yet"
+    note = (f"{parts['steps_left']} steps x {step_s:.3g} s, +{100 * save_share:.0f} % saves, "
+            f"{requeues:.1f} requeues expected x (start-up {format_duration(startup or 0.0)}, {queue_text})")
+    return JobEta(seconds, note, parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,6 +234,16 @@ def _state_text(status: LiveStatus) -> str:
     return text
 
 
+def _eta_short(status: LiveStatus) -> str:
+    return "not yet" if status.eta_s is None and status.eta_note else format_duration(status.eta_s)
+
+
+def eta_text(status: LiveStatus) -> str:
+    if status.eta_s is None:
+        return status.eta_note or "-"
+    return f"{format_duration(status.eta_s)}" + (f"  ({status.eta_note})" if status.eta_note else "")
+
+
 def bar(fraction: Optional[float], width: int) -> str:
     if fraction is None:
         return "[" + " " * width + "]"
@@ -177,7 +256,7 @@ def plain_line(status: LiveStatus) -> str:
     loss = "-" if status.loss is None else f"{status.loss:.4f}"
     return (f"{time.strftime('%H:%M:%S')} job {status.job_id} {_state_text(status)} restarts {status.restarts} "
             f"step {_step_text(status)} loss {loss} tokens/s {format_rate(status.tokens_per_s)} "
-            f"ETA {format_duration(status.eta_s)} allocation left {format_duration(status.allocation_left_s)}")
+            f"job ETA {_eta_short(status)} allocation left {format_duration(status.allocation_left_s)}")
 
 
 def bar_line(status: LiveStatus, width: int) -> str:
@@ -186,7 +265,7 @@ def bar_line(status: LiveStatus, width: int) -> str:
     fraction = status.fraction
     pct = "" if fraction is None else f" {fraction * 100:3.0f}%"
     tail = (f" {_step_text(status)}{pct} loss {loss} {format_rate(status.tokens_per_s)} tok/s "
-            f"ETA {format_duration(status.eta_s)} | {_state_text(status)} restarts {status.restarts} "
+            f"job ETA {_eta_short(status)} | {_state_text(status)} restarts {status.restarts} "
             f"alloc left {format_duration(status.allocation_left_s)}")
     room = width - len(tail) - 2
     if room >= 10:
@@ -206,8 +285,8 @@ def screen_lines(status: LiveStatus, run_dir: Path) -> List[str]:
         f"  step             {_step_text(status)}  {bar(fraction, 30)}{pct}",
         f"  loss             {loss}",
         f"  tokens/s         {format_rate(status.tokens_per_s)}",
-        f"  ETA              {format_duration(status.eta_s)}  (training time at the recent step time)",
-        f"  allocation left  {format_duration(status.allocation_left_s)}",
+        f"  job ETA          {eta_text(status)}",
+        f"  allocation left  {format_duration(status.allocation_left_s)}  (this allocation, Slurm's time limit)",
     ]
 
 

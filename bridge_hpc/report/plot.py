@@ -54,9 +54,15 @@ def build_figure(runs: Sequence[RunReport]) -> "Figure":
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 8.5), layout="constrained")
+    interval = [run for run in runs if _has_interval_curve(run)]
+    fig = Figure(figsize=(19, 8.5) if interval else (13, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
-    loss, progress, throughput, goodput = fig.subplots(2, 2).flat
+    if interval:  # a fifth panel: lost time against the save interval
+        loss, progress, lost, throughput, goodput, spare = fig.subplots(2, 3).flat
+        spare.remove()
+        _interval_panel(lost, interval, [None] if len(runs) == 1 else [f"C{runs.index(r) % 10}" for r in interval])
+    else:
+        loss, progress, throughput, goodput = fig.subplots(2, 2).flat
     colors: List[Optional[str]] = [None] if len(runs) == 1 else [f"C{i % 10}" for i in range(len(runs))]
     _loss_panel(loss, runs, colors)
     _progress_panel(progress, runs, colors)
@@ -212,3 +218,32 @@ def _goodput_panel(ax: "Axes", runs: Sequence[RunReport]) -> None:
     ax.set_title("goodput " + ", ".join(f"{run.label} {p}" if several else p for run, p in zip(runs, parts))
                  + " of the allocated time")
     _legend(ax, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4)
+
+
+def _has_interval_curve(run: RunReport) -> bool:
+    """Whether the lost-time-against-interval panel is drawn for ``run``: its runs chose their interval
+    (``save_interval = "auto"``) and the history gives a curve (a step time and a recorded save). The
+    table and JSON give the hindsight figures of every run folder."""
+    h = run.save_interval
+    return h is not None and bool(h.curve) and any(u is not None for u in h.used)
+
+
+def _interval_panel(ax: "Axes", runs: Sequence[RunReport], colors: Sequence[Optional[str]]) -> None:
+    """Seconds lost to saves and to unwarned interruptions had every run saved every N steps (the recorded
+    runs, :func:`bridge_hpc.contracts.save_interval.lost_with_interval`), the best N marked, and the
+    intervals the runs used."""
+    for run, color in zip(runs, colors):
+        h = run.save_interval
+        xs, ys = zip(*h.curve)
+        label = f"{run.label}: " if len(runs) > 1 else ""
+        ax.plot(xs, ys, color=color, label=f"{label}lost time at a fixed interval")
+        ax.plot([h.best], [h.best_lost_s], "o", color=color or "C0", label=f"{label}best in hindsight: {h.best}")
+        for used in sorted({u for u in h.used if u is not None}):
+            ax.axvline(used, color=color or "C1", linestyle=":", linewidth=1)
+        if any(u is not None for u in h.used):
+            ax.plot([], [], ":", color=color or "C1", label=f"{label}intervals used (auto)")
+    ax.set_xscale("log")
+    ax.set_xlabel("save interval (steps)")
+    ax.set_ylabel("seconds lost to saves and unwarned interruptions")
+    ax.set_title("lost time against the save interval, in hindsight")
+    _legend(ax, loc="upper center")

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from bridge_hpc.contracts import run_folder
+from bridge_hpc.contracts import run_folder, save_interval
 from bridge_hpc.contracts.run_folder import RunFolder
 from bridge_hpc.report.goodput import CPU, GPU
 
@@ -111,6 +111,18 @@ class RunPaths:
         table = self.recorded.get("train")
         value = table.get("train_iters") if isinstance(table, dict) else None
         return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def interval_prior(self) -> Tuple[Optional[float], str]:
+        """The prior of ``save_interval = "auto"`` as the ranks take it: ``[cluster] node_mtbf_hours`` over
+        ``[slurm] nodes`` in seconds, and its description; (None, "") where resolved.toml sets none."""
+        cluster, slurm = self.recorded.get("cluster"), self.recorded.get("slurm")
+        hours = cluster.get("node_mtbf_hours") if isinstance(cluster, dict) else None
+        nodes = slurm.get("nodes", 1) if isinstance(slurm, dict) else 1
+        if not isinstance(hours, (int, float)) or isinstance(hours, bool) or hours <= 0:
+            return None, ""
+        nodes = nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes > 0 else 1
+        return save_interval.prior_mtbf_s(hours, nodes), save_interval.prior_from(hours, nodes)
 
     @property
     def requested_device(self) -> Optional[str]:

@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.progress_log import read_progress
+from bridge_hpc.contracts.save_interval import Hindsight, hindsight, history_of_runs
 from bridge_hpc.report.curves import TrainingCurves, read_curves
 from bridge_hpc.report.goodput import Report, build_report, metrics_only_report
 from bridge_hpc.report.run_paths import RunPaths, read_run_paths
@@ -43,6 +44,11 @@ class RunReport:
     curves: Optional[TrainingCurves]  # None: no metrics.jsonl (a progress log given by itself)
     #: one line each: what was passed over or read elsewhere than expected (printed on stderr)
     notes: List[str] = field(default_factory=list)
+    #: the save interval(s) used, the time lost to saves and unwarned interruptions, and the interval that
+    #: would have lost the least in hindsight (None without a progress log)
+    save_interval: Optional[Hindsight] = None
+    #: the interval resolved.toml records ("auto", a number, or None), for runs that recorded none
+    configured_interval: Optional[object] = None
 
 
 class NoProgressLog(ConfigError):
@@ -166,7 +172,12 @@ def read_run_report(target: str, label: Optional[str] = None, device_fallback: O
                    else "no record with a loss")
             unusable.message += f"; nothing else to report ({metrics}: {why})"
         raise ConfigError(unusable.message, path=unusable.path)
-    return RunReport(target, label or target, log_path, report, curves, notes)
+    configured = None
+    if paths is not None:
+        table = paths.recorded.get("checkpoint")
+        configured = table.get("save_interval") if isinstance(table, dict) else None
+    return RunReport(target, label or target, log_path, report, curves, notes,
+                     hindsight(history_of_runs(runs)) if runs else None, configured)
 
 
 def labels_for(targets: Sequence[str]) -> List[str]:

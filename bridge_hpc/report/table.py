@@ -9,7 +9,7 @@ without a progress log gets what its metrics.jsonl says and "?" for goodput (:fu
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from bridge_hpc.contracts.progress_log import format_time
 from bridge_hpc.contracts.text import one_line
@@ -103,7 +103,50 @@ def format_table(run: RunReport) -> str:
                                  " (upper bound: the log does not record every start-up, load, save or loss)"),
         f"between allocations (queue wait, not allocated) {t['between_allocations_s']:.1f} s",
     ]
+    lines += save_interval_lines(run)
     return "\n".join(lines) + "\n"
+
+
+def used_intervals(run: RunReport) -> str:
+    """The interval of each run: the ``auto`` choice its progress log records, else the configured one."""
+    h = run.save_interval
+    configured = run.configured_interval
+    shown = []
+    for value in (h.used if h is not None else []):
+        if value is not None:
+            shown.append(f"{value} (auto)")
+        elif configured == "auto":
+            shown.append("?")  # an auto run that died before it chose
+        else:
+            shown.append("exit only" if configured is None else f"{configured}")
+    return ", ".join(shown) or UNKNOWN
+
+
+def best_goodput(run: RunReport) -> Optional[float]:
+    """The goodput the best interval in hindsight would have given: the measured saves and lost work
+    replaced by the best interval's."""
+    h, t = run.save_interval, run.report.totals
+    if h is None or h.best_lost_s is None or not t["allocated_s"] or t["goodput"] is None:
+        return None
+    allocated = t["allocated_s"] - h.lost_to_saves_s - h.lost_to_interruptions_s + h.best_lost_s
+    return t["training_s"] / allocated if allocated > 0 else None
+
+
+def save_interval_lines(run: RunReport) -> List[str]:
+    """The save interval(s) used, what saves and unwarned interruptions cost, and the best in hindsight."""
+    h = run.save_interval
+    if h is None:
+        return []
+    lines = [f"save interval (steps) per run: {used_intervals(run)}; lost to unwarned interruptions "
+             f"{h.lost_to_interruptions_s:.1f} s ({h.unwarned}), to interval saves {h.lost_to_saves_s:.1f} s"]
+    if h.best is None:
+        lines.append("best save interval in hindsight: ? (needs a step time and a recorded save)")
+    else:
+        goodput = best_goodput(run)
+        lines.append(f"best save interval in hindsight: {h.best} steps, {h.best_lost_s:.1f} s lost to saves and "
+                     f"interruptions, goodput {format_value(None if goodput is None else 100 * goodput, '.1f')}% "
+                     f"(save cost {h.save_cost_s:.2g} s, step {h.step_s:.3g} s)")
+    return lines
 
 
 def _headline(run: RunReport) -> List[str]:
@@ -153,9 +196,13 @@ def to_json(run: RunReport) -> Dict[str, object]:
         data.update(steps=row.steps, devices=row.devices, duration_s=row.duration_s, training_s=row.training_s,
                     start=format_time(row.start), end=format_time(row.end), start_epoch=row.start, end_epoch=row.end)
         runs.append(data)
+    interval = None
+    if run.save_interval is not None:
+        interval = dict(run.save_interval.as_dict(), used_text=used_intervals(run), best_goodput=best_goodput(run),
+                        configured=run.configured_interval)
     return {"target": run.target, "label": run.label, "progress_log": run.progress_log,
             "metrics": run.curves.metrics_path if run.curves is not None else None, "runs": runs,
-            "totals": run.report.totals, "notes": run.notes}
+            "totals": run.report.totals, "notes": run.notes, "save_interval": interval}
 
 
 def reports_to_json(runs: Sequence[RunReport]) -> Dict[str, object]:

@@ -30,7 +30,7 @@ from bridge_hpc.contracts.progress_log import ProgressLog, longest_recent_save_s
 from bridge_hpc.peft.base import apply_peft
 from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
-from bridge_hpc.training.checkpoint import checkpointing, pretrained
+from bridge_hpc.training.checkpoint import auto_interval, checkpointing, pretrained
 from bridge_hpc.training.config import (
     ConfigContainer,
     DistributedDataParallelConfig,
@@ -198,6 +198,8 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     state.straggler_detector.setup()
     started_at = startup.origin
     restart_count = env.restart_count + ft.restart_count + in_process
+    # save_interval = "auto": chosen from the history before this run's own lines (collective)
+    auto = checkpointing_context[auto_interval.CONTEXT_KEY] = auto_interval.start(cfg, state.rank)
     if cfg.logger.log_progress and cfg.checkpoint.save and state.rank == 0:
         path = run_folder.checkpoint_file(cfg.checkpoint.save, run_folder.PROGRESS_FILE)
         state.logged_save_s = longest_recent_save_s(path)
@@ -248,6 +250,8 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
         checkpointing_context["last_saved_step"] = ts.step
         if state.progress is not None:
             state.progress.loaded_checkpoint(ts.step, load_s, ts.floating_point_operations_so_far)
+    if auto is not None and not auto.pending:
+        auto.record(state.progress, ts.step)
         if "consumed_samples" in data_state and data_state["consumed_samples"] != ts.consumed_train_samples:
             raise RuntimeError(f"checkpoint data position {data_state} disagrees with train_state "
                                f"consumed_train_samples={ts.consumed_train_samples}")

@@ -3,8 +3,8 @@ re-exported by :mod:`bridge_hpc.training.config` (Bridge's path for it). Beside 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
 
 from bridge_hpc.contracts.schema import check as _check
 from bridge_hpc.contracts.schema import check_left_at_default
@@ -15,7 +15,10 @@ class CheckpointConfig:
     """Saving and loading. ``load`` falls back to ``save`` in :meth:`finalize` so that a requeued
     job resumes from its own checkpoints without any extra setting.
 
-    ``most_recent_k = -1`` keeps every checkpoint; ``save_interval = None`` saves only on exit.
+    ``most_recent_k = -1`` keeps every checkpoint; ``save_interval = None`` saves only on exit;
+    ``save_interval = "auto"`` has each run choose its interval for goodput, within
+    ``save_interval_min`` / ``save_interval_max`` (bridge_hpc's keys; the rule and its inputs:
+    :mod:`bridge_hpc.contracts.save_interval`, docs/preemption.md).
 
     ``async_save`` writes the interval saves in the background (a persistent worker process per
     rank; see ``bridge_hpc.training.checkpoint.async_writer``); exit saves stay synchronous. A failed
@@ -25,7 +28,9 @@ class CheckpointConfig:
 
     save: Optional[str] = None
     load: Optional[str] = None
-    save_interval: Optional[int] = None
+    save_interval: Optional[Union[int, Literal["auto"]]] = None
+    save_interval_min: Optional[int] = None
+    save_interval_max: Optional[int] = None
     most_recent_k: int = -1
     async_save: bool = False
     async_save_max_failures: int = 3
@@ -100,6 +105,12 @@ class CheckpointConfig:
     replication_jump: Optional[int] = None
     replication_factor: int = 2
     verify_integrity: bool = False
+    #: Set by the job file's loader, not a key: ``[cluster] node_mtbf_hours`` and ``[slurm] nodes``, the
+    #: prior of ``save_interval = "auto"``; and whether this config asked for ``"auto"`` (each run
+    #: replaces ``save_interval`` by the interval it chose).
+    node_mtbf_hours: Optional[float] = field(default=None, init=False, repr=False)
+    nodes: int = field(default=1, init=False, repr=False)
+    save_interval_auto: bool = field(default=False, init=False, repr=False)
 
     def finalize(self) -> None:
         # Megatron Bridge's rules, in its words after the key (before checkpoint.load defaults to save)
@@ -110,8 +121,18 @@ class CheckpointConfig:
                "load_main_params_from_ckpt must be used with load_optim=False")
         if self.load is None:
             self.load = self.save
-        _check(self.save_interval is None or self.save_interval > 0,
-               "checkpoint.save_interval", "must be > 0")
+        if self.save_interval == "auto":
+            self.save_interval_auto = True
+        _check(self.save_interval is None or self.save_interval == "auto" or self.save_interval > 0,
+               "checkpoint.save_interval", "must be > 0, or \"auto\"")
+        for key in ("save_interval_min", "save_interval_max"):
+            value = getattr(self, key)
+            _check(value is None or value > 0, f"checkpoint.{key}", f"must be > 0 steps, got {value}")
+            _check(value is None or self.save_interval_auto, f"checkpoint.{key}",
+                   f"bounds checkpoint.save_interval = \"auto\" only; it is {self.save_interval!r} here")
+        _check(self.save_interval_min is None or self.save_interval_max is None
+               or self.save_interval_min <= self.save_interval_max, "checkpoint.save_interval_max",
+               f"must be >= checkpoint.save_interval_min ({self.save_interval_min}), got {self.save_interval_max}")
         _check(self.storage_writers_per_rank > 0, "checkpoint.storage_writers_per_rank", "must be > 0")
         _check(self.use_persistent_ckpt_worker, "checkpoint.use_persistent_ckpt_worker",
                "must be true: async saves go through one persistent worker process (a worker per save "

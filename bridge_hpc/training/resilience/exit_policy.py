@@ -44,7 +44,7 @@ from bridge_hpc.contracts.requeue import request_requeue
 from bridge_hpc.slurm import query
 from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training.checkpoint import async_writer as async_checkpoint
-from bridge_hpc.training.checkpoint import checkpointing
+from bridge_hpc.training.checkpoint import auto_interval, checkpointing
 from bridge_hpc.training.checkpoint.checkpointing import CheckpointSaveError
 from bridge_hpc.training.config import ConfigContainer
 from bridge_hpc.training.engine.collectives import comm_device
@@ -358,6 +358,7 @@ def checkpoint_and_decide_exit(state: GlobalState, model, optimizer, opt_param_s
     With ``checkpoint.async_save`` the interval saves run in the background; a save in flight is
     finalized as soon as every rank has written it, and before any exit save."""
     cfg, step = state.cfg, state.train_state.step
+    auto_interval.after_step(checkpointing_context, state)  # save_interval = "auto" timing its first steps
     reasons = exit_reasons(state)
     writer = checkpointing_context.get(async_checkpoint.ASYNC_WRITER_KEY)
     if writer is not None and STAGING_DECIDED not in checkpointing_context and not reasons \
