@@ -253,7 +253,8 @@ def test_login_node_path_imports_no_torch(job_dir: Path):
         "import sys; from bridge_hpc.cli.submit import main; import bridge_hpc.launch.submit, bridge_hpc.local_slurm.cluster; "
         "import bridge_hpc.cli.status, bridge_hpc.cli.report\n"
         "main(['job.toml', '--dry-run'])\n"
-        "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'nvidia_resiliency_ext')]\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'nvidia_resiliency_ext', 'wandb', "
+        "'mlflow', 'comet_ml')]\n"
         "assert not heavy, heavy"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=job_dir, capture_output=True, text=True)
