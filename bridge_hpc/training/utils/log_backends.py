@@ -546,7 +546,7 @@ class LogBackends:
         for name, thread in self._threads.items():
             thread.join(max(0.0, timeout - (time.monotonic() - began)))
             if thread.is_alive():
-                late.append(LABELS[name])
+                late.append(name)
         for name in late:
             logger.warning("%s did not close within %.0f s: %s", LABELS[name], timeout, self._logged(name))
         logger.debug("log backends closed in %.2f s", time.monotonic() - began)
