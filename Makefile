@@ -46,10 +46,10 @@ report-image: cluster
 	rm -rf runs/report-image
 	$(PYTHON) scripts/report_image.py
 
-# Two workers (pytest-xdist): one runs the Slurm tests in order, the other the rest beside it (see
-# tests/conftest.py); `pytest -q tests` alone runs the same tests one after another.
+# Two pytest runs side by side: the Slurm tests in order in one, the rest in the other (see
+# scripts/run_tests.py); `pytest -q tests` alone runs the same tests one after another.
 test: cluster
-	$(PYTHON) -m pytest -q -n 2 --dist loadgroup tests
+	$(PYTHON) scripts/run_tests.py -q tests
 
 lint: setup
 	$(PYTHON) -m ruff check bridge_hpc tests benchmarks scripts

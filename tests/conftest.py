@@ -40,34 +40,38 @@ from bridge_hpc.local_slurm.cluster import LocalCluster
 
 #: The fixtures that reach the local cluster: a test that asks for one is a Slurm test even unmarked.
 SLURM_FIXTURES = frozenset({"slurm_cluster", "slurm_cluster_2nodes", "slurm_cluster_nodes", "_slurm_session"})
-#: pytest-xdist's group (``--dist loadgroup``) of every Slurm test: one worker runs them all, one after
-#: another, in their files' order, as a plain ``pytest`` run does.
-SLURM_GROUP = "slurm"
+#: ``--part``'s choices: every test, the Slurm tests only, or every other test.
+PARTS = ("all", "slurm", "rest")
 
 
 def uses_slurm(item) -> bool:
     return "slurm" in item.keywords or bool(SLURM_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
-def pytest_collection_modifyitems(config, items):
-    """Skip the Slurm tests under ``BRIDGE_SKIP_SLURM``; group the tests for ``make test``'s two workers.
+def pytest_addoption(parser):
+    parser.addoption("--part", choices=PARTS, default="all",
+                     help="run only the Slurm tests, or only the others (scripts/run_tests.py runs both at once)")
 
-    ``make test`` runs ``pytest -n 2 --dist loadgroup`` (README): the Slurm tests are one group, run by one
-    worker in order, since they share one cluster of 2 CPUs (a job of 2 ranks fills it), reconfigure its
-    node count (which cancels running jobs) and read its queue; most of their time is waiting for Slurm
-    (time limits, signals, requeues), which the other worker fills with the rest, one group per file so
-    that a module's fixtures are built once. The Slurm group goes first: it is the longest.
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the Slurm tests under ``BRIDGE_SKIP_SLURM``; keep only ``--part``'s tests.
+
+    ``make test`` runs two parts side by side (``scripts/run_tests.py``): the Slurm tests in one pytest, in
+    order, since they share one cluster of 2 CPUs (a job of 2 ranks fills it), reconfigure its node count
+    (which cancels running jobs) and read its queue; most of their time is waiting for Slurm (time limits,
+    signals, requeues), which the other pytest fills with the rest.
     """
-    slurm = [item for item in items if uses_slurm(item)]
-    in_slurm = {id(item) for item in slurm}
+    part = config.getoption("part")
+    slurm = {id(item) for item in items if uses_slurm(item)}
+    if part != "all":
+        keep = [item for item in items if (id(item) in slurm) == (part == "slurm")]
+        config.hook.pytest_deselected(items=[item for item in items if (id(item) in slurm) != (part == "slurm")])
+        items[:] = keep
     if os.environ.get("BRIDGE_SKIP_SLURM") not in (None, "", "0"):
         skip = pytest.mark.skip(reason="BRIDGE_SKIP_SLURM is set")
-        for item in slurm:
-            item.add_marker(skip)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(SLURM_GROUP if id(item) in in_slurm else item.nodeid.split("::")[0]))
-    items[:] = slurm + [item for item in items if id(item) not in in_slurm]
+        for item in items:
+            if id(item) in slurm:
+                item.add_marker(skip)
 
 
 class _SessionCluster:
