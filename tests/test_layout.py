@@ -60,7 +60,7 @@ ALLOWED = {
     "peft": {"contracts"},
     "training": {"contracts", "slurm", "peft"},
     "jobfile": {"contracts", "training"},
-    "models": {"contracts", "training", "peft"},
+    "models": {"contracts", "slurm", "training", "peft"},  # slurm: a world of one's rendezvous port
     "rank": {"contracts", "slurm", "jobfile", "training"},
     "launch": {"contracts", "slurm", "jobfile", "training"},
     "report": {"contracts"},
