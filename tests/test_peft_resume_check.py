@@ -87,3 +87,18 @@ def test_a_full_model_job_on_a_run_folder_of_adapters_is_refused_at_submission(t
     proc = submit_cli(str(job), "--dry-run", cwd=tmp_path)
     _refused(proc, job, "key 'peft'", "lora adapters", "not a full model")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"peft": "lora"}'])
+def test_a_damaged_base_record_in_the_run_folder_is_one_line_at_submission(trained, tmp_path, damage):
+    """The record itself damaged (at its size, so that the checkpoint still verifies): named, exit 2."""
+    root, base, _ = trained
+    load = tmp_path / "checkpoints"
+    shutil.copytree(root / "runs" / "job" / "checkpoints", load)
+    record = load / "iter_0000003" / "peft_base.json"
+    record.write_text(damage.ljust(len(record.read_bytes())))
+    job = tmp_path / "job.toml"
+    job.write_text(LORA_JOB.format(seq=SEQ, hf=base).replace("[checkpoint]\n", f'[checkpoint]\nload = "{load}"\n'))
+    proc = submit_cli(str(job), "--dry-run", cwd=tmp_path)
+    _refused(proc, job, "key 'checkpoint.load'", record)
+    assert not (tmp_path / "runs").exists()

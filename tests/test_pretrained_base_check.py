@@ -88,3 +88,31 @@ def test_an_unreadable_run_config_names_the_file_and_the_key(bases, tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "checkpoint.pretrained_checkpoint" in last and "run_config.json" in last, last
     assert "Traceback" not in proc.stderr
+
+
+def test_a_base_damaged_at_its_full_size_is_one_line_naming_the_key_on_the_ranks(bases, tmp_path):
+    """Issue 36, item 10 (a message that named the wrong thing): a toolkit base whose bytes were overwritten
+    in place passes every size check and fails in torch.distributed.checkpoint's read, whose wrapper the
+    rank's summary named: ``rank failed: CheckpointException: CheckpointException ranks:dict_keys([0])``,
+    exit 1 (requeued, to read the same bytes). Now one line naming the job file,
+    checkpoint.pretrained_checkpoint, the folder and the reader's error; exit 2."""
+    import shutil
+
+    from bridge_test_helpers import direct_rank_env
+
+    llama_hf, llama_ckpt = bases["llama"]
+    copy = tmp_path / "base"
+    shutil.copytree(llama_ckpt, copy)
+    shard = max((copy / "iter_0000000").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.write(b"\xff" * 4096)
+    (tmp_path / "job.toml").write_text(
+        f'[job]\nentry = "finetune"\n[train]\ntrain_iters = 1\nmicro_batch_size = 1\nglobal_batch_size = 1\n'
+        f'[optimizer]\nlr = 1e-4\n[model]\nhf_config = "{llama_hf}"\nseq_length = 16\n[dataset]\nseq_length = 16\n'
+        f'[checkpoint]\npretrained_checkpoint = "{copy}"\n')
+    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=tmp_path, env=direct_rank_env(),
+                          capture_output=True, text=True, timeout=300)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert last.startswith("error: job.toml: key 'checkpoint.pretrained_checkpoint': ") and str(copy) in last, last
+    assert "contents are damaged" in last and "CheckpointException" not in last, last

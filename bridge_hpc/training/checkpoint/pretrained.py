@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.checkpoint.config import CheckpointConfig
@@ -61,10 +62,34 @@ def load_pretrained_weights(cfg: CheckpointConfig, chunks: List[torch.nn.Module]
     if folder is None:
         raise FileNotFoundError(f"no complete checkpoint under {cfg.pretrained_checkpoint}")
     _check_shapes(chunks, folder)
-    _load_model_and_optimizer(chunks, None, folder, load_optim=False)
+    try:
+        _load_model_and_optimizer(chunks, None, folder, load_optim=False)
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        raise _unreadable(folder, err) from None
     if _rank() == 0:
         print(f"loaded pretrained weights from {folder}", flush=True)
     return folder
+
+
+def _unreadable(folder: str, err: BaseException) -> BaseException:
+    """What a failed read of the base becomes. Its files have their manifest's sizes (the folder was
+    verified when it was chosen), so a failure that is not the file system's (an OSError: a requeue may
+    help) is damaged contents: one ConfigError naming ``checkpoint.pretrained_checkpoint``, the folder and
+    the first reader's error (exit 2, not requeued: a requeue reads the same bytes), not
+    torch.distributed.checkpoint's wrapper (``CheckpointException ranks:dict_keys([0])``), which names
+    neither."""
+    cause = err
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:  # CheckpointException: rank -> (exception, traceback)
+        first = sorted(failures.items())[0][1]
+        cause = first[0] if isinstance(first, tuple) else first
+    if isinstance(cause, (OSError, KeyboardInterrupt, SystemExit)) or not isinstance(cause, Exception):
+        return err
+    text = next((line.strip() for line in str(cause).splitlines() if line.strip()), "").split(". ")[0][:200]
+    text = f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+    return ConfigError(f"{folder} cannot be read: its files have their manifest's sizes, but their contents are "
+                       f"damaged ({text}); give an intact base (import it again with bridge-hf import, or copy "
+                       "it again)", key="checkpoint.pretrained_checkpoint")
 
 
 def _expected_shapes(chunks: List[torch.nn.Module]) -> Dict[str, Tuple[int, ...]]:
