@@ -177,7 +177,7 @@ def job_eta(history: history_rules.History, step: Optional[int], train_iters: Op
         usable = time_limit_s - (startup or 0.0)
         limit_expected = math.ceil((work - allocation_left_s) / usable) if usable > 0 else 0
     requeues = unwarned_expected + warned_expected + limit_expected + (0 if running else 1)
-    if requeues > 0 and startup is None:
+    if requeues >= 0.5 and startup is None:
         return JobEta(None, "not yet: no run's start-up recorded (progress.txt), and a requeue is expected")
     per_requeue = (startup or 0.0) + queue
     lost_each = statistics.mean(lost) if lost else 0.0
@@ -187,8 +187,9 @@ def job_eta(history: history_rules.History, step: Optional[int], train_iters: Op
              "lost_per_interruption_s": lost_each, "unwarned_mtbf_s": mtbf, "unwarned_expected": unwarned_expected,
              "time_limit_requeues": limit_expected}
     queue_text = f"queue {format_duration(queue)} each" if waits else "no queue wait seen yet"
+    startup_text = format_duration(startup) if startup is not None else "not recorded yet"
     note = (f"{parts['steps_left']} steps x {step_s:.3g} s, +{100 * save_share:.0f} % saves, "
-            f"{requeues:.1f} requeues expected x (start-up {format_duration(startup or 0.0)}, {queue_text})")
+            f"{requeues:.1f} requeues expected x (start-up {startup_text}, {queue_text})")
     return JobEta(seconds, note, parts)
 
 
