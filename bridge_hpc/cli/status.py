@@ -115,8 +115,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             "runs": [r.__dict__ for r in runs],
             "logs": [str(p) for p in log_paths(run_dir, job_id)],
         })
-    live = None
-    if jobs[-1]["state"] not in TERMINAL_STATES and jobs[-1]["state"] != "UNKNOWN":
+    live = None  # the newest job's ETA, where it is not over (--follow shows it on its own screen)
+    if not args.follow and jobs[-1]["state"] not in TERMINAL_STATES and jobs[-1]["state"] != "UNKNOWN":
         from bridge_hpc.cli.watch import LiveReader
 
         live = LiveReader(run_dir, ids[-1], paths).poll()
