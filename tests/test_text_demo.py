@@ -3,7 +3,7 @@ whose validation loss on held-out text falls.
 
 The corpus builder (``python -m bridge_hpc.prepare.stdlib_corpus``) is run as a user runs it, in a fresh
 interpreter: its files must be valid jsonl, the same bytes in another process (another hash seed), and
-held-out text must never occur in the training text. The end-to-end test follows the README's
+held-out text must never occur in the training text. The end-to-end test follows docs/data.md's
 walkthrough in a scratch folder that stands for the repository root: build the corpus into
 ``data/stdlib``, ``bridge-prepare-data`` it, ``bridge-submit configs/local-tiny-text.toml`` unchanged
 (its relative data paths and run folder resolve against the scratch folder, as they would against the
@@ -33,7 +33,7 @@ from bridge_hpc.prepare.stdlib_corpus import SFT_FILES, SPLIT_FILES, TEXT_KEY, s
 
 TEXT_CONFIG = ROOT / "configs" / "local-tiny-text.toml"
 SFT_CONFIG = ROOT / "configs" / "local-tiny-sft.toml"
-#: Where the README's walkthrough puts the corpus and the prepared datasets (relative to the submit folder).
+#: Where docs/data.md's walkthrough puts the corpus and the prepared datasets (relative to the submit folder).
 CORPUS = Path("data") / "stdlib"
 PREFIX = CORPUS / "docs"
 #: The line rank 0 prints after each evaluation (bridge_hpc.training.train.evaluate_and_print_results).
