@@ -8,13 +8,15 @@ keeps its module fixtures and its order, as a plain ``pytest tests`` run does (`
 pytest 9.2's node ids.
 
 Usage: ``python scripts/run_tests.py [pytest arguments...]`` (``make test`` passes ``tests``). Each line
-of either run is printed as it comes, after ``[slurm]`` or ``[rest] ``; the exit status is the first
+of either run is printed as it comes, after ``[slurm]`` or ``[rest] ``, and once a minute a line says how
+many tests each has finished (pytest's quiet output completes a line per 72 tests); the exit status is the first
 failing run's (a part with no test collected counts as passed when the other ran tests). Ctrl-C or
 SIGTERM is passed on to both runs, which are waited for.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -27,12 +29,68 @@ PARTS = ("slurm", "rest")
 NO_TESTS_COLLECTED = 5
 
 
-def _relay(part: str, proc: subprocess.Popen, lock: threading.Lock) -> None:
-    prefix = f"[{part}]".ljust(8)
-    for line in proc.stdout:
-        with lock:
-            sys.stdout.write(prefix + line)
-            sys.stdout.flush()
+#: the characters pytest's quiet progress writes, one per test (passed, failed, error, skipped, xfail, xpass)
+RESULT_CHARS = frozenset(".FEsxX")
+#: how often a line says how many tests each part has finished (pytest writes a line per 72 tests)
+PROGRESS_EVERY_S = 60.0
+
+
+class ProgressCount:
+    """Tests finished and failed, from pytest's quiet output as it comes: the result characters at the start
+    of a line (``..F.s [ 12%]``), until the summary (its first line starts with ``=``)."""
+
+    def __init__(self) -> None:
+        self.finished = 0
+        self.failed = 0
+        self._line_start = True
+        self._in_results = True
+        self._summary = False
+
+    def feed(self, text: str) -> None:
+        for char in text:
+            if self._summary:
+                return
+            if char == "\n":
+                self._line_start = self._in_results = True
+                continue
+            if self._line_start and char == "=":
+                self._summary = True
+            elif self._in_results and char in RESULT_CHARS:
+                self.finished += 1
+                self.failed += char in "FE"
+            else:
+                self._in_results = False
+            self._line_start = False
+
+
+class Part:
+    """One pytest run: its process, and its progress as its output says."""
+
+    def __init__(self, name: str, argv: Sequence[str]) -> None:
+        self.name = name
+        self.prefix = f"[{name}]".ljust(8)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pytest", f"--part={name}", *argv],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.progress = ProgressCount()
+        self.seconds = None
+
+    def relay(self, lock: threading.Lock) -> None:
+        """Each complete line, after the part's name."""
+        pending = b""
+        while True:
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            self.progress.feed(chunk.decode(errors="replace"))
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            with lock:
+                for line in lines:
+                    sys.stdout.write(self.prefix + line.decode(errors="replace") + "\n")
+                sys.stdout.flush()
+        if pending:
+            with lock:
+                sys.stdout.write(self.prefix + pending.decode(errors="replace") + "\n")
 
 
 def overall_status(codes: Sequence[int]) -> int:
@@ -46,34 +104,36 @@ def overall_status(codes: Sequence[int]) -> int:
 def main(argv: List[str]) -> int:
     lock = threading.Lock()
     started = time.monotonic()
-    procs = {part: subprocess.Popen([sys.executable, "-m", "pytest", f"--part={part}", *argv],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-             for part in PARTS}
+    parts = [Part(name, argv) for name in PARTS]
 
     def pass_on(signum, _frame):
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signum)
+        for part in parts:
+            if part.proc.poll() is None:
+                part.proc.send_signal(signum)
 
     signal.signal(signal.SIGINT, pass_on)
     signal.signal(signal.SIGTERM, pass_on)
-    relays = [threading.Thread(target=_relay, args=(part, proc, lock), daemon=True) for part, proc in procs.items()]
+    relays = [threading.Thread(target=part.relay, args=(lock,), daemon=True) for part in parts]
     for relay in relays:
         relay.start()
-    seconds = {}
-    waiting = dict(procs)
-    while waiting:
-        for part, proc in list(waiting.items()):
-            if proc.poll() is not None:
-                seconds[part] = time.monotonic() - started
-                del waiting[part]
+    next_progress = started + PROGRESS_EVERY_S
+    while any(part.seconds is None for part in parts):
+        for part in parts:
+            if part.seconds is None and part.proc.poll() is not None:
+                part.seconds = time.monotonic() - started
+        if time.monotonic() >= next_progress:
+            next_progress += PROGRESS_EVERY_S
+            with lock:
+                print("run_tests: " + "; ".join(
+                    f"{part.name} {part.progress.finished} tests done ({part.progress.failed} failed)"
+                    + ("" if part.seconds is None else ", ended") for part in parts)
+                    + f" after {(time.monotonic() - started) / 60:.0f} min", flush=True)
         time.sleep(0.5)
     for relay in relays:
         relay.join()
-    codes = [procs[part].returncode for part in PARTS]
-    for part in PARTS:
-        print(f"run_tests: {part} part exit status {procs[part].returncode} after {seconds[part] / 60:.1f} min")
-    status = overall_status(codes)
+    for part in parts:
+        print(f"run_tests: {part.name} part exit status {part.proc.returncode} after {part.seconds / 60:.1f} min")
+    status = overall_status([part.proc.returncode for part in parts])
     print(f"run_tests: exit status {status} after {(time.monotonic() - started) / 60:.1f} min")
     return status
 

@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from run_tests import NO_TESTS_COLLECTED, overall_status  # noqa: E402
+from run_tests import NO_TESTS_COLLECTED, ProgressCount, overall_status  # noqa: E402
 
 #: a Slurm test (marked, and asking for the cluster) and two others, selected by name
 SELECTION = ["tests/test_cluster.py", "tests/test_job_environment.py", "-k",
@@ -48,3 +48,11 @@ def test_a_run_that_cannot_start_fails_with_pytests_status():
     bad = _run("tests/test_job_environment.py::test_no_such_test", BRIDGE_SKIP_SLURM="1")
     assert bad.returncode == 4, bad.stdout[-2000:]  # pytest's usage error, from both parts
     assert "run_tests: exit status 4" in bad.stdout
+
+
+def test_the_progress_count_reads_results_at_line_starts_until_the_summary():
+    count = ProgressCount()
+    for piece in ["..F", ".s [ 6%]\n", "....E", "x [ 12%]\n", "collected 3 items. F\n",
+                  "=== short test summary info ===\n", "FAILED tests/test_a.py::test_b\n", "...\n"]:
+        count.feed(piece)
+    assert (count.finished, count.failed) == (11, 2)  # not the "F" after words, nothing after the summary
