@@ -1,4 +1,4 @@
-"""``make test``: the suite as two pytest runs side by side, the Slurm tests in one, the rest in the other.
+"""``make test-parts``: the suite as two pytest runs side by side, the Slurm tests in one, the rest in the other.
 
 Why two: the Slurm tests share one local cluster of 2 CPUs (one job of 2 ranks fills it), reconfigure its
 node count and read its queue, so they run one after another; most of their time is waiting on Slurm
@@ -7,7 +7,7 @@ keeps its module fixtures and its order, as a plain ``pytest tests`` run does (`
 ``--part`` chooses the tests). pytest-xdist's groups would do the same, but its group ids do not survive
 pytest 9.2's node ids.
 
-Usage: ``python scripts/run_tests.py [pytest arguments...]`` (``make test`` passes ``tests``). Each line
+Usage: ``python scripts/run_tests.py [pytest arguments...]`` (``make test-parts`` passes ``tests``). Each line
 of either run is printed as it comes, after ``[slurm]`` or ``[rest] ``, and once a minute a line says how
 many tests each has finished (pytest's quiet output completes a line per 72 tests); the exit status is the first
 failing run's (a part with no test collected counts as passed when the other ran tests). Ctrl-C or

@@ -20,7 +20,8 @@ SELECTION = ["tests/test_cluster.py", "tests/test_job_environment.py", "-k",
 
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "scripts/run_tests.py", "-p", "no:cacheprovider", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ, **env))
+                          capture_output=True, text=True, timeout=900,
+                          env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, **env})
 
 
 def test_the_status_is_the_first_failure_and_an_empty_part_passes_beside_one_that_ran():
