@@ -508,3 +508,17 @@ def run_one_gpu_rank(job: str, *overrides: str, timeout_s: float = 240) -> str:
                           timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return proc.stdout
+
+
+class Clock:
+    """A clock a test sets: ``ProgressLog(..., clock=Clock(t))``, ``clock.at(t)`` for the next record."""
+
+    def __init__(self, t):
+        self.t = float(t)
+
+    def __call__(self):
+        return self.t
+
+    def at(self, t):
+        self.t = float(t)
+        return self

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from bridge_test_helpers import MINIMAL_TRAINING_TOML
 from hf_models import make_hf_model
 
 HF = [sys.executable, "-m", "bridge_hpc.cli.hf"]
@@ -414,13 +415,7 @@ def test_export_of_a_checkpoint_deleted_while_it_is_read_says_so_in_one_line(imp
 
 
 #: A GPT trained by the toolkit from scratch (its byte-level tokenizer: <eod> = 256, <pad> = 257, no BOS).
-SCRATCH_GPT_JOB = """
-[train]
-train_iters = 1
-micro_batch_size = 1
-global_batch_size = 1
-[optimizer]
-lr = 1e-3
+SCRATCH_GPT_JOB = MINIMAL_TRAINING_TOML + """
 [model]
 num_layers = 2
 hidden_size = 64

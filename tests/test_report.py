@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bridge_test_helpers import Clock
 
 from bridge_hpc.cli.report import main
 from bridge_hpc.contracts.progress_log import ProgressLog, parse_progress, parse_time
@@ -30,18 +31,6 @@ def utc(monkeypatch):
     yield
     monkeypatch.undo()
     time.tzset()
-
-
-class Clock:
-    def __init__(self, t):
-        self.t = float(t)
-
-    def __call__(self):
-        return self.t
-
-    def at(self, t):
-        self.t = float(t)
-        return self
 
 
 def write_three_runs(path):

@@ -14,25 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from bridge_test_helpers import MINIMAL_TRAINING_TOML, ROOT, submit_cli
+from bridge_test_helpers import MINIMAL_TRAINING_TOML, ROOT, Clock, submit_cli
 
 from bridge_hpc.contracts import save_interval as rule
 from bridge_hpc.contracts.progress_log import ProgressLog, parse_time, read_progress
 from bridge_hpc.report.live import LiveStatus, job_eta, screen_lines
 
 T0 = parse_time("2026-03-03 00:00:00")
-
-
-class Clock:
-    def __init__(self, t):
-        self.t = float(t)
-
-    def __call__(self):
-        return self.t
-
-    def at(self, t):
-        self.t = float(t)
-        return self
 
 
 def write_history(path: str, kills: int = 2, run_s: float = 600.0, step_s: float = 1.0, save_every: int = 100,
