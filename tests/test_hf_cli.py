@@ -169,22 +169,30 @@ def test_a_shard_safetensors_would_refuse_is_refused_at_submission(good, tmp_pat
 
 # --- where the output is written: a temporary folder of the tool's own beside OUT (issue 36) -----------
 
-#: Runs ``bridge-hf`` (its ``__main__``) on a slow disk: every write-mode ``open`` and every ``fsync`` under
-#: $SLOW_UNDER waits half a second, so that a test sees the write phase begin and acts inside it.
-SLOW_DISK = [sys.executable, "-c", """
-import builtins, os, runpy, sys, time
-under, _open, _fsync = os.environ["SLOW_UNDER"], builtins.open, os.fsync
-def _slow(path):
-    if os.path.abspath(str(path)).startswith(under):
-        time.sleep(0.5)
-def slow_open(file, mode="r", *args, **kwargs):
+#: Runs ``bridge-hf`` (its ``__main__``) on a gated disk: the first write of its main thread under $GATE_UNDER
+#: (a write-mode ``open`` or an ``fsync``) makes ``$GATE_DIR/writing`` and then waits until ``$GATE_DIR/go``
+#: exists. A test thus acts inside the write phase on an event, whatever the machine's load: a half-second
+#: delay (the earlier way) let a loaded machine's signal arrive after the write was done. Only the main
+#: thread waits, as it is the one Python delivers signals to; writer threads (torch DCP's) pass.
+GATED_DISK = [sys.executable, "-c", """
+import builtins, os, runpy, sys, threading, time
+under, gate, _open, _fsync = os.environ["GATE_UNDER"], os.environ["GATE_DIR"], builtins.open, os.fsync
+def _gate(path):
+    if threading.current_thread() is not threading.main_thread() or not os.path.abspath(path).startswith(under):
+        return
+    if os.path.exists(os.path.join(gate, "writing")):
+        return
+    _open(os.path.join(gate, "writing"), "w").close()
+    while not os.path.exists(os.path.join(gate, "go")):
+        time.sleep(0.02)
+def gated_open(file, mode="r", *args, **kwargs):
     if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+"):
-        _slow(os.fsdecode(file))
+        _gate(os.fsdecode(file))
     return _open(file, mode, *args, **kwargs)
-def slow_fsync(fd):
-    _slow(os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}"))
+def gated_fsync(fd):
+    _gate(os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}"))
     return _fsync(fd)
-builtins.open, os.fsync = slow_open, slow_fsync
+builtins.open, os.fsync = gated_open, gated_fsync
 sys.argv[0] = "bridge-hf"
 runpy.run_module("bridge_hpc.cli.hf", run_name="__main__", alter_sys=True)
 """]
@@ -210,24 +218,29 @@ def _error_lines(stderr):
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
-def _start_slow(args, tmp_path):
-    return subprocess.Popen(SLOW_DISK + args, env={**os.environ, "SLOW_UNDER": str(tmp_path)},
+def _start_gated(args, tmp_path, gate):
+    return subprocess.Popen(GATED_DISK + args, env={**os.environ, "GATE_UNDER": str(tmp_path), "GATE_DIR": str(gate)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for_new_entry(proc, folder, before):
-    """The first entry of ``folder`` not in ``before`` (the tool's temporary output), polled while ``proc`` runs."""
+def _wait_until_writing(proc, gate):
+    """Returns once ``proc`` waits at its first write under the gate (see GATED_DISK)."""
     deadline = time.monotonic() + WRITE_PHASE_WAIT_S
     while time.monotonic() < deadline:
-        new = sorted(set(os.listdir(folder)) - before)
-        if new:
-            return new[0]
+        if (gate / "writing").exists():
+            return
         if proc.poll() is not None:
             out, err = proc.communicate()
             pytest.fail(f"ended (exit {proc.returncode}) before its write phase:\n{out}\n{err[-3000:]}")
         time.sleep(0.02)
     proc.kill()
-    pytest.fail(f"no temporary output appeared in {WRITE_PHASE_WAIT_S} s")
+    pytest.fail(f"no write began in {WRITE_PHASE_WAIT_S} s")
+
+
+@pytest.fixture
+def gate(tmp_path_factory):
+    """The folder of GATED_DISK's two marker files, apart from the folder a test lists."""
+    return tmp_path_factory.mktemp("gate")
 
 
 @pytest.mark.parametrize("command", ["import", "export"])
@@ -257,15 +270,20 @@ def test_an_existing_out_tmp_is_left_alone(good, imported, tmp_path, command, ki
 
 @pytest.mark.parametrize("command,signum", [("import", signal.SIGINT), ("export", signal.SIGINT),
                                             ("import", signal.SIGTERM)], ids=["import", "export", "import-SIGTERM"])
-def test_ctrl_c_while_writing_leaves_nothing_and_says_so(good, imported, tmp_path, command, signum):
+def test_ctrl_c_while_writing_leaves_nothing_and_says_so(good, imported, tmp_path, gate, command, signum):
     """SIGINT (or SIGTERM) in the write phase: no success summary, one line saying OUT was not written,
-    exit status 130, and the tool's temporary folder gone (and nothing else touched)."""
+    exit status 130, and the tool's temporary folder gone (and nothing else touched). The write stays
+    blocked at the gate: only the signal can end it."""
     out = tmp_path / "out"
     before = set(os.listdir(tmp_path))
-    proc = _start_slow(_args(command, good, imported, out), tmp_path)
-    _wait_for_new_entry(proc, tmp_path, before)
+    proc = _start_gated(_args(command, good, imported, out), tmp_path, gate)
+    _wait_until_writing(proc, gate)
     proc.send_signal(signum)
-    stdout, stderr = proc.communicate(timeout=120)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still writing 120 s after signal {signum}")
     assert proc.returncode == 130, stderr[-3000:]
     assert stdout == "" and "Traceback" not in stderr, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if "interrupted" in line]
@@ -273,14 +291,15 @@ def test_ctrl_c_while_writing_leaves_nothing_and_says_so(good, imported, tmp_pat
     assert set(os.listdir(tmp_path)) == before
 
 
-def test_out_made_by_someone_else_during_an_import_is_not_overwritten(good, tmp_path):
+def test_out_made_by_someone_else_during_an_import_is_not_overwritten(good, tmp_path, gate):
     """OUT appearing while the import writes (here an empty folder, which a plain rename would replace):
     one line, exit 2, that folder untouched, the import's temporary folder gone."""
     out = tmp_path / "out"
     before = set(os.listdir(tmp_path))
-    proc = _start_slow(["import", str(good), str(out)], tmp_path)
-    _wait_for_new_entry(proc, tmp_path, before)
+    proc = _start_gated(["import", str(good), str(out)], tmp_path, gate)
+    _wait_until_writing(proc, gate)
     out.mkdir()
+    (gate / "go").touch()
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
     lines = _error_lines(stderr)

@@ -33,7 +33,9 @@ def test_ctrl_c_in_the_instant_after_the_temporary_folder_is_made_still_removes_
 
     def mkdir_then_interrupted(path, *args, **kwargs):
         mkdir(path, *args, **kwargs)
-        os.kill(os.getpid(), signal.SIGINT)
+        # raise(3) delivers to this thread before it returns, and Python runs the handler at once;
+        # os.kill to the process may be taken by another thread and handled a moment later.
+        signal.raise_signal(signal.SIGINT)
 
     monkeypatch.setattr(new_output.os, "mkdir", mkdir_then_interrupted)
     with pytest.raises(new_output.OutputInterrupted, match="was not written"):
