@@ -47,7 +47,7 @@ report-image: cluster
 	$(PYTHON) scripts/report_image.py
 
 # One test after another. `make test-parts` runs the Slurm tests and the rest side by side
-# (scripts/run_tests.py): not yet the default, since on a loaded 2-core machine it was no faster (2026-11-28).
+# (scripts/run_tests.py): not the default, the suite being CPU-bound (38.3 against 43.0 min on 2026-11-29).
 test: cluster
 	$(PYTHON) -m pytest -q tests
 

@@ -133,10 +133,10 @@ def test_requeue_and_release(slurm_cluster, tmp_path):
     job_id = sh("sbatch", "--parsable", "--requeue", "--open-mode=append", "-o", str(out),
                 str(script)).strip().split(";")[0]
     try:
-        wait_for(lambda: sh("squeue", "-h", "-j", job_id, "-o", "%r").strip() == "BeginTime", 30,
+        wait_for(lambda: sh("squeue", "-h", "-j", job_id, "-o", "%r").strip() == "BeginTime", 120,
                  "the requeued job to be held (Reason=BeginTime)")
         release_requeued(job_id)
-        wait_for(lambda: out.exists() and "restart=1" in out.read_text(), 30, "the requeued job to run again")
+        wait_for(lambda: out.exists() and "restart=1" in out.read_text(), 120, "the requeued job to run again")
         assert sacct_state(job_id) == "COMPLETED"
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bridge_test_helpers import CONFIG, ROOT, overrides, wait_until_gone
+from bridge_test_helpers import CONFIG, FAULTY_FORWARD_STEP, ROOT, overrides, wait_until_gone
 
 from bridge_hpc.report.live import (
     LiveDisplay,
@@ -33,6 +33,8 @@ from bridge_hpc.report.live import (
 CONTROL = re.compile(r"[\x1b\r]")
 #: Steps of the Slurm test's run: the demo model takes ~40 ms a step, so this runs for ~40 s.
 STEPS = 1000
+#: the step the job waits at until the test lets it go on (TEST_HOLD of tests/data/faulty_forward_step.py)
+HOLD_AT = 400
 
 
 def status(step, state="RUNNING", restarts=0, loss=2.5):
@@ -162,7 +164,12 @@ def test_follow_redraws_one_screen_in_a_terminal_and_prints_plain_lines_through_
     run_dir = tmp_path / "run"
     tmux = Tmux(tmp_path)
     submit_args = [sys.executable, "-m", "bridge_hpc.cli.submit", str(CONFIG), "--wait"]
-    for item in overrides(run_dir, STEPS, [f"checkpoint.save_interval={STEPS // 2}"]):
+    # the ranks wait at step HOLD_AT until the test has seen the status screen with a step: a job that
+    # cannot end before bridge-status is up, however loaded the machine
+    gate = tmp_path / "go"
+    for item in overrides(run_dir, STEPS, [f"checkpoint.save_interval={STEPS // 2}",
+                                           f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
+                                           f"env.TEST_HOLD='{HOLD_AT}:{gate}'"]):
         submit_args += ["--set", item]
     env = f"cd {shlex.quote(str(ROOT))} && COLUMNS=110"
     piped = None
@@ -184,6 +191,7 @@ def test_follow_redraws_one_screen_in_a_terminal_and_prints_plain_lines_through_
                                  cwd=ROOT)
         screen1 = wait_for_screen(tmux, "status", lambda s: 0 < shown_step(s) < STEPS and "ETA" in s, 120,
                                   "the status screen with a step")
+        gate.touch()
         screen2 = wait_for_screen(tmux, "status", lambda s: shown_step(s) > shown_step(screen1), 120,
                                   "the step on the status screen to move")
         for screen in (screen1, screen2):

@@ -132,11 +132,11 @@ def test_exit_interval_and_exit_duration_requeue_until_done(slurm_cluster, refer
     assert len(runs) >= 2 and set(reasons[:-1]) == {"duration"} and reasons[-1] == "done"
 
 
-TIME_LIMIT_ITERS = 1200
+TIME_LIMIT_ITERS = 600
 #: Each forward pass (2 micro-batches a step) sleeps this long on top of its work, so the job needs
 #: more than 120 s of training however fast the machine: more than one 2-minute allocation (90 s
-#: before its warning) can hold.
-TIME_LIMIT_STEP_SLEEP = 0.05
+#: before its warning) can hold. Few steps, each slow: the straight reference run (no sleep) stays short.
+TIME_LIMIT_STEP_SLEEP = 0.1
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ the job (``SLURM_RESTART_COUNT``) and the first worker group of that run (``TORC
 * ``TEST_STEP_SLEEP = "<seconds>"``: every rank, in every run, sleeps this long before each forward
   pass (a slower machine: a floor under the step time, so that a test can count on a time limit
   being reached however fast the machine is).
+* ``TEST_HOLD = "<step>:<file>"``: every rank, in every run, waits at that step until the file exists
+  (a test's gate: it acts while the job is known to be running mid-way, then lets it go on).
 * ``TEST_SAVE_DELAY = "<seconds>"``: every checkpoint save takes this much longer (a slow file
   system: a save longer than the FT step timeout, which must not be taken for a hang). The rank's
   ``checkpointing.save_checkpoint`` is wrapped when this module is imported.
@@ -81,6 +83,10 @@ def forward_step(state, data_iterator, model):
             print(f"TEST SLOW rank {rank} from step {step} at {time.time():.3f}", flush=True)
         _burn(float(slow[3]))
     time.sleep(float(os.environ.get("TEST_STEP_SLEEP", "0")))
+    hold = os.environ.get("TEST_HOLD")
+    if hold and step == int(hold.split(":", 1)[0]):
+        while not os.path.exists(hold.split(":", 1)[1]):
+            time.sleep(0.05)
     output, loss_func = gpt_forward_step(state, data_iterator, model)
     for fault in filter(None, os.environ.get("TEST_BAD_LOSS", "").split(",")):
         kind, at, on_rank, *factor = fault.split(":")
