@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 STAMP = .setup-done
 
-.PHONY: setup cluster demo demo-text demo-sft report-image test test-parts lint hooks clean-demo
+.PHONY: setup cluster demo demo-text demo-sft report-image test test-serial lint hooks clean-demo
 
 # torch 2.13.0 is the CPU build on these machines' disk; installing it first keeps pip from pulling a
 # multi-GB CUDA build for the range in setup.cfg.
@@ -46,13 +46,13 @@ report-image: cluster
 	rm -rf runs/report-image
 	$(PYTHON) scripts/report_image.py
 
-# One test after another. `make test-parts` runs the Slurm tests and the rest side by side
-# (scripts/run_tests.py): not the default, the suite being CPU-bound (38.3 against 43.0 min on 2026-11-29).
+# The Slurm tests and the rest side by side (scripts/run_tests.py says why); `make test-serial` runs
+# them one after another in one pytest.
 test: cluster
-	$(PYTHON) -m pytest -q tests
-
-test-parts: cluster
 	$(PYTHON) scripts/run_tests.py -q tests
+
+test-serial: cluster
+	$(PYTHON) -m pytest -q tests
 
 lint: setup
 	$(PYTHON) -m ruff check bridge_hpc tests benchmarks scripts

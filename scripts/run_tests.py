@@ -1,13 +1,14 @@
-"""``make test-parts``: the suite as two pytest runs side by side, the Slurm tests in one, the rest in the other.
+"""``make test``: the suite as two pytest runs side by side, the Slurm tests in one, the rest in the other.
 
 Why two: the Slurm tests share one local cluster of 2 CPUs (one job of 2 ranks fills it), reconfigure its
-node count and read its queue, so they run one after another; most of their time is waiting on Slurm
-(time limits, warning signals, requeues). The other tests need no cluster and fill that time. Each run
-keeps its module fixtures and its order, as a plain ``pytest tests`` run does (``tests/conftest.py``'s
-``--part`` chooses the tests). pytest-xdist's groups would do the same, but its group ids do not survive
-pytest 9.2's node ids.
+node count and read its queue, so they run one after another; about half of their time the machine's cores
+are idle while they wait on Slurm (time limits, warning signals, requeues, fault-tolerance timeouts:
+54 % busy on 2026-11-29, measured from /proc/stat over each test). The other tests need no cluster and fill
+that time. Each run keeps its module fixtures and its order, as a plain ``pytest tests`` run does
+(``tests/conftest.py``'s ``--part`` chooses the tests; ``make test-serial`` runs all in one pytest). pytest-xdist's
+groups would do the same, but its group ids do not survive pytest 9.2's node ids.
 
-Usage: ``python scripts/run_tests.py [pytest arguments...]`` (``make test-parts`` passes ``tests``). Each line
+Usage: ``python scripts/run_tests.py [pytest arguments...]`` (``make test`` passes ``-q tests``). Each line
 of either run is printed as it comes, after ``[slurm]`` or ``[rest] ``, and once a minute a line says how
 many tests each has finished (pytest's quiet output completes a line per 72 tests); the exit status is the first
 failing run's (a part with no test collected counts as passed when the other ran tests). Ctrl-C or

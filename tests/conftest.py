@@ -56,10 +56,10 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """Skip the Slurm tests under ``BRIDGE_SKIP_SLURM``; keep only ``--part``'s tests.
 
-    ``make test-parts`` runs two parts side by side (``scripts/run_tests.py``): the Slurm tests in one pytest, in
+    ``make test`` runs two parts side by side (``scripts/run_tests.py``): the Slurm tests in one pytest, in
     order, since they share one cluster of 2 CPUs (a job of 2 ranks fills it), reconfigure its node count
-    (which cancels running jobs) and read its queue; most of their time is waiting for Slurm (time limits,
-    signals, requeues), which the other pytest fills with the rest.
+    (which cancels running jobs) and read its queue; about half of their time the cores idle while they wait
+    for Slurm (time limits, signals, requeues), which the other pytest fills with the rest.
     """
     part = config.getoption("part")
     slurm = {id(item) for item in items if uses_slurm(item)}

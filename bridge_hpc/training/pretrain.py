@@ -37,7 +37,7 @@ from bridge_hpc.training.config import (
     DistributedInitConfig,
     runtime_config_update,
 )
-from bridge_hpc.training.datasets.builders import build_data_iterator, build_datasets
+from bridge_hpc.training.datasets.builders import SampleIterator, build_data_iterator, build_datasets
 from bridge_hpc.training.engine import collectives, cuda_graphs, fused_kernels, parallel
 from bridge_hpc.training.engine.grad_reduce_rider import GradReduceRider
 from bridge_hpc.training.engine.metrics import RunStart
@@ -260,11 +260,17 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
     stop, reads = cfg.train.exit_signal, parallel.reads_data()
+    # A loader worker may take as long for a batch as a peer rank waits in a collective.
+    wait_s = cfg.dist.distributed_timeout_minutes * 60.0
     train_it = build_data_iterator(train_ds, ts.consumed_train_samples, mbs, dp_rank, dp_size, cfg.dataset,
-                                   cfg.rng.seed, stop, gbs, reads=reads)
+                                   cfg.rng.seed, stop, gbs, reads=reads, wait_s=wait_s)
     v = cfg.validation  # evaluation reads batches of its own sizes
     valid_it = build_data_iterator(valid_ds, ts.consumed_valid_samples, v.eval_micro_batch_size, dp_rank, dp_size,
-                                   cfg.dataset, cfg.rng.seed, stop, v.eval_global_batch_size, reads=reads)
+                                   cfg.dataset, cfg.rng.seed, stop, v.eval_global_batch_size, reads=reads,
+                                   wait_s=wait_s)
+    for iterator in (train_it, valid_it):
+        if isinstance(iterator, SampleIterator):
+            iterator.start()  # the workers forked before this run's threads start (SampleIterator.start)
     ts.do_train, ts.do_valid = train_it is not None, valid_it is not None
     startup.mark("data")
 

@@ -144,7 +144,7 @@ class SampleIterator:
 
     def __init__(self, dataset: Dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                  dataloader: DataloaderConfig, seed: int, stop_signals: Optional[Sequence[str]] = None,
-                 global_batch_size: Optional[int] = None):
+                 global_batch_size: Optional[int] = None, wait_s: float = 0.0):
         self.consumed_samples = consumed_samples
         self._step = micro_batch_size * dp_size
         self._micro_batch_size = micro_batch_size
@@ -169,6 +169,9 @@ class SampleIterator:
             persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0,
             generator=generator,
             worker_init_fn=functools.partial(_ignore_stop_signals, self._stop_signals),
+            # A worker that is alive but stuck would leave this rank waiting for ever, and its peers in
+            # their next collective: it fails the rank instead (the job then requeues).
+            timeout=wait_s if dataloader.num_workers > 0 else 0,
         )
         self._iter: Optional[Iterator] = None
         self._pending: List[Any] = []
@@ -176,12 +179,20 @@ class SampleIterator:
     def __iter__(self) -> "SampleIterator":
         return self
 
-    def __next__(self) -> Any:
+    def start(self) -> None:
+        """Forks the loader's workers now (idempotent; the first batch otherwise does).
+
+        Set-up calls it before the run starts its threads (TensorBoard's writer, the checkpoint
+        worker): a process forked while another thread holds a lock inherits the lock held, and a
+        worker that then needs it never delivers a batch. The stop signals stay blocked until each
+        worker has set them to SIG_IGN, so a signal in between cannot kill one (torch would then
+        raise in this rank's step)."""
         if self._iter is None:
-            # The workers are forked here: with the stop signals blocked until each has set them to
-            # SIG_IGN, a signal in between cannot kill one (torch would then raise in this rank's step).
             with signals.blocked(self._stop_signals):
                 self._iter = iter(self._loader)
+
+    def __next__(self) -> Any:
+        self.start()
         if not self._pending:
             self._pending = self._micro_batches(next(self._iter))
         batch = self._pending.pop(0)
@@ -226,17 +237,18 @@ def build_data_iterator(dataset: Optional[Dataset], consumed_samples: int, micro
                         dp_size: int, dataloader: DataloaderConfig, seed: int,
                         stop_signals: Optional[Sequence[str]] = None,
                         global_batch_size: Optional[int] = None,
-                        reads: bool = True) -> Optional[Union[SampleIterator, PositionIterator]]:
+                        reads: bool = True, wait_s: float = 0.0) -> Optional[Union[SampleIterator, PositionIterator]]:
     """An iterator over ``dataset`` positioned at ``consumed_samples``, or None without a dataset.
     ``stop_signals``: the rank's (``train.exit_signal``), which its loader workers ignore;
     ``global_batch_size``: needed by ``dataloader_type = "batch"``; ``reads = False``: a
-    :class:`PositionIterator` (the micro-batches come from another rank)."""
+    :class:`PositionIterator` (the micro-batches come from another rank); ``wait_s``: how long a
+    batch may take to come from the loader's workers before the rank fails (0: for ever)."""
     if dataset is None or len(dataset) == 0:
         return None
     if not reads:
         return PositionIterator(consumed_samples, micro_batch_size, dp_size)
     return SampleIterator(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, dataloader, seed,
-                          stop_signals, global_batch_size)
+                          stop_signals, global_batch_size, wait_s)
 
 
 def build_mock_datasets(config: GPTDatasetConfig, context: DatasetBuildContext) -> tuple:
