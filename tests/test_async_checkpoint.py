@@ -120,6 +120,10 @@ def straight(tmp_path_factory) -> str:
     return job
 
 
+#: Kills of the run below, each at a random instant of a save's write (each costs a start of 2 ranks).
+KILLS = 6
+
+
 def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straight, tmp_path):
     """Saving every step in the background, SIGKILL everything at a random instant of a save's write,
     after the attempt's first own save finalized (its worker is warm: the next saves overlap steps);
@@ -130,7 +134,7 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
     ckpts = tiny_checkpoints(job)
     rng = random.Random(20261124)
     last, kills, in_flight = 0, 0, 0
-    while kills < 10:
+    while kills < KILLS:
         proc = _start(job, *ASYNC, "checkpoint.save_interval=1", stdout=subprocess.DEVNULL)
         deadline = time.time() + RUN_TIMEOUT_S
         while time.time() < deadline and proc.poll() is None and (run_folder.tracked_iteration(ckpts) or 0) <= last:
@@ -157,7 +161,7 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
             assert per_rank["data"]["consumed_samples"] == 8 * iteration
         assert model_params(latest, str(tmp_path))  # the shards load
         last = iteration
-    assert kills == 10 and in_flight >= 8, (kills, in_flight)  # the kills hit saves being written
+    assert kills == KILLS and in_flight >= KILLS - 2, (kills, in_flight)  # the kills hit saves being written
 
     assert_no_process_left(os.path.dirname(job))
 

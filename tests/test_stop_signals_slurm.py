@@ -3,11 +3,10 @@ ranks checkpoint and the job requeue on the real local cluster; every form that 
 refused at submission, naming the key.
 
 Slurm sends the warning signal from a periodic check (every 30 s in 22.05) once the time left is
-below the configured seconds; with a 2-minute limit and ``@100`` it arrives 20 to 50 s into the run:
-after the first steps even when two ranks start at once on a loaded 2-core machine (a rank starts in
-4-10 s there; a signal before the first step leaves nothing to save), and well before the ranks' own
-end-time rule would stop them (about 50 s before the end: 70 s into the run), so what stops each run
-here is the signal itself.
+below the configured seconds; with a 3-minute limit and ``@140`` it arrives 40 to 70 s into the run:
+after the first steps even when two ranks start at once on a loaded 2-core machine (a signal before
+the first step leaves nothing to save), and well before the ranks' own end-time rule would stop them
+(about 70 s before the end), so what stops each run here is the signal itself.
 """
 
 from __future__ import annotations
@@ -28,13 +27,13 @@ from bridge_hpc.training.checkpoint.checkpointing import complete_iterations
 ROOT = Path(__file__).resolve().parent.parent
 
 #: One job per form; every allowed signal plus the batch-only and reservation prefixes.
-FORMS = [f"{name}@100" for name in ALLOWED] + ["B:USR2@100", "R:USR1@100"]
+FORMS = [f"{name}@140" for name in ALLOWED] + ["B:USR2@140", "R:USR1@140"]
 
 
 def _one_rank_job(run_dir: Path, form: str) -> str:
     # One rank each, so the 2-CPU node runs two of these jobs at once; a floor under the step time
     # so that no run finishes before the warning.
-    return submit(run_dir, 5000, ["slurm.ntasks_per_node=1", "slurm.time=00:02:00", f"slurm.signal='{form}'",
+    return submit(run_dir, 5000, ["slurm.ntasks_per_node=1", "slurm.time=00:03:00", f"slurm.signal='{form}'",
                                   "checkpoint.save_interval=1000", f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
                                   "env.TEST_STEP_SLEEP='0.02'"])
 

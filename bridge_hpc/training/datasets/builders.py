@@ -182,11 +182,11 @@ class SampleIterator:
     def start(self) -> None:
         """Forks the loader's workers now (idempotent; the first batch otherwise does).
 
-        Set-up calls it before the run starts its threads (TensorBoard's writer, the checkpoint
-        worker): a process forked while another thread holds a lock inherits the lock held, and a
-        worker that then needs it never delivers a batch. The stop signals stay blocked until each
-        worker has set them to SIG_IGN, so a signal in between cannot kill one (torch would then
-        raise in this rank's step)."""
+        Set-up calls it before the threads a run starts once it trains (TensorBoard's writer, the
+        log backends' senders, a save's writer threads): a process forked while another thread
+        holds a lock inherits the lock held, and a worker that then needs it never delivers a
+        batch. The stop signals stay blocked until each worker has set them to SIG_IGN, so a
+        signal in between cannot kill one (torch would then raise in this rank's step)."""
         if self._iter is None:
             with signals.blocked(self._stop_signals):
                 self._iter = iter(self._loader)
