@@ -28,6 +28,7 @@ Slurm's ~120 s BeginTime hold.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Callable, Optional
@@ -46,6 +47,15 @@ PARTS = ("all", "slurm", "rest")
 
 def uses_slurm(item) -> bool:
     return "slurm" in item.keywords or bool(SLURM_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+def pytest_configure(config):
+    """Ctrl-C as at a terminal: a shell without job control starts a background command (``make test &``
+    from a script) with SIGINT ignored, and the ignore is inherited by every process the tests start, so
+    no tool there could be interrupted (Python keeps an inherited SIG_IGN). The tests of Ctrl-C need the
+    default: Python's KeyboardInterrupt here, and SIGINT's default action in the tools they start."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser):

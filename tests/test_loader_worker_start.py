@@ -1,13 +1,13 @@
-"""The loader's workers are forked at set-up, and a stuck one fails its rank instead of hanging the job.
+"""Loader workers forked at set-up, checked to have started, and a stuck one fails its rank instead of hanging.
 
-Seen once on the local cluster (2026-11-29, a 2-rank CPU job under heavy load): rank 0 went silent in
-the run's first evaluation, which forked the validation loader's workers from a process already running
-its other threads; rank 1 waited in the evaluation's collective until gloo's 10-minute timeout, and Slurm
-ended the job at its time limit. A process forked while another thread holds a lock inherits the lock
-held; a worker that needs it never delivers a batch, and torch's DataLoader (``timeout=0``) waits for it
-for ever. So :class:`~bridge_hpc.training.datasets.builders.SampleIterator` forks its workers when set-up
-asks (``start()``, before the run's threads exist), and gives a batch as long as a peer rank waits in a
-collective (``wait_s``): past that the rank fails with the cause, and the job requeues.
+Seen on the local cluster (2026-11-29, 2-rank CPU jobs under load): a rank waited for ever for a batch,
+its loader worker stuck in the fork itself (``PyOS_AfterFork_Child``: Python 3.11 re-initializes the
+child's thread states under the interpreter's head lock before resetting that lock, and a gloo thread of
+torch.distributed held it at the fork), and its peer waited in the next collective until the job's time
+limit. So :class:`~bridge_hpc.training.datasets.builders.SampleIterator` forks its workers when set-up asks
+(``start()``), waits for each to report its start, and forks again the ones that did not; and a batch may
+take as long as a peer rank waits in a collective (``wait_s``): past that the rank fails with the cause,
+and the job requeues.
 """
 
 from __future__ import annotations
@@ -83,3 +83,48 @@ def test_a_stuck_worker_fails_the_rank_with_the_cause():
     proc = subprocess.run([sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
     assert "raised: DataLoader timed out after 2" in proc.stdout, proc.stdout
+
+
+STUCK_IN_FORK = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    from bridge_hpc.training.config import MockGPTDatasetConfig
+    from bridge_hpc.training.datasets import builders
+
+    builders.WORKER_START_S = 2.0  # the module's own bound, shortened for the test
+    first_child = sys.argv[1]
+
+    def hang_in_the_first_fork():
+        # The first child hangs before any code of its own runs, as one that inherited a held lock does.
+        try:
+            os.close(os.open(first_child, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        while True:
+            time.sleep(1)
+
+    os.register_at_fork(after_in_child=hang_in_the_first_fork)
+
+    def iterator(workers):
+        return builders.SampleIterator(builders.MockGPTDataset(64, 8, 32, 1, "valid"), 0, 2, 0, 1,
+                                       MockGPTDatasetConfig(seq_length=8, num_workers=workers), seed=1,
+                                       stop_signals=["SIGUSR1"])
+
+    it, plain = iterator(2), iterator(0)
+    it.start()
+    assert all(w.is_alive() for w in it._iter._workers)
+    for _ in range(4):
+        a, b = next(it), next(plain)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    print("same batches", flush=True)
+""")
+
+
+def test_a_worker_stuck_in_its_fork_is_replaced_and_the_batches_are_the_same(tmp_path):
+    marker = tmp_path / "first-child"
+    proc = subprocess.run([sys.executable, "-c", STUCK_IN_FORK, str(marker)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "same batches" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert marker.exists()  # the first fork did hang
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: data loader workers")]
+    assert len(warnings) == 1 and "did not start within 2 s of their fork (attempt 1 of 3)" in warnings[0], proc.stderr

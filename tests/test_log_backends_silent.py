@@ -90,8 +90,10 @@ def test_a_silent_mlflow_server_is_warned_early_and_the_end_says_nothing_was_log
 
 
 def test_a_backend_that_stalls_after_logging_says_which_steps_it_has(tmp_path, caplog, monkeypatch):
-    """Started, took steps 1-10, then stalled on 11-20: the close says exactly that."""
-    release = threading.Event()
+    """Started, took steps 1-10, then stalled on 11-20: the close says exactly that. The close waits
+    until the sender is inside the stalled send (its thread sends in order, so 1-10 are done): on a
+    loaded machine the thread may not have sent anything within the close's second."""
+    release, stalled = threading.Event(), threading.Event()
 
     class Stalling(lb._Backend):
         name = "wandb"
@@ -101,6 +103,7 @@ def test_a_backend_that_stalls_after_logging_says_which_steps_it_has(tmp_path, c
 
         def send(self, records):
             if records[0][0] > 10:
+                stalled.set()
                 release.wait()
 
         def finish(self):
@@ -115,9 +118,42 @@ def test_a_backend_that_stalls_after_logging_says_which_steps_it_has(tmp_path, c
                 backends.add(step, {"lm loss": 1.0})
                 if step % 10 == 0:
                     backends.commit(step)
+            assert stalled.wait(120), "the sender never reached steps 11-20"
             backends.close(timeout=1.0)
     finally:
         release.set()
     messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert messages == ["W&B did not close within 1 s: steps through 10 of this run were logged to it, steps 11 to "
                         "20 were not"], messages
+
+
+def test_a_backend_left_behind_by_the_close_says_nothing_more(tmp_path, caplog, monkeypatch):
+    """A start that fails after the close gave up on it (the silent server of the test above dropping its
+    connections later): the close's warning stays the last word, nothing is logged from the thread left
+    behind, in this run's log or in whatever the process does next."""
+    release = threading.Event()
+
+    class LateFailure(lb._Backend):
+        name = "wandb"
+
+        def start(self):
+            release.wait()
+            raise ConnectionError("the server went away")
+
+        def send(self, records):
+            pass
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(lb._CLASSES, "wandb", LateFailure)
+    backends = lb.LogBackends(_config(tmp_path, ['logger.wandb_project="p"']))
+    with caplog.at_level(logging.WARNING, logger="bridge_hpc"):
+        backends.open(0, 0)
+        thread = backends._threads["wandb"]
+        backends.close(timeout=0.5)
+        release.set()
+        thread.join(120)  # the thread has done all it would do after its start failed
+        assert not thread.is_alive()
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [m for m in messages if "did not close" in m] == [messages[-1]] and len(messages) == 1, messages

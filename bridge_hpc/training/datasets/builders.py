@@ -15,7 +15,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import multiprocessing
 import os
+import signal
+import sys
+import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -132,6 +136,20 @@ def _ignore_stop_signals(stop_signals: Sequence[str], worker_id: int) -> None:
     signals.ignore(stop_signals)
 
 
+#: How long a loader worker may take from its fork to its first own instruction (``worker_init_fn``)
+#: before it is taken for stuck in the fork and replaced (:meth:`SampleIterator.start`); a start takes
+#: milliseconds, seconds on a loaded machine.
+WORKER_START_S = 60.0
+#: Forks of a loader's workers before the rank gives up (each replaces the workers that did not start).
+WORKER_START_ATTEMPTS = 3
+
+
+def _worker_started(stop_signals: Sequence[str], started: Sequence[Any], worker_id: int) -> None:
+    """A loader worker's first instruction: the stop signals ignored, then its start reported."""
+    _ignore_stop_signals(stop_signals, worker_id)
+    started[worker_id].set()
+
+
 class SampleIterator:
     """The loop's data iterator: micro-batches in order, with its position as ``state_dict()``.
 
@@ -168,7 +186,7 @@ class SampleIterator:
             pin_memory=dataloader.pin_memory and torch.cuda.is_available(),
             persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0,
             generator=generator,
-            worker_init_fn=functools.partial(_ignore_stop_signals, self._stop_signals),
+            worker_init_fn=functools.partial(_ignore_stop_signals, self._stop_signals),  # start() adds its report
             # A worker that is alive but stuck would leave this rank waiting for ever, and its peers in
             # their next collective: it fails the rank instead (the job then requeues).
             timeout=wait_s if dataloader.num_workers > 0 else 0,
@@ -180,16 +198,47 @@ class SampleIterator:
         return self
 
     def start(self) -> None:
-        """Forks the loader's workers now (idempotent; the first batch otherwise does).
+        """Forks the loader's workers now (idempotent; the first batch otherwise does), and makes
+        sure each has started.
 
-        Set-up calls it before the threads a run starts once it trains (TensorBoard's writer, the
-        log backends' senders, a save's writer threads): a process forked while another thread
-        holds a lock inherits the lock held, and a worker that then needs it never delivers a
-        batch. The stop signals stay blocked until each worker has set them to SIG_IGN, so a
-        signal in between cannot kill one (torch would then raise in this rank's step)."""
-        if self._iter is None:
+        A worker can hang in the fork itself: Python 3.11's child re-initializes its thread states
+        under the interpreter's head lock before it resets that lock, so a fork in the instant
+        another thread holds it (a torch.distributed gloo thread giving up a Python object does) leaves
+        the child waiting for ever, before any code of its own runs. Seen on the local cluster,
+        2026-11-29: rank 1 waited for a batch after a resume, its worker stuck in
+        ``PyOS_AfterFork_Child``, and rank 0 in the gradient all-reduce until the job's time
+        limit. So each worker reports its start (its ``worker_init_fn``), and workers that do not
+        within :data:`WORKER_START_S` are killed and forked again, up to
+        :data:`WORKER_START_ATTEMPTS` times. The stop signals stay blocked until each worker has
+        set them to SIG_IGN, so a signal in between cannot kill one (torch would then raise in this
+        rank's step)."""
+        if self._iter is not None:
+            return
+        workers = self._loader.num_workers
+        for attempt in range(1, WORKER_START_ATTEMPTS + 1):
+            started = [multiprocessing.get_context("fork").Event() for _ in range(workers)]
+            self._loader.worker_init_fn = functools.partial(_worker_started, self._stop_signals, started)
             with signals.blocked(self._stop_signals):
                 self._iter = iter(self._loader)
+            deadline = time.monotonic() + WORKER_START_S
+            stuck = [i for i, event in enumerate(started) if not event.wait(max(0.0, deadline - time.monotonic()))]
+            if not stuck:
+                return
+            pids = [self._iter._workers[i].pid for i in stuck]
+            # torch's SIGCHLD handler would take the kill for a worker failure and raise: its record of
+            # this iterator's workers goes first (what _shutdown_workers would do).
+            if self._iter._worker_pids_set:
+                torch.utils.data._utils.signal_handling._remove_worker_pids(id(self._iter))
+                self._iter._worker_pids_set = False
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            self._iter._shutdown_workers()
+            self._iter = self._loader._iterator = None  # a persistent loader would reuse the closed iterator
+            print(f"warning: data loader workers {pids} did not start within {WORKER_START_S:.0f} s of their "
+                  f"fork (attempt {attempt} of {WORKER_START_ATTEMPTS}): killed, the loader's workers forked again",
+                  file=sys.stderr, flush=True)
+        raise RuntimeError(f"data loader workers did not start within {WORKER_START_S:.0f} s of their fork, "
+                           f"{WORKER_START_ATTEMPTS} times")
 
     def __next__(self) -> Any:
         self.start()

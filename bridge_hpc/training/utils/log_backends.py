@@ -480,6 +480,8 @@ class LogBackends:
         self._pending: Dict[int, Dict[Optional[str], Dict[str, Any]]] = {}
         self._backends: Dict[str, _Backend] = {}
         self._failed: Dict[str, str] = {}
+        #: Backends whose thread close() gave up on: its warning was the last word on them.
+        self._abandoned: set = set()
         self._runs: Dict[str, Dict[str, Any]] = {}
         self._runs_lock = threading.Lock()
         self._queues: Dict[str, "queue.Queue[Optional[Tuple[Callable[..., None], tuple]]]"] = {}
@@ -549,6 +551,7 @@ class LogBackends:
                 late.append(name)
         for name in late:
             logger.warning("%s did not close within %.0f s: %s", LABELS[name], timeout, self._logged(name))
+        self._abandoned.update(late)
         logger.debug("log backends closed in %.2f s", time.monotonic() - began)
         self._threads.clear()
 
@@ -600,7 +603,7 @@ class LogBackends:
                 self._fail(name, "its logger", err)
 
     def _fail(self, name: str, what: str, err: BaseException) -> None:
-        if name in self._failed:
+        if name in self._failed or name in self._abandoned:  # a thread left behind by close() stays quiet
             return
         self._failed[name] = _one_line(err, self.cfg.logger)
         hint = ""
