@@ -1,13 +1,13 @@
 """Loader workers forked at set-up, checked to have started, and a stuck one fails its rank instead of hanging.
 
 Seen on the local cluster (2026-11-29, 2-rank CPU jobs under load): a rank waited for ever for a batch,
-its loader worker stuck in the fork itself (``PyOS_AfterFork_Child``: Python 3.11 re-initializes the
-child's thread states under the interpreter's head lock before resetting that lock, and a gloo thread of
-torch.distributed held it at the fork), and its peer waited in the next collective until the job's time
-limit. So :class:`~bridge_hpc.training.datasets.builders.SampleIterator` forks its workers when set-up asks
-(``start()``), waits for each to report its start, and forks again the ones that did not; and a batch may
-take as long as a peer rank waits in a collective (``wait_s``): past that the rank fails with the cause,
-and the job requeues.
+its loader worker stuck in the fork itself (Python 3.11's ``PyOS_AfterFork_Child`` waiting on a lock of
+the interpreter's thread states that another thread held at the fork; a gloo thread of torch.distributed
+was the one seen), and its peer waited in the next collective. So
+:class:`~bridge_hpc.training.datasets.builders.SampleIterator` forks its workers when set-up asks
+(``start()``), waits for each to report its start, and forks again the ones that did not; and a batch
+may take as long as a peer rank waits in a collective (``wait_s``): past that the rank fails with the
+cause, and the job requeues.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ data (:class:`FinetuningDataset`) is too: its sample ``i`` is a line of a jsonl 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -201,14 +202,13 @@ class SampleIterator:
         """Forks the loader's workers now (idempotent; the first batch otherwise does), and makes
         sure each has started.
 
-        A worker can hang in the fork itself: Python 3.11's child re-initializes its thread states
-        under the interpreter's head lock before it resets that lock, so a fork in the instant
-        another thread holds it (a torch.distributed gloo thread giving up a Python object does) leaves
-        the child waiting for ever, before any code of its own runs. Seen on the local cluster,
-        2026-11-29: rank 1 waited for a batch after a resume, its worker stuck in
-        ``PyOS_AfterFork_Child``, and rank 0 in the gradient all-reduce until the job's time
-        limit. So each worker reports its start (its ``worker_init_fn``), and workers that do not
-        within :data:`WORKER_START_S` are killed and forked again, up to
+        A worker can hang in the fork itself, before any code of its own runs: Python 3.11's child,
+        in ``PyOS_AfterFork_Child``, waits on a lock of the interpreter's thread states that another
+        thread of the parent held at the fork (the other thread seen there: a torch.distributed gloo
+        thread, which enters and leaves Python). Seen on the local cluster, 2026-11-29: rank 1 waited
+        for ever for its first batch after a resume, one of its workers stuck there, and rank 0 in
+        the gradient all-reduce. So each worker reports its start (its ``worker_init_fn``), and
+        workers that do not within :data:`WORKER_START_S` are killed and forked again, up to
         :data:`WORKER_START_ATTEMPTS` times. The stop signals stay blocked until each worker has
         set them to SIG_IGN, so a signal in between cannot kill one (torch would then raise in this
         rank's step)."""
@@ -231,7 +231,8 @@ class SampleIterator:
                 torch.utils.data._utils.signal_handling._remove_worker_pids(id(self._iter))
                 self._iter._worker_pids_set = False
             for pid in pids:
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # one that died meanwhile
+                    os.kill(pid, signal.SIGKILL)
             self._iter._shutdown_workers()
             self._iter = self._loader._iterator = None  # a persistent loader would reuse the closed iterator
             print(f"warning: data loader workers {pids} did not start within {WORKER_START_S:.0f} s of their "
