@@ -132,12 +132,13 @@ def test_exit_interval_and_exit_duration_requeue_until_done(slurm_cluster, refer
     assert len(runs) >= 2 and set(reasons[:-1]) == {"duration"} and reasons[-1] == "done"
 
 
-TIME_LIMIT_ITERS = 200
+TIME_LIMIT_ITERS = 400
 #: Each forward pass (2 micro-batches a step) sleeps this long on top of its work, so the job needs
-#: more than 40 s of training however fast the machine: more than a one-minute allocation can hold
-#: once the ranks' end-time rule keeps its margin (the next step, the expected save and 20 s before
-#: the end; a first run, with no save measured yet, expects 30 s for it and stops after a few steps).
-#: Few steps, each slow: the straight reference run (no sleep) stays short.
+#: more than 80 s of training however fast the machine: more than the first 2-minute allocation can
+#: hold (its ranks stop 50 s before the end at the latest: the next step, a first save guessed at 30 s
+#: and a 20 s margin). The warning signal (``@30``) may come up to 60 s early (Slurm's resolution), so
+#: 30 s into a run at the soonest: after the first step on a loaded machine (a one-minute limit let it
+#: come before the first step). Few steps, each slow: the straight reference run (no sleep) stays short.
 TIME_LIMIT_STEP_SLEEP = 0.1
 
 
@@ -146,10 +147,10 @@ def long_reference(tmp_path_factory) -> Path:
     return reference_run(tmp_path_factory.mktemp("long-reference") / "run", TIME_LIMIT_ITERS)
 
 
-def test_one_minute_time_limit_requeues_until_done(slurm_cluster, long_reference, tmp_path):
+def test_two_minute_time_limit_requeues_until_done(slurm_cluster, long_reference, tmp_path):
     run_dir = tmp_path / "run"
     job_id = submit(run_dir, TIME_LIMIT_ITERS,
-                    ["slurm.time=00:01:00", "slurm.signal=USR1@30", "checkpoint.save_interval=50",
+                    ["slurm.time=00:02:00", "slurm.signal=USR1@30", "checkpoint.save_interval=100",
                      f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
                      f"env.TEST_STEP_SLEEP='{TIME_LIMIT_STEP_SLEEP}'"])
     assert drive(job_id, timeout=1500) == "COMPLETED"
