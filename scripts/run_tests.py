@@ -3,7 +3,7 @@
 Why two: the Slurm tests share one local cluster of 2 CPUs (one job of 2 ranks fills it), reconfigure its
 node count and read its queue, so they run one after another; about half of their time the machine's cores
 are idle while they wait on Slurm (time limits, warning signals, requeues, fault-tolerance timeouts:
-54 % busy on 2026-11-29, measured from /proc/stat over each test). The other tests need no cluster and fill
+53 % busy on 2026-11-29, measured from /proc/stat over each test). The other tests need no cluster and fill
 that time. Each run keeps its module fixtures and its order, as a plain ``pytest tests`` run does
 (``tests/conftest.py``'s ``--part`` chooses the tests; ``make test-serial`` runs all in one pytest). pytest-xdist's
 groups would do the same, but its group ids do not survive pytest 9.2's node ids.

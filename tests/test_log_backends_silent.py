@@ -129,8 +129,8 @@ def test_a_backend_that_stalls_after_logging_says_which_steps_it_has(tmp_path, c
 
 def test_a_backend_left_behind_by_the_close_says_nothing_more(tmp_path, caplog, monkeypatch):
     """A start that fails after the close gave up on it (the silent server of the test above dropping its
-    connections later): the close's warning stays the last word, nothing is logged from the thread left
-    behind, in this run's log or in whatever the process does next."""
+    connections later): the close's warning stays the last word on it; its failure is not logged, in
+    this run's log or in whatever the process does next."""
     release = threading.Event()
 
     class LateFailure(lb._Backend):

@@ -260,7 +260,8 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
     stop, reads = cfg.train.exit_signal, parallel.reads_data()
-    # A loader worker may take as long for a batch as a peer rank waits in a collective.
+    # A loader worker may take as long for a batch as a collective may wait at start-up (a shorter
+    # dist.distributed_timeout_seconds_after_init ends the peers' wait sooner: the job fails then).
     wait_s = cfg.dist.distributed_timeout_minutes * 60.0
     train_it = build_data_iterator(train_ds, ts.consumed_train_samples, mbs, dp_rank, dp_size, cfg.dataset,
                                    cfg.rng.seed, stop, gbs, reads=reads, wait_s=wait_s)
@@ -270,7 +271,9 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
                                    wait_s=wait_s)
     for iterator in (train_it, valid_it):
         if isinstance(iterator, SampleIterator):
-            iterator.start()  # the workers forked before this run's threads start (SampleIterator.start)
+            # before the log backends' and the saves' threads; torch.distributed's already run, hence
+            # the start check (SampleIterator.start)
+            iterator.start()
     ts.do_train, ts.do_valid = train_it is not None, valid_it is not None
     startup.mark("data")
 

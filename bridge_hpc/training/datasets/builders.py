@@ -12,14 +12,12 @@ data (:class:`FinetuningDataset`) is too: its sample ``i`` is a line of a jsonl 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import multiprocessing
 import os
-import signal
-import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -138,17 +136,26 @@ def _ignore_stop_signals(stop_signals: Sequence[str], worker_id: int) -> None:
 
 
 #: How long a loader worker may take from its fork to its first own instruction (``worker_init_fn``)
-#: before it is taken for stuck in the fork and replaced (:meth:`SampleIterator.start`); a start takes
-#: milliseconds, seconds on a loaded machine.
+#: before it is taken for stuck in the fork (:meth:`SampleIterator.start`); a start takes milliseconds,
+#: seconds on a loaded machine.
 WORKER_START_S = 60.0
-#: Forks of a loader's workers before the rank gives up (each replaces the workers that did not start).
+#: Forks of a loader's workers before the rank gives up (each attempt after the first forks all of the
+#: loader's workers again).
 WORKER_START_ATTEMPTS = 3
+#: How the workers are started: by fork, whatever the platform's default (Python 3.14 makes it
+#: forkserver): the stop signals are blocked around it and the start reports are fork-inherited events.
+WORKER_CONTEXT = "fork"
+
+logger = logging.getLogger(__name__)
 
 
 def _worker_started(stop_signals: Sequence[str], started: Sequence[Any], worker_id: int) -> None:
-    """A loader worker's first instruction: the stop signals ignored, then its start reported."""
-    _ignore_stop_signals(stop_signals, worker_id)
-    started[worker_id].set()
+    """A loader worker's first instruction: its start reported (the fork is over, which is what is
+    measured), then the stop signals ignored (an error there reaches the rank with the first batch)."""
+    try:
+        started[worker_id].set()
+    finally:
+        _ignore_stop_signals(stop_signals, worker_id)
 
 
 class SampleIterator:
@@ -188,6 +195,7 @@ class SampleIterator:
             persistent_workers=dataloader.persistent_workers and dataloader.num_workers > 0,
             generator=generator,
             worker_init_fn=functools.partial(_ignore_stop_signals, self._stop_signals),  # start() adds its report
+            multiprocessing_context=WORKER_CONTEXT if dataloader.num_workers > 0 else None,
             # A worker that is alive but stuck would leave this rank waiting for ever, and its peers in
             # their next collective: it fails the rank instead (the job then requeues).
             timeout=wait_s if dataloader.num_workers > 0 else 0,
@@ -207,17 +215,20 @@ class SampleIterator:
         thread of the parent held at the fork (the other thread seen there: a torch.distributed gloo
         thread, which enters and leaves Python). Seen on the local cluster, 2026-11-29: rank 1 waited
         for ever for its first batch after a resume, one of its workers stuck there, and rank 0 in
-        the gradient all-reduce. So each worker reports its start (its ``worker_init_fn``), and
-        workers that do not within :data:`WORKER_START_S` are killed and forked again, up to
-        :data:`WORKER_START_ATTEMPTS` times. The stop signals stay blocked until each worker has
-        set them to SIG_IGN, so a signal in between cannot kill one (torch would then raise in this
-        rank's step)."""
+        the gradient all-reduce. So each worker reports its start (its ``worker_init_fn``); when
+        one does not within :data:`WORKER_START_S`, it is killed and the loader's workers are
+        forked again (from the loader's generator as it was: the workers' seeds are a first
+        fork's), up to :data:`WORKER_START_ATTEMPTS` times. The stop signals stay blocked until
+        each worker has set them to SIG_IGN, so a signal in between cannot kill one (torch would
+        then raise in this rank's step)."""
         if self._iter is not None:
             return
         workers = self._loader.num_workers
+        seeds = self._loader.generator.get_state()
         for attempt in range(1, WORKER_START_ATTEMPTS + 1):
-            started = [multiprocessing.get_context("fork").Event() for _ in range(workers)]
+            started = [multiprocessing.get_context(WORKER_CONTEXT).Event() for _ in range(workers)]
             self._loader.worker_init_fn = functools.partial(_worker_started, self._stop_signals, started)
+            self._loader.generator.set_state(seeds)  # the workers' base seed is drawn from it
             with signals.blocked(self._stop_signals):
                 self._iter = iter(self._loader)
             deadline = time.monotonic() + WORKER_START_S
@@ -225,21 +236,32 @@ class SampleIterator:
             if not stuck:
                 return
             pids = [self._iter._workers[i].pid for i in stuck]
-            # torch's SIGCHLD handler would take the kill for a worker failure and raise: its record of
-            # this iterator's workers goes first (what _shutdown_workers would do).
-            if self._iter._worker_pids_set:
-                torch.utils.data._utils.signal_handling._remove_worker_pids(id(self._iter))
-                self._iter._worker_pids_set = False
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):  # one that died meanwhile
-                    os.kill(pid, signal.SIGKILL)
-            self._iter._shutdown_workers()
-            self._iter = self._loader._iterator = None  # a persistent loader would reuse the closed iterator
-            print(f"warning: data loader workers {pids} did not start within {WORKER_START_S:.0f} s of their "
-                  f"fork (attempt {attempt} of {WORKER_START_ATTEMPTS}): killed, the loader's workers forked again",
-                  file=sys.stderr, flush=True)
+            self._discard_iterator([self._iter._workers[i] for i in stuck])
+            again = attempt < WORKER_START_ATTEMPTS
+            logger.warning("data loader workers %s did not start within %.0f s of their fork (attempt %d of %d): "
+                           "killed%s", pids, WORKER_START_S, attempt, WORKER_START_ATTEMPTS,
+                           ", the loader's workers forked again" if again else "")
         raise RuntimeError(f"data loader workers did not start within {WORKER_START_S:.0f} s of their fork, "
-                           f"{WORKER_START_ATTEMPTS} times")
+                           f"{WORKER_START_ATTEMPTS} times (the last ones killed: {pids})")
+
+    def _discard_iterator(self, stuck: List[Any]) -> None:
+        """Kills ``stuck`` workers and shuts the iterator's others down, before the next fork."""
+        it = self._iter
+        # torch's SIGCHLD handler would take the kill for a worker failure and raise: its record of this
+        # iterator's workers goes first (what _shutdown_workers would do).
+        if it._worker_pids_set:
+            torch.utils.data._utils.signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False
+        for worker in stuck:
+            worker.kill()  # multiprocessing's: not once the worker is reaped
+        it._shutdown_workers()
+        # The closed queues' feeder threads end now; a fork while one ends its thread state is the
+        # very race above: the next fork waits for them.
+        for queue in it._index_queues:
+            thread = getattr(queue, "_thread", None)
+            if thread is not None:
+                thread.join(WORKER_START_S)
+        self._iter = self._loader._iterator = None  # a persistent loader would reuse the closed iterator
 
     def __next__(self) -> Any:
         self.start()

@@ -549,9 +549,9 @@ class LogBackends:
             thread.join(max(0.0, timeout - (time.monotonic() - began)))
             if thread.is_alive():
                 late.append(name)
+        self._abandoned.update(late)
         for name in late:
             logger.warning("%s did not close within %.0f s: %s", LABELS[name], timeout, self._logged(name))
-        self._abandoned.update(late)
         logger.debug("log backends closed in %.2f s", time.monotonic() - began)
         self._threads.clear()
 
