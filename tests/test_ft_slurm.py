@@ -1,8 +1,9 @@
 """Fault tolerance end to end on the local cluster: the real 2-rank GPT loop under ft_launcher.
 
-Two jobs of configs/local-tiny-fault-tolerance.toml, submitted with bridge-submit, each with one simulated fault on
-rank 1: ``rank_hung`` (its rank monitor must kill it after the step timeout) and ``rank_killed`` (the
-launcher sees it die). The second job also makes every checkpoint save longer than the step timeout
+Two jobs of configs/local-tiny-fault-tolerance.toml, submitted with bridge-submit, each with one fault on
+rank 1: ft's simulated ``rank_hung`` (its rank monitor must kill it after the step timeout) and a rank
+that kills itself at step 45 (``TEST_KILL`` of tests/data/faulty_forward_step.py; the launcher sees it
+die). The second job also makes every checkpoint save longer than the step timeout
 (``TEST_SAVE_DELAY`` of tests/data/faulty_forward_step.py), which must not be taken
 for a hang. Both must restart in the same job (one Slurm run, no requeue), resume from their last
 checkpoint, finish, and log the same losses bit for bit as an uninterrupted torchrun of the same config;
@@ -40,6 +41,7 @@ STEP_TIMEOUT = 3.0
 CHECK = 0.5  # ft.workload_check_interval
 MARGIN = 5.0  # generous: detection is judged on a shared, loaded 2-core machine (CI), where a process can stall for seconds
 SAVE_DELAY = 4.0  # > STEP_TIMEOUT: the slow-save job
+KILL_STEP = 45  # the killed job's rank 1 dies at this step, after the checkpoint of step 40
 HUNG_STEP_SLEEP = 0.05  # the hung job's forward passes take at least this: its 120 steps outlast the fault's 5 s delay
 LOOSE_STEP_TIMEOUT = 60.0  # the requeue job's configured step timeout, before any is computed
 #: The requeue job's floor under computed timeouts: its steps take ~50 ms, so every computed timeout
@@ -76,9 +78,10 @@ class Job:
         self.log = log_text(run_dir, job_id)
 
     def fault_time(self) -> float:
-        m = re.search(r"SIMULATED FAULT (\S+) rank 1 iteration (\d+) at ([\d.]+)", self.log)
+        """When rank 1 failed: ft's simulated fault, or tests/data/faulty_forward_step.py's kill."""
+        m = re.search(r"(?:SIMULATED FAULT \S+ rank 1 iteration|TEST KILL rank 1 step) \d+ at ([\d.]+)", self.log)
         assert m, self.log[-4000:]
-        return float(m.group(3))
+        return float(m.group(1))
 
     def lines(self, pattern: str) -> list:
         return [m for m in (re.search(pattern, line) for line in self.log.splitlines()) if m]
@@ -103,11 +106,12 @@ def jobs(slurm_cluster, tmp_path_factory):
                                       "checkpoint.save_interval=10",
                                       f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
                                       f"env.TEST_STEP_SLEEP='{HUNG_STEP_SLEEP}'"])
-    killed = submit_ft(base / "killed", ["ft.simulate_fault=true", "ft.simulated_fault_type='rank_killed'",
-                                          "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=10",
-                                          "checkpoint.save_interval=40",
+    # The killed rank dies at a step, not at a time after set-up (ft.simulated_fault_base_delay): the
+    # checkpoint of step 40 comes before it on any machine (on a loaded one, set-up alone once took
+    # longer than a 10 s delay, and the fault came before the first step).
+    killed = submit_ft(base / "killed", ["checkpoint.save_interval=40",
                                           f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
-                                          f"env.TEST_SAVE_DELAY='{SAVE_DELAY}'"])
+                                          f"env.TEST_SAVE_DELAY='{SAVE_DELAY}'", f"env.TEST_KILL='0:{KILL_STEP}:1'"])
     requeue = submit_ft(base / "requeue", [
         "ft.calc_ft_timeouts=true", f"ft.min_computed_timeout_s={COMPUTED_FLOOR}", f"ft.step_timeout={LOOSE_STEP_TIMEOUT}",
         "ft.max_restarts=0", "train.exit_interval=50", "checkpoint.save_interval=20",

@@ -214,8 +214,9 @@ CRASHER = """#!/bin/bash
 # Stands in for the interpreter of the ranks: a rank that dies on the cancel's SIGTERM with a failure
 # status instead of stopping cleanly (a crash in its handler, a container runtime killing it).
 [ "$1 $2 $3" = "-u -m bridge_hpc.rank" ] || exec {python} "$@"
-echo started > "$BRIDGE_RUN_DIR/rank.$SLURM_PROCID"
+# the trap first, then the word that it started: a SIGTERM after the word meets the trap, on any load
 trap 'exit 1' TERM
+echo started > "$BRIDGE_RUN_DIR/rank.$SLURM_PROCID"
 sleep 600 &
 wait
 """
@@ -235,9 +236,10 @@ def test_a_cancel_is_final_even_when_the_ranks_fail_on_it(slurm_cluster, tmp_pat
     job_id = job_id_of(result.stdout)
     try:
         deadline = time.monotonic() + 60
-        while not (run_dir / "rank.1").exists() and time.monotonic() < deadline:
+        started = [run_dir / "rank.0", run_dir / "rank.1"]  # both ranks' traps are set
+        while not all(p.exists() for p in started) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert (run_dir / "rank.1").exists(), "the ranks did not start"
+        assert all(p.exists() for p in started), "the ranks did not start"
         subprocess.run(["scancel", job_id], check=True, capture_output=True)
         assert sacct_state(job_id, timeout=60) == "CANCELLED"
         time.sleep(3)  # a requeue would show up as a pending job or a REQUEUED run by now

@@ -85,6 +85,9 @@ def _wait(what: str, job_id: str, run_dir: Path, done) -> None:
             break
         release_when_held(job_id)
         time.sleep(0.2)
+    # The job may have ended, or done what was awaited, between done() and squeue above: asked once more.
+    if done():
+        return
     raise AssertionError(f"{what}: did not happen\n{job_story(run_dir, job_id)}")
 
 

@@ -8,6 +8,9 @@ the job (``SLURM_RESTART_COUNT``) and the first worker group of that run (``TORC
 
 * ``TEST_HANG = "<slurm restart>:<step>:<rank>"``: that rank stops at that step, inside the training
   step (as a dead-locked kernel would), and never comes back.
+* ``TEST_KILL = "<slurm restart>:<step>:<rank>"``: that rank sends itself SIGKILL at that step (a
+  process that dies: the launcher must see it), after whatever the steps before it saved, however
+  long the job's start took.
 * ``TEST_SLOW = "<slurm restart>:<from step>:<rank>:<seconds>"``: from that step on, that rank burns
   this much CPU before each of its forward passes (a slow or throttled processor).
 * ``TEST_STEP_SLEEP = "<seconds>"``: every rank, in every run, sleeps this long before each forward
@@ -29,6 +32,7 @@ Each fault prints one line with its wall-clock time, which the tests read.
 """
 
 import os
+import signal
 import time
 
 import torch
@@ -76,6 +80,10 @@ def forward_step(state, data_iterator, model):
         print(f"TEST HANG rank {rank} step {step} at {time.time():.3f}", flush=True)
         while True:
             time.sleep(3600)
+    kill = _parse("TEST_KILL")
+    if kill and _this_run(kill[0]) and step == int(kill[1]) and rank == int(kill[2]):
+        print(f"TEST KILL rank {rank} step {step} at {time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     slow = _parse("TEST_SLOW")
     if slow and _this_run(slow[0]) and step >= int(slow[1]) and rank == int(slow[2]):
         if not _announced:
