@@ -497,6 +497,10 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
                     break
                 continue
             # 1. one optimizer step
+            if global_state.signal_handler is not None:
+                # C code loaded on the way (Triton's LLVM, at a first compile) may have taken the stop
+                # signals without Python knowing: taken back, two system calls a step (signal_recorder)
+                global_state.signal_handler.rearm()
             ft.step_start(ts.step)
             ft.maybe_simulate_fault(ts.step)
             straggler.step_start()
