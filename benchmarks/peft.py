@@ -7,8 +7,10 @@ Every variant fine-tunes the same pretrained weights (``job.entry = "finetune"``
   initialized, saved without its optimizer (``checkpoint.save_optim = false``), made once at the start;
 - ``llama``: a Llama-3.2-1B-shaped Hugging Face folder of random weights (``benchmarks/hf_import.py``'s,
   1.24 B parameters, bf16), which the jobs read directly (``pretrained_checkpoint`` = the folder). Only
-  this base has the ``hf-lora`` variant: the same LoRA with Hugging Face ``transformers`` + ``peft`` on the
-  same folder (``benchmarks/hf_peft_lora.py``), the way users fine-tune without this toolkit.
+  this base has the ``hf-lora`` variant: LoRA of the same rank on the same projections with Hugging Face
+  ``transformers`` + ``peft`` on the same folder (``benchmarks/hf_peft_lora.py``: peft adapts q, k, v and
+  gate, up separately, where the toolkit adapts the fused layers), the way users fine-tune without this
+  toolkit.
 
 Variants (``--order``): ``full`` is the job without ``[peft]``; ``lora`` the same job with
 ``[peft] type = "lora"``, ``dim = 16``, ``alpha = 32`` on all four targets (``linear_qkv``,
@@ -22,8 +24,8 @@ SIGUSR1 (Slurm's preemption notice, sent to the rank and every process it starte
 
 - tokens/s: the median of the steps after the first ``--warmup`` (``metrics.jsonl``);
 - peak memory: the rank's ``torch.cuda.max_memory_allocated`` in 10^9 bytes (the metrics'
-  ``mem-max-allocated-gigabytes``, logged every step with ``logger.log_memory_to_tensorboard``), the
-  largest over the run's steps;
+  ``mem-max-allocated-gigabytes``, logged every step with ``logger.log_memory_to_tensorboard``): the
+  peak since the rank started, the base's load included (the largest of the steps' records);
 - the exit save: its seconds (the rank's ``saved checkpoint ... in N s`` line, to 0.01 s; the progress
   log's last ``Saved checkpoint`` line, ``Save seconds``, to 0.1 s, is in the JSON too) and its bytes on
   disk (the files of that iteration's folder). ``hf-lora`` saves nothing (n/a).
@@ -255,6 +257,15 @@ def main() -> int:
         p.error(f"--order: a comma-separated list of {', '.join(VARIANTS)}, with full and lora at least once each")
     if "hf-lora" in order and not hf_base:
         p.error("--order: hf-lora needs a Hugging Face base (--base llama)")
+    if "hf-lora" in order:
+        import importlib.machinery
+
+        # not this folder, where this script itself is a "peft"
+        path = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT / "benchmarks"]
+        missing = [name for name in ("transformers", "peft")
+                   if importlib.machinery.PathFinder.find_spec(name, path) is None]
+        if missing:  # before the toolkit's runs, not after them
+            p.error(f"--order: hf-lora needs {' and '.join(missing)} (pip install {' '.join(missing)})")
     gpu = args.device == "cuda"
     steps = args.steps or (6 if args.tiny else 12)
     warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 4)

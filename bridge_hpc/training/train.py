@@ -498,8 +498,8 @@ def train(forward_step_func: Callable, model: List[torch.nn.Module], optimizer, 
                 continue
             # 1. one optimizer step
             if global_state.signal_handler is not None:
-                # C code loaded on the way (Triton's LLVM, at a first compile) may have taken the stop
-                # signals without Python knowing: taken back, two system calls a step (signal_recorder)
+                # C code loaded on the way may have taken the stop signals without Python knowing:
+                # taken back (one sigaction query a stop signal; signal_recorder)
                 global_state.signal_handler.rearm()
             ft.step_start(ts.step)
             ft.maybe_simulate_fault(ts.step)

@@ -1,9 +1,9 @@
 """A user's forward step (Bridge's GPT step) whose C code takes SIGUSR1 from Python at one step, as
-LLVM's signal handlers do when Triton is loaded in the middle of a run: through libc, the process's
-handler for SIGUSR1 becomes SIG_IGN, while ``signal.getsignal`` still names Python's handler.
+some library's C code did on the GPU fast path (tests/test_stop_signal_taken_back.py): through libc,
+the process's handler for SIGUSR1 becomes SIG_IGN, while ``signal.getsignal`` still names Python's.
 
-``TEST_TAKE_SIGUSR1_AT = "<step>"`` (the rank's environment): the step (of every run) at which it does so;
-one line says the step and the rank's ``TRITON_DISABLE_PYTHON_STACKTRACE``.
+``TEST_TAKE_SIGUSR1_AT = "<step>"`` (the rank's environment): the step (of every run) at which it does
+so; one line says the step.
 """
 
 import ctypes
@@ -24,6 +24,5 @@ def forward_step(state, data_iterator, model):
     if not _taken and step >= int(os.environ["TEST_TAKE_SIGUSR1_AT"]):
         _taken.append(step)
         _libc.signal(signal.SIGUSR1, SIG_IGN)
-        switch = "TRITON_DISABLE_PYTHON_STACKTRACE"  # what Triton would read if it were imported now
-        print(f"TEST TOOK SIGUSR1 at step {step} ({switch}={os.environ.get(switch)})", flush=True)
+        print(f"TEST TOOK SIGUSR1 at step {step}", flush=True)
     return gpt_forward_step(state, data_iterator, model)
