@@ -92,13 +92,13 @@ def test_a_process_handler_is_named_by_its_library():
     assert describe_handler(None) == "the default action (SIG_DFL)"
 
 
-def test_a_rank_whose_c_code_took_sigusr1_mid_run_still_stops_and_saves_on_it(tmp_path):
-    """The rank's forward step takes SIGUSR1 at step 3; SIGUSR1 after step 10 must still end the run
-    through its exit save, and the rank says once that the signal was taken back."""
+def _run_and_signal(tmp_path, take_at: str, ready, overrides=()) -> str:
+    """A tiny rank whose forward step takes SIGUSR1 (``TEST_TAKE_SIGUSR1_AT``); SIGUSR1 once
+    ``ready(log text)``; its output, after it has stopped with status 0 on the signal."""
     job = tiny_job(tmp_path / "taken")
     overrides = [f"job.forward_step='{TAKING_FORWARD_STEP}:forward_step'", "train.train_iters=100000",
-                 "train.eval_interval=100000", "checkpoint.save_interval=100000", "logger.log_interval=1"]
-    env = {**direct_rank_env(), "PYTHONUNBUFFERED": "1", "TEST_TAKE_SIGUSR1_AT": "3"}
+                 "checkpoint.save_interval=100000", "logger.log_interval=1", *overrides]
+    env = {**direct_rank_env(), "PYTHONUNBUFFERED": "1", "TEST_TAKE_SIGUSR1_AT": take_at}
     log = tmp_path / "rank.log"
     with open(log, "w") as sink:
         rank = subprocess.Popen([sys.executable, "-m", "bridge_hpc.rank", *set_args(job, overrides)],
@@ -106,9 +106,9 @@ def test_a_rank_whose_c_code_took_sigusr1_mid_run_still_stops_and_saves_on_it(tm
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + STEPS_WAIT_S
-        while steps_done(tiny_run_dir(job)) < 10 and rank.poll() is None and time.monotonic() < deadline:
+        while not ready(job, log.read_text()) and rank.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert rank.poll() is None and steps_done(tiny_run_dir(job)) >= 10, log.read_text()[-4000:]
+        assert rank.poll() is None and ready(job, log.read_text()), log.read_text()[-4000:]
         os.kill(rank.pid, signal.SIGUSR1)
         try:
             rank.wait(timeout=EXIT_WAIT_S)
@@ -119,9 +119,30 @@ def test_a_rank_whose_c_code_took_sigusr1_mid_run_still_stops_and_saves_on_it(tm
             kill_tree(rank)
     out = log.read_text()
     assert rank.returncode == 0, out[-4000:]
-    assert "TEST TOOK SIGUSR1 at step 3" in out, out[-4000:]
     assert out.count("warning: SIGUSR1 was taken from Python's handler by SIG_IGN (ignored); taken back") == 1, out[-4000:]
     stopped = re.search(r"exiting at iteration (\d+): signal received", out)
     assert stopped, out[-4000:]
-    assert 10 <= int(stopped[1]) < 100000
+    assert 0 < int(stopped[1]) < 100000
     assert run_folder.tracked_iteration(tiny_checkpoints(job)) == int(stopped[1])  # the exit save
+    return out
+
+
+def test_a_rank_whose_c_code_took_sigusr1_mid_run_still_stops_and_saves_on_it(tmp_path):
+    """The rank's forward step takes SIGUSR1 at step 3; SIGUSR1 after step 10 must still end the run
+    through its exit save, and the rank says once that the signal was taken back."""
+    out = _run_and_signal(tmp_path, "3", lambda job, log: steps_done(tiny_run_dir(job)) >= 10,
+                          ["train.eval_interval=100000"])
+    assert "TEST TOOK SIGUSR1 at step 3" in out, out[-4000:]
+    assert int(re.search(r"exiting at iteration (\d+)", out)[1]) >= 10
+
+
+def test_c_code_that_takes_sigusr1_in_an_evaluation_does_not_hold_the_evaluation_on_it(tmp_path):
+    """Taken at the first batch of a very long evaluation (20,000 batches after step 5); SIGUSR1 then
+    cuts the evaluation short and ends the run through its exit save."""
+    # signalled 20 micro-batches after the take: past the next batch's check, not between the two
+    out = _run_and_signal(tmp_path, "eval", lambda job, log: "TEST 20 EVALUATION MICRO-BATCHES SINCE" in log,
+                          ["train.eval_interval=5", "train.eval_iters=20000"])
+    assert "TEST TOOK SIGUSR1 in the evaluation after step 5" in out, out[-4000:]
+    assert re.search(r"evaluation cut short after \d+ micro-batches: stop signal received", out), out[-4000:]
+    # step 5's stop observations were agreed before its evaluation: the exit comes after step 6
+    assert int(re.search(r"exiting at iteration (\d+): signal received", out)[1]) == 6, out[-4000:]

@@ -293,6 +293,8 @@ def evaluate(state: GlobalState, forward_step_func: Callable, data_iterator, mod
         chunk.eval()
     reports: List[Dict[str, torch.Tensor]] = []
     for _ in range(cfg.validation.eval_iters):
+        if state.signal_handler is not None:
+            state.signal_handler.rearm()  # as before each training step: C code may have taken the signals
         # A long evaluation must not sit on a preemption notice: stop early, all ranks together.
         if any_rank({"signal": signal_seen(state)})["signal"]:
             if state.rank == 0:

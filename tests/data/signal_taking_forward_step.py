@@ -2,8 +2,9 @@
 some library's C code did on the GPU fast path (tests/test_stop_signal_taken_back.py): through libc,
 the process's handler for SIGUSR1 becomes SIG_IGN, while ``signal.getsignal`` still names Python's.
 
-``TEST_TAKE_SIGUSR1_AT = "<step>"`` (the rank's environment): the step (of every run) at which it does
-so; one line says the step.
+``TEST_TAKE_SIGUSR1_AT = "<step>"`` (the rank's environment): the training step (of every run) at which it
+does so; ``"eval"``: the first evaluation batch instead. One line says where; in an evaluation, another
+after 20 more of its micro-batches (the loop has checked its signals since).
 """
 
 import ctypes
@@ -17,12 +18,18 @@ _libc.signal.restype = ctypes.c_void_p
 _libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
 SIG_IGN = 1  # <signal.h>'s SIG_IGN, ((sighandler_t) 1)
 _taken = []
+_since = []
 
 
 def forward_step(state, data_iterator, model):
-    step = state.train_state.step
-    if not _taken and step >= int(os.environ["TEST_TAKE_SIGUSR1_AT"]):
+    step, at = state.train_state.step, os.environ["TEST_TAKE_SIGUSR1_AT"]
+    in_evaluation = not model.training
+    if not _taken and (in_evaluation if at == "eval" else (not in_evaluation and step >= int(at))):
         _taken.append(step)
         _libc.signal(signal.SIGUSR1, SIG_IGN)
-        print(f"TEST TOOK SIGUSR1 at step {step}", flush=True)
+        print(f"TEST TOOK SIGUSR1 {'in the evaluation after' if in_evaluation else 'at'} step {step}", flush=True)
+    elif _taken and in_evaluation and at == "eval":
+        _since.append(step)
+        if len(_since) == 20:
+            print("TEST 20 EVALUATION MICRO-BATCHES SINCE", flush=True)
     return gpt_forward_step(state, data_iterator, model)

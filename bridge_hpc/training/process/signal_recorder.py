@@ -10,9 +10,9 @@ table, not the process's handler (sigaction). Seen on an H200, 2026-11-29: one-G
 path trained on through SIGUSR1 (Slurm's preemption notice) with the recorder still named as the handler,
 while the same job without the fast path's Triton kernels and compiled fusions stopped and saved. Which
 code took it was not found then. So the loop has the recorder check the process's handlers before every
-step (:meth:`StopSignalRecorder.rearm`: one ``sigaction`` query a signal), install Python's again where
-they were replaced, and say once which library held the signal; a signal is missed only if it lands
-between such a takeover and the next step.
+training step and every evaluation batch (:meth:`StopSignalRecorder.rearm`: one ``sigaction`` query a
+signal), install Python's again where they were replaced, and say once which library held the signal; a
+signal is missed only if it lands between such a takeover and the next check.
 """
 
 from __future__ import annotations
