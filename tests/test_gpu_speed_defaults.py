@@ -34,6 +34,7 @@ from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.fast_path import LINE_PREFIX
 from bridge_hpc.jobfile.jobconfig import dump_resolved, load_job_config
 from bridge_hpc.training.engine.metrics import read_metrics
+from bridge_hpc.training.process.signal_recorder import TAKEN_FROM_PYTHON
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -180,6 +181,6 @@ def test_sigusr1_long_after_the_first_compiles_stops_the_default_path(tmp_path):
             signal_tree(rank.pid, signal.SIGKILL)
             rank.wait()
     out = log.read_text()
-    print("\n".join(line for line in out.splitlines() if "taken from Python's handler" in line))
+    print("\n".join(line for line in out.splitlines() if TAKEN_FROM_PYTHON in line))
     assert rank.returncode == 0, out[-6000:]  # killed by the watchdog: it trained on through SIGUSR1
     assert "signal received" in out, out[-4000:]

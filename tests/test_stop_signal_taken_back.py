@@ -21,7 +21,7 @@ import time
 from bridge_test_helpers import ROOT, direct_rank_env, kill_tree, set_args, steps_done, tiny_checkpoints, tiny_job, tiny_run_dir
 
 from bridge_hpc.contracts import run_folder
-from bridge_hpc.training.process.signal_recorder import StopSignalRecorder, describe_handler, process_handler
+from bridge_hpc.training.process.signal_recorder import TAKEN_FROM_PYTHON, StopSignalRecorder, describe_handler, process_handler
 
 TAKING_FORWARD_STEP = ROOT / "tests" / "data" / "signal_taking_forward_step.py"
 SIG_IGN = 1  # <signal.h>'s ((sighandler_t) 1)
@@ -58,7 +58,7 @@ def test_rearm_takes_back_a_signal_that_c_code_took_and_says_so(capsys):
         _deliver(recorder, signal.SIGUSR1)
         assert recorder.received is None  # ignored by the process's handler: lost
         recorder.rearm()
-        assert "warning: SIGUSR1 was taken from Python's handler by SIG_IGN (ignored); taken back" in capsys.readouterr().err
+        assert f"warning: SIGUSR1 {TAKEN_FROM_PYTHON} SIG_IGN (ignored); taken back" in capsys.readouterr().err
         _deliver(recorder, signal.SIGUSR1)
         assert recorder.received == signal.SIGUSR1
         _take_behind_pythons_back(signal.SIGUSR1)
@@ -119,7 +119,7 @@ def _run_and_signal(tmp_path, take_at: str, ready, overrides=()) -> str:
             kill_tree(rank)
     out = log.read_text()
     assert rank.returncode == 0, out[-4000:]
-    assert out.count("warning: SIGUSR1 was taken from Python's handler by SIG_IGN (ignored); taken back") == 1, out[-4000:]
+    assert out.count(f"warning: SIGUSR1 {TAKEN_FROM_PYTHON} SIG_IGN (ignored); taken back") == 1, out[-4000:]
     stopped = re.search(r"exiting at iteration (\d+): signal received", out)
     assert stopped, out[-4000:]
     assert 0 < int(stopped[1]) < 100000

@@ -23,6 +23,9 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional
 
+#: The words of the rank's warning when C code had taken a stop signal (:meth:`StopSignalRecorder.rearm`).
+TAKEN_FROM_PYTHON = "was taken from Python's handler by"
+
 
 class StopSignalRecorder:
     """Records that a stop signal arrived; the loop acts on it between steps.
@@ -72,7 +75,7 @@ class StopSignalRecorder:
             signal.signal(sig, self._record)
             if sig not in self._reported:
                 self._reported.add(sig)
-                print(f"warning: {signal.Signals(sig).name} was taken from Python's handler by {describe_handler(current)}; "
+                print(f"warning: {signal.Signals(sig).name} {TAKEN_FROM_PYTHON} {describe_handler(current)}; "
                       "taken back (a stop signal in between would have been lost)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc) -> None:
@@ -85,12 +88,14 @@ class StopSignalRecorder:
         self._installed.clear()
 
 
+_getsig = ctypes.pythonapi.PyOS_getsig
+_getsig.restype, _getsig.argtypes = ctypes.c_void_p, [ctypes.c_int]
+
+
 def process_handler(signum: int) -> Optional[int]:
     """The address of the process's handler of ``signum`` (sigaction, through CPython's
     ``PyOS_getsig``): None for SIG_DFL, 1 for SIG_IGN."""
-    getsig = ctypes.pythonapi.PyOS_getsig
-    getsig.restype, getsig.argtypes = ctypes.c_void_p, [ctypes.c_int]
-    return getsig(signum)
+    return _getsig(signum)
 
 
 class _DlInfo(ctypes.Structure):
