@@ -56,6 +56,7 @@ BASES = [
     ("local-tiny", "configs/local-tiny.toml"),
     ("local-tiny-fault-tolerance", "configs/local-tiny-fault-tolerance.toml"),
     ("gpt-126m-h100", "configs/gpt-126m-h100.toml"),
+    ("gpt-8x4096-h100-fp8", "configs/gpt-8x4096-h100-fp8.toml"),
     ("tiny", "tests/data/tiny.toml"),
 ]
 

@@ -26,7 +26,11 @@ from bridge_hpc.jobfile.jobconfig import dump_resolved, load_job_config
 from bridge_hpc.training.engine import speed_defaults as S
 
 GPU = "slurm.gpus_per_node=1"
-ALL = tuple(c.dotted for c in S.CHOICES)
+KEYS = tuple(c.dotted for c in S.CHOICES)
+#: The layer implementation is a choice between two, taken where TE's layers are needed or measured
+#: faster; the tiny GPT is neither, so every other key is what a plain GPU job gets.
+LAYERS = S.TE_LAYERS.dotted
+ALL = tuple(k for k in KEYS if k != LAYERS)
 #: The value that turns each fast-path key off.
 OFF = {"model.bias_activation_fusion": "false", "model.bias_dropout_fusion": "false",
        "model.cross_entropy_loss_fusion": "false", "model.fused_kernels": "false", "model.cuda_graph_impl": '"none"',
@@ -49,6 +53,11 @@ def reasons(cfg) -> dict:
     return dict(cfg.training.fast_path.not_chosen)
 
 
+def others(cfg) -> dict:
+    """The reasons of the keys other than the layer implementation."""
+    return {k: v for k, v in reasons(cfg).items() if k != LAYERS}
+
+
 def value(cfg, dotted: str):
     section, key = dotted.split(".")
     return getattr(getattr(cfg.training, section), key)
@@ -60,12 +69,13 @@ def value(cfg, dotted: str):
 def test_a_gpu_job_gets_every_fast_setting_it_leaves_unset(job):
     cfg = load(job, GPU)
     record = cfg.training.fast_path
-    assert record.chosen == ALL and record.not_chosen == ()
+    measured = S.layers_measured_faster(cfg.training.model)
+    assert record.chosen == ALL and record.not_chosen == ((LAYERS, measured),)
     assert set(record.set_here) == set(ALL) - {"optimizer.fused_step"}  # on by its own default already
     m = cfg.training.model
     assert (m.bias_activation_fusion, m.bias_dropout_fusion, m.cross_entropy_loss_fusion, m.fused_kernels) == (True,) * 4
     assert m.cuda_graph_impl == "full_iteration" and cfg.training.checkpoint.async_save is True
-    assert record.line() == LINE_PREFIX + "chosen " + ", ".join(ALL) + "; not chosen: nothing"
+    assert record.line() == LINE_PREFIX + "chosen " + ", ".join(ALL) + f"; not chosen: {LAYERS} ({measured})"
     # resolved.toml holds the values themselves and the record
     assert cfg.raw["model"]["cuda_graph_impl"] == "full_iteration" and cfg.raw["checkpoint"]["async_save"] is True
     assert FastPath.from_toml(cfg.raw["job"]["fast_path"]) == record
@@ -78,7 +88,7 @@ def test_a_job_without_gpus_keeps_todays_config(job):
         assert choice.key not in plain.get(choice.section, {})
         assert value(cfg, choice.dotted) == S.field_default(type(getattr(cfg.training, choice.section)), choice.key)
     assert cfg.training.fast_path.set_here == ()
-    assert reasons(cfg) == {k: S.NO_GPUS for k in ALL if k != "optimizer.fused_step"}
+    assert reasons(cfg) == {k: S.NO_GPUS for k in KEYS if k != "optimizer.fused_step"}
     assert cfg.raw["model"].keys() == plain["model"].keys()
     # keys with the same reason share it in the line
     assert cfg.training.fast_path.line().count(S.NO_GPUS) == 1
@@ -88,7 +98,7 @@ def test_a_job_without_gpus_keeps_todays_config(job):
 def test_each_key_the_job_sets_turns_its_part_off_and_nothing_else(job, dotted):
     cfg = load(job, GPU, f"{dotted}={OFF[dotted]}")
     assert value(cfg, dotted) == toml.loads(f"v = {OFF[dotted]}")["v"]
-    assert reasons(cfg) == {dotted: f"{dotted} = {OFF[dotted]} in the job"}
+    assert others(cfg) == {dotted: f"{dotted} = {OFF[dotted]} in the job"}
     assert cfg.training.fast_path.chosen == tuple(k for k in ALL if k != dotted)
     assert dotted not in cfg.training.fast_path.set_here
 
@@ -116,14 +126,14 @@ def test_a_key_set_to_its_fast_value_is_the_jobs_own(job):
 ])
 def test_what_the_model_and_layout_do_not_allow_stays_off_with_the_reason(job, overrides, key, why):
     cfg = load(job, GPU, *overrides)
-    assert list(reasons(cfg)) == [key] and why in reasons(cfg)[key], reasons(cfg)
+    assert list(others(cfg)) == [key] and why in reasons(cfg)[key], reasons(cfg)
     assert value(cfg, key) == S.field_default(type(cfg.training.model), key.split(".")[1])
     assert key in cfg.training.fast_path.line()
 
 
 def test_swiglu_fuses_its_activation(job):
     cfg = load(job, GPU, 'model.activation_func="swiglu"', "model.add_bias_linear=false")
-    assert cfg.training.model.bias_activation_fusion is True and cfg.training.fast_path.not_chosen == ()
+    assert cfg.training.model.bias_activation_fusion is True and others(cfg) == {}
 
 
 def test_the_data_parallel_overlap_blocks_the_graph_only_where_it_turns_on(job):
@@ -141,7 +151,7 @@ def test_without_interval_saves_async_save_is_not_chosen(job):
     del doc["checkpoint"]["save_interval"]
     job.write_text(toml.dumps(doc))
     cfg = load(job, GPU)
-    assert reasons(cfg) == {"checkpoint.async_save": "no interval saves (checkpoint.save_interval is unset)"}
+    assert others(cfg) == {"checkpoint.async_save": "no interval saves (checkpoint.save_interval is unset)"}
     assert cfg.training.checkpoint.async_save is False
 
 
@@ -154,7 +164,7 @@ def test_fine_tuning_data_keeps_eager_steps(job, tmp_path):
     doc["train"]["eval_interval"] = 0
     job.write_text(toml.dumps(doc))
     cfg = load(job, GPU)
-    assert reasons(cfg) == {"model.cuda_graph_impl": S.FINETUNING_SHAPES}
+    assert others(cfg) == {"model.cuda_graph_impl": S.FINETUNING_SHAPES}
 
 
 def test_a_user_forward_step_gets_the_same_choices(job, tmp_path):
@@ -196,7 +206,7 @@ def test_a_value_changed_in_resolved_toml_is_the_jobs_own(job, tmp_path):
     resolved.write_text(toml.dumps(doc))
     cfg = load_job_config(resolved)
     assert cfg.training.model.fused_kernels is False
-    assert reasons(cfg) == {"model.fused_kernels": "model.fused_kernels = false in the job"}
+    assert others(cfg) == {"model.fused_kernels": "model.fused_kernels = false in the job"}
 
 
 def test_a_malformed_record_is_one_clear_error(job):
@@ -227,7 +237,7 @@ def test_a_rank_without_triton_runs_without_the_fused_kernels_only(job):
     cfg = load(job, GPU).training
     S.settle_on_rank(cfg, on_cuda=True, has_triton=False, world_size=1)
     assert cfg.model.fused_kernels is False and cfg.model.cuda_graph_impl == "full_iteration"
-    assert dict(cfg.fast_path.not_chosen) == {"model.fused_kernels": S.NO_TRITON}
+    assert {k: v for k, v in cfg.fast_path.not_chosen if k != LAYERS} == {"model.fused_kernels": S.NO_TRITON}
     explicit = load(job, GPU, "model.fused_kernels=true").training  # asked for: the rank's own check refuses it
     S.settle_on_rank(explicit, on_cuda=True, has_triton=False, world_size=1)
     assert explicit.model.fused_kernels is True
@@ -263,3 +273,47 @@ def test_a_gpu_job_trains_on_a_cpu_rank_as_before_and_says_so(job, one_rank, cap
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(LINE_PREFIX)]
     assert lines == [cfg.fast_path.line()] and S.NO_CUDA in lines[0]
     assert cfg.model.cuda_graph_impl == "none" and cfg.checkpoint.async_save is False
+
+
+# ------------------------------------------------------------------ the layer implementation
+
+
+@pytest.mark.parametrize("overrides, needs", [
+    (("mixed_precision.fp8=\"hybrid\"",), "mixed_precision.fp8"),
+    (("model.fp8=\"e4m3\"",), "model.fp8"),
+    (("model.sequence_parallel=true", "model.tensor_model_parallel_size=2", "slurm.ntasks_per_node=2"),
+     "model.sequence_parallel"),
+])
+def test_what_only_transformer_engine_runs_takes_its_layers(job, overrides, needs):
+    cfg = load(job, GPU, "model.bf16=true", "optimizer.bf16=true", *overrides)
+    m = cfg.training.model
+    assert m.transformer_impl == "transformer_engine" and S.needs_te_layers(cfg.training) == needs
+    assert LAYERS in cfg.training.fast_path.chosen and LAYERS in cfg.training.fast_path.set_here
+    assert m.fused_kernels is False and "stands in for Transformer Engine" in reasons(cfg)["model.fused_kernels"]
+    if "fp8" in needs:  # FP8 steps stay eager, said so
+        assert m.cuda_graph_impl == "none" and reasons(cfg)["model.cuda_graph_impl"] == S.FP8_GRAPH
+    # resolved.toml read back (as the ranks do) resolves to the same
+    resolved = job.parent / "resolved.toml"
+    resolved.write_text(dump_resolved(cfg))
+    assert load_job_config(resolved, cwd=job.parent).training.fast_path == cfg.training.fast_path
+
+
+def test_a_shape_where_te_measured_faster_takes_its_layers_and_a_rank_without_te_backs_off(job, monkeypatch):
+    monkeypatch.setattr(S, "MEASURED_TE_FASTER", {1024: False, 4096: True})
+    small = load(job, GPU).training
+    assert small.model.transformer_impl == "local" and "hidden size 1024" in dict(small.fast_path.not_chosen)[LAYERS]
+    big = load(job, GPU, "model.hidden_size=3072", "model.ffn_hidden_size=12288").training
+    assert big.model.transformer_impl == "transformer_engine" and big.model.fused_kernels is False
+    S.settle_on_rank(big, on_cuda=True, has_triton=True, world_size=1, has_te=False)
+    assert big.model.transformer_impl == "local" and dict(big.fast_path.not_chosen)[LAYERS] == S.NO_TE
+    fp8 = load(job, GPU, "model.bf16=true", "optimizer.bf16=true", "mixed_precision.fp8=\"hybrid\"").training
+    S.settle_on_rank(fp8, on_cuda=True, has_triton=True, world_size=1, has_te=False)
+    assert fp8.model.transformer_impl == "transformer_engine"  # needed: the rank's own check refuses FP8 instead
+
+
+def test_a_job_that_sets_the_layers_keeps_them(job):
+    with pytest.raises(ConfigError, match="model.sequence_parallel"):  # local asked for: SP is refused, not switched
+        load(job, GPU, 'model.transformer_impl="local"', "model.sequence_parallel=true",
+             "model.tensor_model_parallel_size=2", "slurm.ntasks_per_node=2")
+    te = load(job, GPU, 'model.transformer_impl="transformer_engine"').training
+    assert te.model.transformer_impl == "transformer_engine" and LAYERS not in te.fast_path.set_here

@@ -42,7 +42,7 @@ from bridge_hpc.training.config import (
     recipe_fields,
 )
 from bridge_hpc.training.datasets.config import GPTDatasetConfig, MockGPTDatasetConfig  # the torch-free ones
-from bridge_hpc.training.engine import speed_defaults
+from bridge_hpc.training.engine import low_precision, speed_defaults
 from bridge_hpc.training.hf import families as hf_families
 from bridge_hpc.training.hf import mapping as hf_mapping
 
@@ -189,6 +189,9 @@ class ClusterSection:
     # The site's own secret [env] names, on top of SECRET_ENV_NAMES (``*`` for any text): a literal
     # value for one is refused; it must be ``{ from_shell = "NAME" }``.
     secret_env_names: List[str] = field(default_factory=list)
+    # The nodes' GPU model ("H100", "H200", "B200" ...): FP8/FP4 recipes the card cannot run are refused
+    # at submission (bridge_hpc.training.engine.low_precision), not on the ranks after the queue.
+    gpu_model: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -739,6 +742,10 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         except ConfigError as err:
             raise (where.error(err.key, err.message) if err.key else err) from None
         resolved["job"][fast_path.TOML_KEY] = record.to_toml()
+        try:
+            low_precision.check_before_queue(container_cfg, slurm.gpus_per_node > 0, cluster.gpu_model)
+        except ConfigError as err:
+            raise where.error(err.key, err.message) from None
     if container_cfg is not None:  # the prior of save_interval = "auto": the cluster's, over this job's nodes
         container_cfg.checkpoint.node_mtbf_hours = cluster.node_mtbf_hours
         container_cfg.checkpoint.nodes = slurm.nodes

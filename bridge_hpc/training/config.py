@@ -35,6 +35,7 @@ from bridge_hpc.peft.base import PEFT
 from bridge_hpc.peft.config import check_peft, peft_from_section, peft_type
 from bridge_hpc.peft.lora import LoRA
 from bridge_hpc.training.comm_overlap import CommOverlapConfig
+from bridge_hpc.training.engine.low_precision import check_container as check_low_precision_container
 from bridge_hpc.training.mixed_precision import (
     MixedPrecisionConfig,
     get_mixed_precision_config,
@@ -612,6 +613,7 @@ class ConfigContainer:
                    f"must be <= model.vocab_size ({m.vocab_size})")
         _validate_mixed_precision_consistency(self)
         _validate_and_sync_distributed_optimizer_settings(self)
+        check_low_precision_container(self)
         _check(not m.full_iteration_cuda_graph or not self.ddp.overlap_param_gather, "model.cuda_graph_impl",
                "\"full_iteration\" cannot run with ddp.overlap_param_gather = true (its forward pre-hooks wait for "
                "all-gathers started outside the graph)")

@@ -7,13 +7,19 @@ A Bridge user's ``MixedPrecisionConfig`` (or a recipe name such as ``"bf16_mixed
 those settings by :meth:`MixedPrecisionConfig.setup`, Bridge's method: it writes every field that the
 target section has, which here is ``bf16``, ``fp16`` and ``grad_reduce_in_fp32``.
 
-What is accepted but can only have its default: FP8/FP4 (they need Transformer Engine's FP8 kernels,
-which this trainer does not build with), autocast, a pipeline dtype (pipeline size is 1), a
-``params_dtype`` other than the one ``bf16``/``fp16`` imply, fixed or tuned loss scaling (megatron-core's
-dynamic scaler runs with its defaults), and BF16 first/last layers. :meth:`finalize` names the first
-such field that is set, as a ConfigError, rather than training at a precision the user did not ask
-for. dtypes are written as strings (``"bfloat16"``, ``"float16"``, ``"float32"``) or torch dtypes, so
-this module imports without torch.
+FP8 and FP4 (``fp8``, ``fp8_recipe``, ``fp8_margin``, ``fp8_amax_*``, ``fp8_param``,
+``first_last_layers_bf16``, ``num_layers_at_start_in_bf16`` ...) are written into ``[model]``'s fields of
+the same names (:mod:`bridge_hpc.training.engine.low_precision`), ``fp8_param_gather`` into ``[ddp]``; they
+run on Transformer Engine's layers only, on a card that has the recipe (MXFP8 and NVFP4: Blackwell), and
+:meth:`MixedPrecisionConfig.setup` says so naming the ``mixed_precision`` key. Bridge's FP8 recipes
+(``bf16_with_fp8_delayed_scaling_mixed`` ...) are here with Bridge's values.
+
+What is accepted but can only have its default: autocast, a pipeline dtype other than the parameters',
+a ``params_dtype`` other than the one ``bf16``/``fp16`` imply, fixed or tuned loss scaling
+(megatron-core's dynamic scaler runs with its defaults) and FP4 weights. :meth:`finalize` names the
+first such field that is set, as a ConfigError, rather than training at a precision the user did not
+ask for. dtypes are written as strings (``"bfloat16"``, ``"float16"``, ``"float32"``) or torch dtypes,
+so this module imports without torch.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Union
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.training.engine.low_precision import check_values
 
 logger = logging.getLogger(__name__)
 
@@ -34,31 +41,27 @@ _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat
 
 #: Fields with no effect here, and the value each must keep (Bridge's default).
 _UNSUPPORTED_DEFAULTS: Dict[str, Any] = {
-    "pipeline_dtype": None, "autocast_dtype": None, "autocast_enabled": False,
-    "fp8": None, "fp8_param": None, "fp8_param_gather": False, "fp4": None, "fp4_param": None,
-    "fp4_param_gather": False, "first_last_layers_bf16": False, "num_layers_at_start_in_bf16": 0,
-    "num_layers_at_end_in_bf16": 0, "reuse_grad_buf_for_mxfp8_param_ag": False, "loss_scale": None,
-    "initial_loss_scale": 4294967296, "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2,
+    "autocast_dtype": None, "autocast_enabled": False, "fp4_param": None, "fp4_param_gather": False,
+    "loss_scale": None, "initial_loss_scale": 4294967296, "min_loss_scale": 1.0, "loss_scale_window": 1000,
+    "hysteresis": 2,
 }
+_LOSS_SCALER = "megatron-core's dynamic loss scaler runs with its defaults (fp16)"
 _WHY_UNSUPPORTED = {
-    "pipeline_dtype": "the pipeline-parallel size is 1 (nothing is sent between stages)",
     "autocast_dtype": "the model runs in its parameter dtype (no torch autocast)",
     "autocast_enabled": "the model runs in its parameter dtype (no torch autocast)",
-    "loss_scale": "megatron-core's dynamic loss scaler runs with its defaults (fp16)",
-    "initial_loss_scale": "megatron-core's dynamic loss scaler runs with its defaults (fp16)",
-    "min_loss_scale": "megatron-core's dynamic loss scaler runs with its defaults (fp16)",
-    "loss_scale_window": "megatron-core's dynamic loss scaler runs with its defaults (fp16)",
-    "hysteresis": "megatron-core's dynamic loss scaler runs with its defaults (fp16)",
+    "fp4_param": "FP4 weights are not supported for now (as in Bridge)",
+    "fp4_param_gather": "FP4 weights are not supported for now (as in Bridge)",
+    **{name: _LOSS_SCALER for name in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                                       "hysteresis")},
 }
 
 
-def _dtype_name(value: Any) -> Optional[str]:
+def _dtype_name(value: Any, key: str = "mixed_precision.params_dtype") -> Optional[str]:
     if value is None:
         return None
     name = _DTYPES.get(str(value))
     if name is None:
-        raise ConfigError(f"unknown dtype {value!r}; expected bfloat16, float16 or float32",
-                          key="mixed_precision.params_dtype")
+        raise ConfigError(f"unknown dtype {value!r}; expected bfloat16, float16 or float32", key=key)
     return name
 
 
@@ -99,31 +102,50 @@ class MixedPrecisionConfig:
     num_layers_at_end_in_bf16: int = 0
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Bridge's: fp8_param and fp8_param_gather are one setting under two names, kept equal.
+        object.__setattr__(self, name, value)
+        twin = {"fp8_param_gather": "fp8_param", "fp8_param": "fp8_param_gather"}.get(name)
+        if twin is not None and hasattr(self, twin) and getattr(self, twin) != value:
+            object.__setattr__(self, twin, value)
+
     def finalize(self) -> None:
         """Check that the settings are ones this toolkit can run; raises ConfigError naming the key."""
+        if self.fp8_param is None:
+            self.fp8_param = self.fp8_param_gather
         for name, default in _UNSUPPORTED_DEFAULTS.items():
             if getattr(self, name) != default:
-                why = _WHY_UNSUPPORTED.get(name, "FP8/FP4 need Transformer Engine's low-precision kernels, which "
-                                                 "this trainer does not use")
-                raise ConfigError(f"{getattr(self, name)!r} is not supported by bridge_hpc ({why}); leave it at "
-                                  f"{default!r}", key=f"mixed_precision.{name}")
+                raise ConfigError(f"{getattr(self, name)!r} is not supported by bridge_hpc ({_WHY_UNSUPPORTED[name]}); "
+                                  f"leave it at {default!r}", key=f"mixed_precision.{name}")
+        check_values(self, "mixed_precision")
+        if self.fp4 and self.fp8:
+            raise ConfigError("fp4 and fp8 cannot be used simultaneously: choose one", key="mixed_precision.fp4")
+        if self.fp8_param_gather and self.fp8_recipe == "mxfp8" and not self.reuse_grad_buf_for_mxfp8_param_ag:
+            raise ConfigError("must be true when fp8_param_gather = true and fp8_recipe = \"mxfp8\" (as in Bridge)",
+                              key="mixed_precision.reuse_grad_buf_for_mxfp8_param_ag")
         if sum((self.fp32, self.fp16, self.bf16)) > 1:
             raise ConfigError("fp32, fp16 and bf16 are exclusive", key="mixed_precision.bf16")
         implied = "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
-        given = _dtype_name(self.params_dtype)
-        if given is not None and given != implied:
-            raise ConfigError(f"{self.params_dtype!r} disagrees with bf16={self.bf16}, fp16={self.fp16} (which "
-                              f"mean {implied}); parameters are kept in the dtype those select",
-                              key="mixed_precision.params_dtype")
+        for name in ("params_dtype", "pipeline_dtype"):
+            given = _dtype_name(getattr(self, name), f"mixed_precision.{name}")
+            if given is not None and given != implied:
+                raise ConfigError(f"{getattr(self, name)!r} disagrees with bf16={self.bf16}, fp16={self.fp16} (which "
+                                  f"mean {implied}); parameters are kept, and sent between pipeline stages, in the "
+                                  "dtype those select", key=f"mixed_precision.{name}")
 
     def setup(self, model_config: Any, optimizer_config: Optional[Any] = None, ddp_config: Optional[Any] = None) -> None:
         """Write the precision into the model, optimizer and DDP sections (Bridge's method): every
-        field of this config that the section also has. Here that is ``bf16`` and ``fp16`` (model,
-        optimizer) and ``grad_reduce_in_fp32`` (ddp). Finalizes first."""
+        field of this config that the section also has: ``bf16``, ``fp16`` and the FP8/FP4 fields
+        (model), ``bf16``, ``fp16``, ``fp8_recipe`` (optimizer), ``grad_reduce_in_fp32`` and
+        ``fp8_param_gather`` (ddp). Finalizes first; then checks the FP8/FP4 settings against the
+        model's layers, naming the ``mixed_precision`` key."""
         self.finalize()
         for section in (model_config, optimizer_config, ddp_config):
             if section is not None:
                 update_config_with_precision_overrides(self, section)
+        check = getattr(model_config, "check_low_precision", None)
+        if check is not None:
+            check("mixed_precision")
 
 
 def update_config_with_precision_overrides(mixed_precision_config: MixedPrecisionConfig, config: Any) -> Any:
@@ -142,18 +164,91 @@ def update_config_with_precision_overrides(mixed_precision_config: MixedPrecisio
 
 def bf16_mixed() -> MixedPrecisionConfig:
     """BF16 parameters and activations, fp32 main parameters and gradient reduction (Bridge's recipe)."""
-    return MixedPrecisionConfig(bf16=True, params_dtype="bfloat16", grad_reduce_in_fp32=True)
+    return MixedPrecisionConfig(bf16=True, params_dtype="bfloat16", pipeline_dtype="bfloat16",
+                                autocast_enabled=False, grad_reduce_in_fp32=True)
 
 
 def fp16_mixed() -> MixedPrecisionConfig:
     """FP16 with dynamic loss scaling, gradients reduced in fp16 (Bridge's recipe)."""
-    return MixedPrecisionConfig(fp16=True, params_dtype="float16", grad_reduce_in_fp32=False)
+    return MixedPrecisionConfig(fp16=True, params_dtype="float16", pipeline_dtype="float16",
+                                autocast_enabled=False, grad_reduce_in_fp32=False)
 
 
-#: Recipe name -> factory. Bridge's FP8/FP4 recipes are not here (see the module docstring); both the
-#: underscore and the hyphen spelling are accepted, as in Bridge.
-MIXED_PRECISION_RECIPES: Dict[str, Callable[[], MixedPrecisionConfig]] = {"bf16_mixed": bf16_mixed,
-                                                                          "fp16_mixed": fp16_mixed}
+def _with_fp8(base: Callable[[], MixedPrecisionConfig], **fields: Any) -> MixedPrecisionConfig:
+    cfg = base()
+    for name, value in fields.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
+#: Bridge's FP8 recipes: (delayed scaling, current per-tensor scaling, MXFP8, 128x128 blocks), each on BF16 or FP16.
+_DELAYED = dict(fp8="hybrid", fp8_recipe="delayed", fp8_margin=0, fp8_amax_history_len=1024,
+                fp8_amax_compute_algo="max", fp8_param_gather=True)
+_CURRENT = dict(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+                num_layers_at_end_in_bf16=1, fp8_param_gather=True)
+_MXFP8 = dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)
+_SUBCHANNEL = dict(fp8="hybrid", fp8_recipe="blockwise", fp8_param_gather=False)
+
+
+def bf16_with_fp8_delayed_scaling_mixed() -> MixedPrecisionConfig:
+    """BF16 with FP8, delayed scaling from a 1024-step amax history (Bridge's recipe)."""
+    return _with_fp8(bf16_mixed, **_DELAYED)
+
+
+def fp16_with_fp8_delayed_scaling_mixed() -> MixedPrecisionConfig:
+    """FP16 with FP8, delayed scaling (Bridge's recipe)."""
+    return _with_fp8(fp16_mixed, **_DELAYED)
+
+
+def bf16_with_mxfp8_mixed() -> MixedPrecisionConfig:
+    """BF16 with MXFP8, Blackwell only (Bridge's recipe)."""
+    return _with_fp8(bf16_mixed, **_MXFP8)
+
+
+def fp16_with_mxfp8_mixed() -> MixedPrecisionConfig:
+    """FP16 with MXFP8, Blackwell only (Bridge's recipe)."""
+    return _with_fp8(fp16_mixed, **_MXFP8)
+
+
+def bf16_with_fp8_current_scaling_mixed() -> MixedPrecisionConfig:
+    """BF16 with FP8 per-tensor current scaling, first and last layer in BF16 (Bridge's recipe)."""
+    return _with_fp8(bf16_mixed, **_CURRENT)
+
+
+def nemotron_h_bf16_with_fp8_current_scaling_mixed() -> MixedPrecisionConfig:
+    """BF16 with FP8 current scaling, two layers at each end in BF16 (Bridge's recipe)."""
+    return _with_fp8(bf16_mixed, **dict(_CURRENT, num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=2))
+
+
+def nanov2_bf16_with_fp8_current_scaling_mixed() -> MixedPrecisionConfig:
+    """BF16 with FP8 blockwise scaling, two layers at each end in BF16 (Bridge's recipe, named so there)."""
+    return _with_fp8(bf16_mixed, **dict(_CURRENT, fp8_recipe="blockwise", num_layers_at_start_in_bf16=2,
+                                        num_layers_at_end_in_bf16=2))
+
+
+def fp16_with_fp8_current_scaling_mixed() -> MixedPrecisionConfig:
+    """FP16 with FP8 per-tensor current scaling (Bridge's recipe)."""
+    return _with_fp8(fp16_mixed, **_CURRENT)
+
+
+def bf16_with_fp8_subchannel_scaling_mixed() -> MixedPrecisionConfig:
+    """BF16 with FP8 in 128x128 weight and 1x128 activation blocks (Bridge's recipe)."""
+    return _with_fp8(bf16_mixed, **_SUBCHANNEL)
+
+
+def fp16_with_fp8_subchannel_scaling_mixed() -> MixedPrecisionConfig:
+    """FP16 with FP8 in 128x128 weight and 1x128 activation blocks (Bridge's recipe)."""
+    return _with_fp8(fp16_mixed, **_SUBCHANNEL)
+
+
+#: Recipe name -> factory, Bridge's set; both the underscore and the hyphen spelling are accepted, as in Bridge.
+MIXED_PRECISION_RECIPES: Dict[str, Callable[[], MixedPrecisionConfig]] = {}
+for _factory in (bf16_mixed, fp16_mixed, bf16_with_fp8_delayed_scaling_mixed, fp16_with_fp8_delayed_scaling_mixed,
+                 bf16_with_mxfp8_mixed, fp16_with_mxfp8_mixed, bf16_with_fp8_current_scaling_mixed,
+                 nemotron_h_bf16_with_fp8_current_scaling_mixed, nanov2_bf16_with_fp8_current_scaling_mixed,
+                 fp16_with_fp8_current_scaling_mixed, bf16_with_fp8_subchannel_scaling_mixed,
+                 fp16_with_fp8_subchannel_scaling_mixed):
+    MIXED_PRECISION_RECIPES[_factory.__name__] = MIXED_PRECISION_RECIPES[_factory.__name__.replace("_", "-")] = _factory
 
 
 def get_mixed_precision_config(name: Union[str, MixedPrecisionConfig]) -> MixedPrecisionConfig:
@@ -163,9 +258,8 @@ def get_mixed_precision_config(name: Union[str, MixedPrecisionConfig]) -> MixedP
         return name
     key = name.replace("-", "_")
     if key not in MIXED_PRECISION_RECIPES:
-        raise ConfigError(f"unknown mixed-precision recipe {name!r}; bridge_hpc has {', '.join(MIXED_PRECISION_RECIPES)}"
-                          " (Bridge's FP8/FP4 recipes need Transformer Engine's low-precision kernels)",
-                          key="mixed_precision")
+        known = ", ".join(n for n in MIXED_PRECISION_RECIPES if "-" not in n)
+        raise ConfigError(f"unknown mixed-precision recipe {name!r}; expected one of {known}", key="mixed_precision")
     return MIXED_PRECISION_RECIPES[key]()
 
 

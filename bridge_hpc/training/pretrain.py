@@ -38,7 +38,7 @@ from bridge_hpc.training.config import (
     runtime_config_update,
 )
 from bridge_hpc.training.datasets.builders import SampleIterator, build_data_iterator, build_datasets
-from bridge_hpc.training.engine import collectives, cuda_graphs, fused_kernels, parallel
+from bridge_hpc.training.engine import collectives, cuda_graphs, fused_kernels, low_precision, parallel
 from bridge_hpc.training.engine.grad_reduce_rider import GradReduceRider
 from bridge_hpc.training.engine.metrics import RunStart
 from bridge_hpc.training.engine.model import gpt_model_provider
@@ -165,13 +165,17 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
     cfg.finalize_sections()
     # The fast path's choices that only a rank can check (a CPU rank turns them back off and trains as
     # before); rank 0 logs what runs and what does not, and why (bridge_hpc.training.engine.speed_defaults).
+    has_te = importlib.util.find_spec("transformer_engine") is not None
     fast_path = settle_on_rank(cfg, torch.cuda.is_available(), importlib.util.find_spec("triton") is not None,
-                               state.world_size)
+                               state.world_size, has_te=has_te)
     if fast_path is not None:
         logger.info(fast_path)
     parallel.check_supported(cfg)
     state.tokenizer = build_tokenizer_for(cfg)
     runtime_config_update(cfg)
+    low_precision.check_on_rank(cfg, torch.cuda.is_available(), has_te,
+                                *((torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+                                  if torch.cuda.is_available() else ()))
     cuda_graphs.check_config(cfg, torch.cuda.is_available())  # before minutes of model building
     fused_kernels.check_config(cfg, torch.cuda.is_available())
     configure_other_loggers(cfg.logger)

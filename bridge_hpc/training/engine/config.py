@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import DeferredPostInit, build_dataclass, check_left_at_default, did_you_mean
 from bridge_hpc.contracts.schema import check as _check
+from bridge_hpc.training.engine.low_precision import LowPrecisionFields
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +167,6 @@ class OptimizerConfig(DeferredPostInit):
                                        "muon_extra_scale_factor")},
             **{name: offload for name in ("optimizer_cpu_offload", "optimizer_offload_fraction",
                                           "use_torch_optimizer_for_cpu_offload", "overlap_cpu_optimizer_d2h_h2d")},
-            "reuse_grad_buf_for_mxfp8_param_ag": "MXFP8 needs Transformer Engine's FP8 kernels, which bridge_hpc "
-                                                 "does not build with",
             "timers": "bridge_hpc times whole steps; it hands megatron-core no timers",
             "config_logger_dir": "megatron-core's config logger is not wired in bridge_hpc",
         })
@@ -379,7 +378,7 @@ FUSED_NORM_MAX_WIDTH = 16384
 
 
 @dataclass
-class GPTModelConfig:
+class GPTModelConfig(LowPrecisionFields):
     """A GPT built from megatron-core's ``GPTModel``; names follow megatron-core's TransformerConfig.
 
     Model parallelism (GPUs only; :mod:`bridge_hpc.training.engine.parallel`): ``tensor_model_parallel_size``
@@ -533,6 +532,7 @@ class GPTModelConfig:
             _check(self.transformer_impl == "transformer_engine", "model.context_parallel_size",
                    "needs model.transformer_impl = \"transformer_engine\": context-parallel attention is "
                    "Transformer Engine's (the local attention sees the whole sequence)")
+        self.check_low_precision()
 
     @property
     def full_iteration_cuda_graph(self) -> bool:
@@ -755,13 +755,11 @@ class DistributedDataParallelConfig(DeferredPostInit):
 
     def finalize(self) -> None:
         fsdp = "bridge_hpc shards with megatron-core's distributed optimizer (ddp.use_distributed_optimizer), not FSDP"
-        fp8 = "FP8/MXFP8 need Transformer Engine's low-precision kernels, which bridge_hpc does not build with"
         check_left_at_default(self, "ddp", {
             **{name: fsdp for name in ("use_megatron_fsdp", "use_custom_fsdp", "data_parallel_sharding_strategy",
                                        "suggested_communication_unit_size", "preserve_fp32_weights",
                                        "fsdp_double_buffer", "outer_dp_sharding_strategy",
                                        "fsdp_manual_registration", "nccl_ub", "disable_symmetric_registration")},
-            **{name: fp8 for name in ("fp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "keep_fp8_transpose_cache")},
             "num_distributed_optimizer_instances": "one distributed-optimizer instance spans the data-parallel group "
                                                    "(megatron-core's partial distributed optimizer is not set up)",
             "delay_wgrad_compute": "needs Transformer Engine's split weight-gradient kernels",

@@ -114,6 +114,10 @@ def _layer_spec(cfg: GPTModelConfig):
             raise ConfigError(f"needs Transformer Engine on the ranks' GPUs (pip install '.[gpu]'); this rank has "
                               f"{'no CUDA' if not torch.cuda.is_available() else 'no transformer_engine package'}",
                               key=key)
+    if cfg.low_precision:  # (pretrain's check names the key a job set; a model built directly lands here)
+        raise ConfigError(f"{cfg.low_precision.upper()} needs Transformer Engine's layers on a GPU; this rank has "
+                          f"{'no CUDA' if not torch.cuda.is_available() else 'no transformer_engine package'}",
+                          key=f"model.{cfg.low_precision}")
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm))
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec

@@ -33,6 +33,7 @@ from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.fast_path import FastPath
 from bridge_hpc.contracts.schema import field_default
 from bridge_hpc.training.config import ConfigContainer, FinetuningDatasetConfig
+from bridge_hpc.training.engine import low_precision
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class Choice:
         return f"{self.section}.{self.key}"
 
 
+#: Transformer Engine's layers: taken where the job needs them (FP8/FP4, sequence or context
+#: parallelism) and where they measured faster than the local layers with the toolkit's fused kernels
+#: (:func:`layers_measured_faster`); first, because the fused kernels are for the local layers only.
+TE_LAYERS = Choice("model", "transformer_impl", low_precision.TE)
 FUSIONS = (Choice("model", "bias_activation_fusion", True), Choice("model", "bias_dropout_fusion", True),
            Choice("model", "cross_entropy_loss_fusion", True))
 FUSED_KERNELS = Choice("model", "fused_kernels", True)
@@ -56,12 +61,44 @@ FUSED_STEP = Choice("optimizer", "fused_step", True)
 ASYNC_SAVE = Choice("checkpoint", "async_save", True)
 #: Every fast-path key, in the order the log line names them. ``optimizer.fused_step`` is on by its
 #: own default already; it is listed so that the line and the record say when a job turned it off.
-CHOICES = FUSIONS + (FUSED_KERNELS, CUDA_GRAPH, FUSED_STEP, ASYNC_SAVE)
+CHOICES = (TE_LAYERS,) + FUSIONS + (FUSED_KERNELS, CUDA_GRAPH, FUSED_STEP, ASYNC_SAVE)
 _BY_KEY = {c.dotted: c for c in CHOICES}
 
 NO_GPUS = "the job asks for no GPUs ([slurm] gpus_per_node = 0)"
 NO_CUDA = "this rank has no CUDA"
 NO_TRITON = "this rank's torch has no triton"
+NO_TE = "this rank has no transformer_engine package"
+FP8_GRAPH = ("FP8 steps are not captured: Transformer Engine's FP8 scaling state needs TE's own graph capture "
+             "(te.make_graphed_callables), which the whole-step graph does not use")
+
+#: Hidden sizes at which benchmarks/te.py measured Transformer Engine's layers (bf16, whole-step graph)
+#: against the local layers with the fused kernels, one H200 (benchmarks/README.md): the hidden size of
+#: a shape -> whether TE's were faster. A model takes the answer of the nearest measured hidden size.
+MEASURED_TE_FASTER = {1024: False}
+
+
+def layers_measured_faster(model: Any) -> Optional[str]:
+    """None where Transformer Engine's layers measured faster at the model's shape, else why not."""
+    nearest = min(MEASURED_TE_FASTER, key=lambda h: (abs(h - model.hidden_size), h))
+    if MEASURED_TE_FASTER[nearest]:
+        return None
+    return (f"the local layers with the fused kernels measured at least as fast at hidden size {nearest} "
+            "(benchmarks/te.py)")
+
+
+def needs_te_layers(cfg: ConfigContainer) -> Optional[str]:
+    """The key of what only Transformer Engine's layers run (FP8/FP4, sequence or context parallelism),
+    or None; ``[mixed_precision]`` counts as the ranks will apply it."""
+    m, mp = cfg.model, cfg.mixed_precision
+    if mp is not None and not isinstance(mp, str):
+        for name in ("fp8", "fp4"):
+            if getattr(mp, name):
+                return f"mixed_precision.{name}"
+    for name, on in (("fp8", m.fp8), ("fp4", m.fp4), ("sequence_parallel", m.sequence_parallel),
+                     ("context_parallel_size", m.context_parallel_size > 1)):
+        if on:
+            return f"model.{name}"
+    return None
 FINETUNING_SHAPES = ("fine-tuning batches are padded to their longest sample, so their shape changes from step to "
                      "step and a replay cannot follow")
 
@@ -97,6 +134,11 @@ def param_gather_overlapped(cfg: ConfigContainer, world_size: int) -> bool:
 def refusal(choice: Choice, cfg: ConfigContainer, world_size: int) -> Optional[str]:
     """Why ``choice``'s fast value cannot run with ``cfg`` in a world of ``world_size`` ranks, or None."""
     why = _finalize_refuses(_section(cfg, choice.section), choice.key, choice.fast)
+    if choice == TE_LAYERS and why is None:
+        return None if needs_te_layers(cfg) else layers_measured_faster(cfg.model)
+    if why is None and choice == CUDA_GRAPH and (cfg.model.low_precision or needs_te_layers(cfg) in
+                                                  ("mixed_precision.fp8", "mixed_precision.fp4")):
+        return FP8_GRAPH
     if why is not None or choice != CUDA_GRAPH:
         if choice == ASYNC_SAVE and why is None and cfg.checkpoint.save_interval is None:
             return "no interval saves (checkpoint.save_interval is unset)"
@@ -133,8 +175,11 @@ def resolve(sections: Dict[str, Any], previous: Dict[str, Any], gpus: bool, worl
         body = sections.get(choice.section) if choice else None
         if isinstance(body, dict) and choice.key in body and body[choice.key] == choice.fast:
             del body[choice.key]  # set by an earlier resolution, not by the job: resolved again
-    cfg = ConfigContainer.from_sections(sections, source=source)
     set_here, reasons = [], {}
+    if gpus and _takes_te_layers(sections, source):
+        sections.setdefault("model", {})[TE_LAYERS.key] = TE_LAYERS.fast
+        set_here.append(TE_LAYERS.dotted)
+    cfg = ConfigContainer.from_sections(sections, source=source)
     for choice in CHOICES if gpus else ():
         body = sections.get(choice.section)
         if isinstance(body, dict) and choice.key in body or getattr(_section(cfg, choice.section), choice.key) == choice.fast:
@@ -142,6 +187,7 @@ def resolve(sections: Dict[str, Any], previous: Dict[str, Any], gpus: bool, worl
         why = refusal(choice, cfg, world_size)
         if why is None:
             sections.setdefault(choice.section, {})[choice.key] = choice.fast
+            setattr(_section(cfg, choice.section), choice.key, choice.fast)  # later choices see it
             set_here.append(choice.dotted)
         else:
             reasons[choice.dotted] = why
@@ -149,6 +195,21 @@ def resolve(sections: Dict[str, Any], previous: Dict[str, Any], gpus: bool, worl
         cfg = ConfigContainer.from_sections(sections, source=source)
     cfg.fast_path = _record(cfg, sections, gpus, tuple(set_here), reasons)
     return sections, cfg, cfg.fast_path
+
+
+def _takes_te_layers(sections: Dict[str, Any], source: str) -> bool:
+    """Whether a job that leaves ``model.transformer_impl`` unset asks for what only Transformer Engine's
+    layers run. Asked of the sections with TE's layers in place, since with the local ones the model's
+    own checks refuse those keys; a config that is wrong either way is left to the plain build."""
+    model = sections.get("model", {})
+    if not isinstance(model, dict) or TE_LAYERS.key in model:
+        return False
+    try:
+        probe = ConfigContainer.from_sections(dict(sections, model=dict(model, **{TE_LAYERS.key: TE_LAYERS.fast})),
+                                              source=source)
+    except ConfigError:
+        return False
+    return needs_te_layers(probe) is not None
 
 
 def _record(cfg: ConfigContainer, sections: Dict[str, Any], gpus: bool, set_here: Tuple[str, ...],
@@ -168,13 +229,15 @@ def _record(cfg: ConfigContainer, sections: Dict[str, Any], gpus: bool, set_here
     return FastPath(gpus, tuple(chosen), set_here, tuple(not_chosen))
 
 
-def settle_on_rank(cfg: ConfigContainer, on_cuda: bool, has_triton: bool, world_size: int) -> Optional[str]:
+def settle_on_rank(cfg: ConfigContainer, on_cuda: bool, has_triton: bool, world_size: int,
+                   has_te: bool = True) -> Optional[str]:
     """On a rank, before the model is built: turn back off each key the resolution set that this rank
     cannot run (to the field's default, what the job would have had without the fast path), update
     ``cfg.fast_path`` and return the line rank 0 logs; None for a config that was not resolved from a
     job file (built in Python: it keeps the values it was given).
 
     ``on_cuda``: the rank has a CUDA device; ``has_triton``: the triton package is importable;
+    ``has_te``: the transformer_engine package is;
     ``world_size``: the world the rank is in (a job file run under torchrun may differ from its
     ``[slurm]`` request, and ``[comm_overlap]``'s overlaps depend on it)."""
     record = cfg.fast_path
@@ -187,6 +250,8 @@ def settle_on_rank(cfg: ConfigContainer, on_cuda: bool, has_triton: bool, world_
             back_off[dotted] = NO_CUDA
         elif choice == FUSED_KERNELS and not has_triton:
             back_off[dotted] = NO_TRITON
+        elif choice == TE_LAYERS and not has_te and needs_te_layers(cfg) is None:
+            back_off[dotted] = NO_TE  # (what needs TE fails at the model build, naming its key)
         elif choice == CUDA_GRAPH and param_gather_overlapped(cfg, world_size):
             back_off[dotted] = refusal(choice, cfg, world_size)
     for dotted in back_off:
