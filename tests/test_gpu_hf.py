@@ -7,13 +7,16 @@ tests cannot see this. Here, for every family:
 
 * ``bridge-hf import`` then ``bridge-hf export`` through the command line, CUDA visible: exit 0, and the
   exported tensors are the original ones bit for bit (so transformers gives the same logits);
-* the toolkit's GPT built on the GPU from the folder gives transformers' logits (fp32, TP1).
+* the toolkit's GPT built on the GPU from the folder gives transformers' logits (fp32, TP1), on the local
+  layers and on Transformer Engine's (where the package is).
 
 Run: ``python -m pytest -q tests/test_gpu_hf.py`` (about a minute on an H100).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -61,8 +64,13 @@ def gpu_world():
     yield from single_rank_world("nccl")
 
 
+LAYERS = ["local", pytest.param("transformer_engine", marks=pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"))]
+
+
+@pytest.mark.parametrize("layers", LAYERS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_gpt_built_on_the_gpu_gives_transformers_logits(tmp_path, gpu_world, family):
+def test_the_gpt_built_on_the_gpu_gives_transformers_logits(tmp_path, gpu_world, family, layers):
     from bridge_hpc.models.hf.convert import TOOL_SEED
     from bridge_hpc.training.engine.model import gpt_model_provider
     from bridge_hpc.training.hf import load
@@ -71,7 +79,9 @@ def test_the_gpt_built_on_the_gpu_gives_transformers_logits(tmp_path, gpu_world,
     folder = str(tmp_path / family)
     make_hf_model(family, folder)
     set_random_seed(TOOL_SEED)  # as a rank and the tools do: the GPU layers' init reads the CUDA RNG tracker
-    model = gpt_model_provider(model_config(folder)).eval()
+    model = gpt_model_provider(dataclasses.replace(model_config(folder), transformer_impl=layers)).eval()
+    assert (type(model.decoder.layers[0].self_attention.linear_qkv).__name__ == "TELayerNormColumnParallelLinear") \
+        == (layers == "transformer_engine")
     assert next(model.parameters()).is_cuda
     load.load_hf_weights(folder, [model])
     b = {k: v.cuda() for k, v in batch().items()}

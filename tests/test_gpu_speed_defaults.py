@@ -27,12 +27,15 @@ import time
 from typing import List
 
 import pytest
+import toml
 import torch
-from bridge_test_helpers import direct_rank_env, run_one_gpu_rank, set_args, signal_tree, tiny_job, tiny_run_dir
+from bridge_test_helpers import TINY, direct_rank_env, run_one_gpu_rank, set_args, signal_tree, tiny_job, tiny_run_dir
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.fast_path import LINE_PREFIX
 from bridge_hpc.jobfile.jobconfig import dump_resolved, load_job_config
+from bridge_hpc.training.config import GPTModelConfig
+from bridge_hpc.training.engine import speed_defaults
 from bridge_hpc.training.engine.metrics import read_metrics
 from bridge_hpc.training.process.signal_recorder import TAKEN_FROM_PYTHON
 
@@ -43,9 +46,11 @@ GPU = ("slurm.gpus_per_node=1",) + BF16
 PLAIN = ("slurm.gpus_per_node=0",) + BF16
 CAPTURED = "full-iteration CUDA graph captured after 3 eager steps"
 FELL_BACK = "the step cannot be captured as a CUDA graph"
+#: The tiny GPT's layers stay local: TE's were not measured faster at its size (speed_defaults).
 EVERYTHING = ("chosen model.bias_activation_fusion, model.bias_dropout_fusion, model.cross_entropy_loss_fusion, "
               "model.fused_kernels, model.cuda_graph_impl, optimizer.fused_step, checkpoint.async_save; "
-              "not chosen: nothing")
+              f"not chosen: model.transformer_impl "
+              f"({speed_defaults.layers_measured_faster(GPTModelConfig(**toml.load(TINY)['model']))})")
 #: bf16 keeps 8 bits of mantissa; fused and unfused kernels round differently, and 40 steps of
 #: training carry the differences on (the model-parallel benchmarks use the same bound).
 BF16_RTOL = 2e-2

@@ -3,6 +3,7 @@ exit status 2, no traceback, nothing written under OUT; and a good import from t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import sys
 import time
 
 import pytest
+import torch
 from bridge_test_helpers import MINIMAL_TRAINING_TOML
 from hf_models import make_hf_model
 
@@ -126,6 +128,22 @@ def test_bad_import_input_is_one_line_and_exit_2_with_nothing_written(good, tmp_
     assert len(lines) == 1 and words in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert set(os.listdir(tmp_path)) == before  # no OUT, no temporary folder, no pwned
+
+
+@pytest.mark.parametrize("value, words", [
+    ("transformer_engine", "key '--transformer-impl': needs a GPU with Transformer Engine"),
+    ("$(touch pwned)", "invalid choice"),
+    ("local\ntransformer_engine", "invalid choice"),
+])
+def test_import_into_layers_this_machine_cannot_build_is_one_line_and_exit_2(good, tmp_path, value, words):
+    if value == "transformer_engine" and importlib.util.find_spec("transformer_engine") and torch.cuda.is_available():
+        pytest.skip("this machine has Transformer Engine on a GPU (tests/test_gpu_te.py imports into its layers)")
+    before = set(os.listdir(tmp_path))
+    proc = subprocess.run(HF + ["import", str(good), str(tmp_path / "out"), "--transformer-impl", value], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert words in proc.stderr and len([x for x in proc.stderr.splitlines() if "error:" in x]) == 1, proc.stderr
+    assert set(os.listdir(tmp_path)) == before
 
 
 def test_export_refuses_what_is_no_checkpoint_and_an_existing_out(good, tmp_path):

@@ -1,7 +1,8 @@
 """``bridge-hf``: Hugging Face checkpoints in and out.
 
-- ``bridge-hf import HF_DIR OUT``: a Hugging Face folder (``config.json``, ``*.safetensors``) as a toolkit
-  checkpoint folder, for ``checkpoint.pretrained_checkpoint`` (converted once instead of at every start);
+- ``bridge-hf import HF_DIR OUT [--transformer-impl local|transformer_engine]``: a Hugging Face folder
+  (``config.json``, ``*.safetensors``) as a toolkit checkpoint folder, for ``checkpoint.pretrained_checkpoint``
+  (converted once instead of at every start), built on the local layers or Transformer Engine's;
 - ``bridge-hf export CHECKPOINT_DIR OUT_DIR``: a run's ``checkpoints/`` folder (its newest complete
   checkpoint) or one ``iter_NNNNNNN``, saved at any TP/PP layout, as a Hugging Face folder that
   ``transformers.AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer`` load.
@@ -39,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     imp = sub.add_parser("import", help="a Hugging Face folder -> a toolkit checkpoint folder")
     imp.add_argument("hf_dir", metavar="HF_DIR")
     imp.add_argument("out", metavar="OUT")
+    imp.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
+                     help="the layers the checkpoint is written from (default: local); transformer_engine needs a "
+                          "GPU with Transformer Engine. Either loads into either (model.transformer_impl)")
     exp = sub.add_parser("export", help="a toolkit checkpoint -> a Hugging Face folder")
     exp.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     exp.add_argument("out", metavar="OUT_DIR")
@@ -93,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
         mapping.checked_model_config(args.hf_dir)  # before torch: a bad folder is refused at once
         from bridge_hpc.models.hf.convert import import_folder
 
-        summary = import_folder(args.hf_dir, args.out, _progress)
+        summary = import_folder(args.hf_dir, args.out, _progress, transformer_impl=args.transformer_impl)
     else:
         _check_paths(args.checkpoint, out=args.out)
         from bridge_hpc.models.hf.export import export

@@ -60,20 +60,29 @@ class DoRALinear(AdapterWrapper):
         super().__init__(to_wrap, adapter)
         adapter.init_weight_magnitude(row_norms(to_wrap.weight, adapter).to(to_wrap.weight.dtype),
                                       bool(to_wrap.config.sequence_parallel))
+        self.normalizes_input = hasattr(to_wrap, "return_layernorm_output")
+        if self.normalizes_input:
+            # Transformer Engine's layer-norm linear: the adapter (and the dropout correction) take the
+            # normalized input that the base multiplied
+            to_wrap.return_layernorm_output = True
+            to_wrap.return_layernorm_output_gathered = bool(to_wrap.config.sequence_parallel)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        output, bias = self.to_wrap(x, *args, **kwargs)
+        output, bias, adapter_x = self.base_linear_forward(x, *args, **kwargs)
         inner_bias = self.base_bias_in_output()
         if inner_bias is not None:  # the bias is not part of W: it is not rescaled
             output = output - inner_bias
         scale = (self.adapter.weight_magnitude / row_norms(self.to_wrap.weight, self.adapter).to(output.dtype))
         scale = scale.view(*([1] * (output.dim() - 1)), -1)
-        result = scale * (output + self.adapter(x))
+        result = scale * (output + self.adapter(adapter_x.contiguous()).reshape(output.shape))
         if self.training and self.adapter.dropout is not None:
             # Bridge's correction: the base's share of the output sees the dropped-out input as well.
-            dropped = self.to_wrap(self.adapter.dropout(x) - x, *args, **kwargs)[0]
-            if inner_bias is not None:
-                dropped = dropped - inner_bias
+            if self.normalizes_input:  # W (dropout(n) - n) of the normalized input, the bias left out
+                dropped = torch.nn.functional.linear(self.adapter.dropout(adapter_x) - adapter_x, self.to_wrap.weight)
+            else:
+                dropped = self.to_wrap(self.adapter.dropout(x) - x, *args, **kwargs)[0]
+                if inner_bias is not None:
+                    dropped = dropped - inner_bias
             result = result + (scale - 1) * dropped
         if inner_bias is not None:
             result = result + inner_bias

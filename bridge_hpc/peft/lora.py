@@ -3,7 +3,8 @@
 LoRA adds to each targeted linear layer ``W`` a low-rank update: ``y = W x + (alpha / dim) B A x``,
 ``A`` [dim, in] and ``B`` [out, dim], ``B`` starting at zero so the transformed model computes what the
 base does. Only ``A`` and ``B`` train. Under tensor parallelism they are split the way their layer is
-(:mod:`bridge_hpc.peft.lora_layers`).
+(:mod:`bridge_hpc.peft.lora_layers`). On Transformer Engine's layers the adapter runs inside TE's fused
+linear where one rank holds the layer (:mod:`bridge_hpc.peft.te_lora`), else beside it.
 """
 
 from __future__ import annotations
@@ -49,12 +50,19 @@ class LoRA(PEFT, ModuleMatcher):
     def transform(self, module, name: Optional[str] = None, prefix: Optional[str] = None):
         """``module`` wrapped with a LoRA adapter (:class:`~bridge_hpc.peft.lora_layers.LoRALinear`) where it is
         a targeted linear layer; otherwise ``module``."""
-        from bridge_hpc.peft.lora_layers import LoRALinear, adapter_for
+        from bridge_hpc.peft.lora_layers import LoRALinear, adapter_for, is_te_linear
 
         if isinstance(module, LoRALinear):
             return module
         found = adapter_for(self, module, name, prefix)
-        return module if found is None else LoRALinear(module, found)
+        if found is None:
+            return module
+        if is_te_linear(module):  # Transformer Engine's layer: the adapter inside its fused op where it can be
+            from bridge_hpc.peft import te_lora
+
+            if te_lora.fusable(module, found):
+                return te_lora.TEFusedLoRALinear(module, found)
+        return LoRALinear(module, found)
 
 
 class LoRAMerge(PEFT):

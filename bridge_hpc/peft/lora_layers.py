@@ -68,6 +68,27 @@ def _is_gated_fc1(base, name: str) -> bool:
     return name == "linear_fc1" and bool(getattr(base.config, "gated_linear_unit", False))
 
 
+def is_te_linear(module) -> bool:
+    """Whether ``module`` is one of megatron-core's Transformer Engine linear layers (checked by class
+    path, so that this module imports without Transformer Engine)."""
+    return any(c.__module__.startswith("megatron.core.extensions.transformer_engine") for c in type(module).__mro__) \
+        and getattr(module, "parallel_mode", None) in ("row", "column", None)
+
+
+def base_sizes(base) -> tuple:
+    """``(full input features, full output features, input split over tensor-parallel ranks)`` of a
+    megatron-core linear layer, local or Transformer Engine's (whose ``in_features`` / ``out_features``
+    are already this rank's share on the split side)."""
+    if isinstance(base, (ColumnParallelLinear, RowParallelLinear)):
+        return base.input_size, base.output_size, isinstance(base, RowParallelLinear)
+    tp = getattr(base, "tp_size", 1) or 1
+    if base.parallel_mode == "row":
+        return base.in_features * tp, base.out_features, True
+    if base.parallel_mode == "column":
+        return base.in_features, base.out_features * tp, False
+    return base.in_features, base.out_features, False
+
+
 class ReplicatedLinear(torch.nn.Module):
     """A bias-free linear layer whose weight is the same on every tensor-parallel rank (one half of an
     adapter); returns ``(output, None)`` as megatron-core's layers do."""
@@ -96,11 +117,10 @@ class ParallelLinearAdapter(MegatronModule):
         super().__init__(config=base.config)
         self.base_linear_name = full_name
         self.dim, self.alpha, self.dropout_position = dim, alpha, dropout_position
-        self.input_is_parallel = isinstance(base, RowParallelLinear)
+        in_features, out_features, self.input_is_parallel = base_sizes(base)
         self.gated = _is_gated_fc1(base, full_name.rsplit(".", 1)[-1])
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        in_features, out_features = base.input_size, base.output_size
         generator = torch.Generator().manual_seed((seed + zlib.crc32(full_name.encode())) % (2 ** 63))
         a_full = _init_full((dim, in_features), lora_A_init_method, generator)
         b_full = _init_full((out_features, dim), lora_B_init_method, generator)
@@ -157,9 +177,9 @@ def adapter_for(peft, module, name: Optional[str], prefix: Optional[str],
     full_name = f"{prefix}.{name}" if prefix else name
     if peft.match(name, full_name) is None:
         return None
-    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-        raise ConfigError(f"{full_name} is a {type(module).__name__}: adapters wrap megatron-core's own linear layers "
-                          "(model.transformer_impl = \"local\")", key="model.transformer_impl")
+    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not is_te_linear(module):
+        raise ConfigError(f"{full_name} is a {type(module).__name__}: adapters wrap megatron-core's linear layers, "
+                          "local or Transformer Engine's", key="peft.target_modules")
     return adapter_class(module, full_name, peft.dim, peft.alpha, peft.dropout, peft.dropout_position,
                                  peft.lora_A_init_method, peft.lora_B_init_method, seed=torch.initial_seed())
 
@@ -271,6 +291,10 @@ class LoRALinear(AdapterWrapper):
     def __init__(self, to_wrap, adapter: ParallelLinearAdapter):
         super().__init__(to_wrap, adapter)
         self.fusable_layout = layout_allows_fusion(to_wrap, adapter)
+        if hasattr(to_wrap, "return_layernorm_output"):
+            # Transformer Engine's layer-norm linear: the adapter multiplies the normalized input too
+            to_wrap.return_layernorm_output = True
+            to_wrap.return_layernorm_output_gathered = bool(to_wrap.config.sequence_parallel)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         base, adapter = self.to_wrap, self.adapter
@@ -285,5 +309,5 @@ class LoRALinear(AdapterWrapper):
                                            adapter.linear_in.weight, adapter.linear_out.weight,
                                            adapter.alpha / adapter.dim)
             return output, (base.bias if skip_bias else None)
-        output, bias = self.to_wrap(x, *args, **kwargs)
-        return output + self.adapter(x), bias
+        output, bias, adapter_x = self.base_linear_forward(x, *args, **kwargs)
+        return output + self.adapter(adapter_x.contiguous()).reshape(output.shape), bias

@@ -47,10 +47,15 @@ def _world_of_one() -> None:
     set_random_seed(TOOL_SEED)
 
 
-def import_folder(hf_dir: str, out_dir: str, progress: Callable[[str], None] = lambda line: None) -> Dict[str, Any]:
+def import_folder(hf_dir: str, out_dir: str, progress: Callable[[str], None] = lambda line: None,
+                  transformer_impl: str = "local") -> Dict[str, Any]:
     """Write the Hugging Face model in ``hf_dir`` as a toolkit checkpoint folder ``out_dir`` (new); returns
     a summary. Written into a temporary folder of its own and renamed when complete
-    (:func:`bridge_hpc.contracts.new_output.new_output_folder`)."""
+    (:func:`bridge_hpc.contracts.new_output.new_output_folder`). ``transformer_impl``: the layers the model
+    is built of (Transformer Engine's need a GPU with the package); the weights are named alike in both,
+    so the checkpoint loads into either."""
+    import importlib.util
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -66,6 +71,14 @@ def import_folder(hf_dir: str, out_dir: str, progress: Callable[[str], None] = l
 
     hf = families.read_config(hf_dir)
     cfg = mapping.checked_model_config(hf_dir)
+    if transformer_impl != "local":
+        if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+            from bridge_hpc.contracts.errors import ConfigError
+
+            raise ConfigError(f"needs a GPU with Transformer Engine; this machine has "
+                              f"{'no CUDA' if not torch.cuda.is_available() else 'no transformer_engine package'}",
+                              key="--transformer-impl")
+        cfg = dataclasses.replace(cfg, transformer_impl=transformer_impl)
     progress(f"{hf['model_type']} model, {cfg.num_layers} layers, hidden {cfg.hidden_size}: building it")
     _world_of_one()
     model = gpt_model_provider(cfg)
@@ -92,4 +105,5 @@ def import_folder(hf_dir: str, out_dir: str, progress: Callable[[str], None] = l
         _write_manifest(folder, 0, 1)
         layout._write_tracker(tmp, 0)
     return {"family": hf["model_type"], "checkpoint": layout.iteration_dir(out_dir, 0), "bytes_read": read,
+            "layers": cfg.transformer_impl,
             "format": "megatron-core dist_checkpointing" if _uses_megatron_dist([model]) else "torch DCP (CPU)"}

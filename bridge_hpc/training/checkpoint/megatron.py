@@ -61,18 +61,48 @@ def _adapters_only(model_sd: Dict[str, Any]) -> Dict[str, Any]:
     return {key: value for key, value in model_sd.items() if is_adapter_key(key)}
 
 
-def _load_model_state(chunk, model_sd: Dict[str, Any]) -> None:
+def _load_model_state(chunk, model_sd: Dict[str, Any], may_miss=()) -> None:
     """Load ``model_sd`` into ``chunk``: every key; for a model with adapters its adapter keys only (the
-    base stays as read from the pretrained checkpoint), each adapter key present."""
+    base stays as read from the pretrained checkpoint), each adapter key present. ``may_miss``: keys
+    the checkpoint does not hold and the layers keep as built (:func:`_extra_state_absent_from`)."""
     everything = chunk.state_dict()
     wanted = _adapters_only(everything)
     if len(wanted) == len(everything):
-        chunk.load_state_dict(model_sd, strict=True)
+        if not may_miss:
+            chunk.load_state_dict(model_sd, strict=True)
+            return
+        result = chunk.load_state_dict(model_sd, strict=False)
+        missing = [key for key in result.missing_keys if key not in may_miss]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"model state mismatch: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
         return
     result = chunk.load_state_dict(model_sd, strict=False)
     missing = [key for key in result.missing_keys if key in wanted and wanted[key] is not None]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"adapter state mismatch: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+
+
+def _extra_state_absent_from(sharded: Dict[str, Any], path: str) -> List[str]:
+    """Take out of a model's sharded state dict (in place) the layers' ``_extra_state`` entries that the
+    checkpoint at ``path`` does not hold, and return their names.
+
+    Transformer Engine's layers keep per-layer state there (FP8 scales and amax history); megatron-core's
+    local layers keep none for their attention. A checkpoint saved by one layer implementation thus
+    lacks entries the other asks for, and loading it at the other (a cluster with TE and one without)
+    would fail on them: those layers keep their state as built instead (fresh FP8 scaling), and the
+    weights, which both name alike, load as saved."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    present = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    absent: List[str] = []
+    for chunk in sharded.values():
+        for name, value in list(chunk.items()):
+            if (isinstance(value, ShardedObject) and name.endswith("_extra_state") and value.unique_key not in present
+                    and not any(k.startswith(value.key + "/") for k in present)):
+                del chunk[name]
+                absent.append(name)
+    return absent
 
 
 def _dcp_writer(path: str):
@@ -442,6 +472,11 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool, ful
         from megatron.core import dist_checkpointing
 
         sharded = model_sharded_state_dict(model)
+        absent = _extra_state_absent_from(sharded, path)
+        if absent and _rank() == 0:
+            logger.warning("%s holds no per-layer state for %d layer modules (saved with the other layer "
+                           "implementation, local or Transformer Engine's): their weights load as saved, their "
+                           "FP8 scaling state starts fresh", path, len(absent))
         if load_optim:
             placeholders = _init_empty_distributed_optimizer_state(optimizer)
             sharded["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(sharded), is_loading=True,
@@ -450,10 +485,10 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool, ful
                 state.clear()
         loaded = dist_checkpointing.load(sharded, path, sharded_strategy=_megatron_load_strategy())
         if len(model) == 1:
-            _load_model_state(_unwrap(model[0]), loaded["model"])
+            _load_model_state(_unwrap(model[0]), loaded["model"], set(absent))
         else:
             for i, chunk in enumerate(model):
-                _load_model_state(_unwrap(chunk), loaded[f"model{i}"])
+                _load_model_state(_unwrap(chunk), loaded[f"model{i}"], set(absent))
         if load_optim:
             with _torch_adam_step_kept(optimizer):
                 optimizer.load_state_dict(loaded["optimizer"])

@@ -136,8 +136,8 @@ class LowPrecisionFields:
         if tuple(capability) >= need:
             return None
         have = f"{card} ({_family(capability)}, compute capability {capability[0]}.{capability[1]})"
-        return ConfigError(f"{what} needs a GPU of the {_family(need)} generation or newer (compute capability {need[0]}.{need[1]}); "
-                           f"the job's GPUs are {have}", key=key)
+        return ConfigError(f"{what} needs a GPU of the {_family(need)} generation or newer (compute capability "
+                           f"{need[0]}.{need[1]}); the job's GPUs are {have}", key=key)
 
 
 def _family(capability: Tuple[int, int]) -> str:
