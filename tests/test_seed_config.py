@@ -141,7 +141,7 @@ def test_runtime_config_update_applies_a_mixed_precision_recipe_name(monkeypatch
 
 
 @pytest.mark.parametrize("mixed_precision, key", [
-    ("fp8_mixed", "mixed_precision"),  # no such recipe here (FP8 needs Transformer Engine)
+    ("fp8_mixed", "mixed_precision"),  # no such recipe (in Bridge neither)
     (MixedPrecisionConfig(bf16=True, fp8="hybrid"), "mixed_precision.fp8"),
     (MixedPrecisionConfig(bf16=True, params_dtype="float16"), "mixed_precision.params_dtype"),
     (MixedPrecisionConfig(bf16=True, fp16=True), "mixed_precision.bf16"),
@@ -203,7 +203,7 @@ def test_job_file_mixed_precision_recipe_and_comm_overlap_reach_the_ranks(tmp_pa
                    "\n[comm_overlap]\ntp_comm_overlap = false\nbucket_size = 4000000\n")
     loaded = load_job_config(str(job))
     recorded = toml.loads(toml.dumps(loaded.raw))["mixed_precision"]  # what resolved.toml holds
-    assert recorded == {"bf16": True, "params_dtype": "bfloat16"}
+    assert recorded == {"bf16": True, "params_dtype": "bfloat16", "pipeline_dtype": "bfloat16"}
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = loaded.training
     runtime_config_update(cfg)

@@ -24,6 +24,7 @@ so this module imports without torch.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -140,12 +141,11 @@ class MixedPrecisionConfig:
         ``fp8_param_gather`` (ddp). Finalizes first; then checks the FP8/FP4 settings against the
         model's layers, naming the ``mixed_precision`` key."""
         self.finalize()
+        if hasattr(model_config, "check_low_precision"):  # on a copy first: nothing is half-applied
+            update_config_with_precision_overrides(self, copy.copy(model_config)).check_low_precision("mixed_precision")
         for section in (model_config, optimizer_config, ddp_config):
             if section is not None:
                 update_config_with_precision_overrides(self, section)
-        check = getattr(model_config, "check_low_precision", None)
-        if check is not None:
-            check("mixed_precision")
 
 
 def update_config_with_precision_overrides(mixed_precision_config: MixedPrecisionConfig, config: Any) -> Any:
