@@ -57,7 +57,7 @@ def _raises(exc_type, call, key: str, bridge_words: str) -> BaseException:
     (C.SchedulerConfig, {"override_opt_param_scheduler": True, "use_checkpoint_opt_param_scheduler": True},
      AssertionError, "scheduler.override_opt_param_scheduler", "both override and use-checkpoint are set."),
     (C.ProfilingConfig, {"profile_step_start": 10, "profile_step_end": 5}, AssertionError,
-     "profiling.profile_step_end", "profile_step_end (5) must be > profile_step_start (10)"),
+     "profiling.profile_step_end", "profile_step_end (5) must be >= profile_step_start (10)"),
     (C.ProfilingConfig, {"profile_step_start": -1, "profile_step_end": 5}, AssertionError,
      "profiling.profile_step_start", "profile_step_start must be >= 0, got -1"),
     (C.ProfilingConfig, {"profile_step_start": -5, "profile_step_end": -1}, AssertionError,
@@ -197,10 +197,10 @@ def test_the_dataset_configs_are_megatron_core_subclasses():
 
     from bridge_hpc.training.config import GPTDatasetConfig, GPTFIMDatasetConfig, MockGPTDatasetConfig
 
-    mock = MockGPTDatasetConfig(seq_length=64)
-    plain = GPTDatasetConfig(seq_length=64, reset_position_ids=False, reset_attention_mask=False,
-                             eod_mask_loss=False)
-    fim = GPTFIMDatasetConfig(fim_rate=0.3, seq_length=64)
+    masks = dict(reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)  # Bridge requires them
+    mock = MockGPTDatasetConfig(seq_length=64, **masks)
+    plain = GPTDatasetConfig(seq_length=64, **masks)
+    fim = GPTFIMDatasetConfig(fim_rate=0.3, seq_length=64, **masks)
     for cfg in (mock, plain, fim):
         assert isinstance(cfg, MCoreGPTDatasetConfig) and isinstance(cfg, BlendedMegatronDatasetConfig)
         assert isinstance(cfg, GPTDatasetConfig) and cfg.sequence_length == cfg.seq_length == 64
@@ -212,7 +212,8 @@ def test_the_dataset_configs_are_megatron_core_subclasses():
 def test_gpt_fim_dataset_config_without_data_is_mock_data_as_in_bridge():
     from bridge_hpc.training.config import GPTFIMDatasetConfig
 
-    cfg = GPTFIMDatasetConfig(seq_length=32)
+    cfg = GPTFIMDatasetConfig(seq_length=32,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
     cfg.finalize()
     assert cfg.mock and (cfg.fim_rate, cfg.fim_spm_rate) == (0.5, 0.5) and cfg.split_matrix is not None
 
@@ -254,7 +255,8 @@ def test_megatron_cores_own_checks_run_on_the_ranks(tmp_path):
                               append_eod=True, workers=1)
     prefix = record.outputs["text"].prefix
     cfg = GPTDatasetConfig(seq_length=16, data_path=[prefix], path_to_cache=str(tmp_path / "cache"),
-                           split="1,0,0", fast_cache_load=True)
+                           split="1,0,0", fast_cache_load=True,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
     _raises(AssertionError, cfg.finalize, "dataset",
             "megatron-core: --dataloader-fast-cache-load and --data-path cannot be used together")
 

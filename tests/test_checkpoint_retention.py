@@ -33,7 +33,7 @@ def test_retained_checkpoints_are_the_multiples_and_the_newest(tmp_path, most_re
 
 @pytest.mark.parametrize("values, key", [({"save_retain_interval": 0, "save_interval": 5}, "save_retain_interval"),
                                          ({"save_retain_interval": 10}, "save_retain_interval"),
-                                         ({"ckpt_step": 10, "load": "/x"}, "ckpt_step")])
+                                         ({"ckpt_step": -1, "load": "/x"}, "ckpt_step")])
 def test_bad_retention_settings_name_the_key(values, key):
     with pytest.raises(ValueError, match=f"checkpoint.{key}"):
         CheckpointConfig(**values).finalize()

@@ -472,7 +472,8 @@ def test_bridge_constructor_and_megatron_core_names():
 
     assert GPTDatasetConfig(seq_length=64).sequence_length == 64
     assert GPTDatasetConfig(sequence_length=64).seq_length == 64
-    mock = MockGPTDatasetConfig(seq_length=16, random_seed=3)
+    mock = MockGPTDatasetConfig(seq_length=16, random_seed=3,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
     assert isinstance(mock, GPTDatasetConfig)
     mock.finalize()
     assert mock.mock and mock.seq_length == 16
@@ -499,7 +500,8 @@ def test_a_gpt_dataset_config_given_no_data_is_megatron_cores_mock_mode(single_r
     from bridge_hpc.training.datasets.builders import MockGPTDataset, build_datasets
 
     cfg = ConfigContainer.from_sections(_sections(tmp_path, {"random_seed": 5}, tokenizer=False), source="job.toml")
-    cfg.dataset = GPTDatasetConfig(random_seed=5)
+    cfg.dataset = GPTDatasetConfig(random_seed=5,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
     cfg.dataset.finalize()
     assert cfg.dataset.mock and cfg.dataset.split == "1,1,1"
     cfg.validate(world_size=1)
@@ -511,7 +513,8 @@ def test_a_gpt_dataset_config_given_no_data_is_megatron_cores_mock_mode(single_r
 
 def test_finalizing_twice_is_harmless_and_data_path_makes_the_blend(corpus):
     a = next(iter(corpus))
-    cfg = GPTDatasetConfig(seq_length=SEQ, data_path=[a], split="1,0,0", num_workers=0)
+    cfg = GPTDatasetConfig(seq_length=SEQ, data_path=[a], split="1,0,0", num_workers=0,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
     cfg.finalize()
     blend = cfg.blend
     cfg.finalize()  # the blend made from data_path is made again, not taken for a second one

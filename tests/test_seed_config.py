@@ -70,7 +70,8 @@ def _python_built(**optimizer) -> ConfigContainer:
         model=GPTModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=SEQ),
         optimizer=OptimizerConfig(**{"lr": 1e-3, "weight_decay": 0.05, **optimizer}),
         scheduler=SchedulerConfig(lr_warmup_fraction=0.25),
-        dataset=MockGPTDatasetConfig(seq_length=SEQ, num_workers=0),
+        dataset=MockGPTDatasetConfig(seq_length=SEQ, num_workers=0, reset_position_ids=False,
+                                     reset_attention_mask=False, eod_mask_loss=False),
         logger=LoggerConfig(),
         checkpoint=CheckpointConfig(save="/tmp/x/checkpoints"),
     )
@@ -602,7 +603,8 @@ def test_fim_keys_select_gpt_fim_dataset_config_with_megatron_lm_defaults(tmp_pa
     plain = ConfigContainer.from_sections(_sections(tmp_path, {"data_path": [prefix]}), source="job.toml")
     assert type(plain.dataset) is described.GPTDatasetConfig and issubclass(GPTDatasetConfig, type(plain.dataset))
     # Bridge's signature: the fim_* parameters first, GPTDatasetConfig's as keywords
-    direct = GPTFIMDatasetConfig(0.3, 0.0, {"eod": "<eod>"}, data_path=[prefix], split="1", seq_length=SEQ)
+    direct = GPTFIMDatasetConfig(0.3, 0.0, {"eod": "<eod>"}, data_path=[prefix], split="1", seq_length=SEQ,
+                                 reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
     direct.finalize()
     assert (direct.fim_rate, direct.fim_spm_rate, direct.fim_extra_tokens["eod"]) == (0.3, 0.0, "<eod>")
 
@@ -611,7 +613,6 @@ def test_fim_keys_select_gpt_fim_dataset_config_with_megatron_lm_defaults(tmp_pa
     ({"fim_rate": 1.5}, "dataset.fim_rate", "probability in [0, 1]"),
     ({"fim_extra_tokens": {"prefx": "<p>"}}, "dataset.fim_extra_tokens.prefx", "did you mean 'prefix'"),
     ({"fim_extra_tokens": {"prefix": "<x>", "middle": "<x>"}}, "dataset.fim_extra_tokens", "three different"),
-    ({"fim_fragment_rate": 0.5}, "dataset.fim_fragment_rate", "only used with dataset.fim_split_sample"),
     ({"fim_split_sample": "<file>"}, "dataset.fim_fragment_rate", "must be set"),
     ({"fim_rate": "high"}, "dataset.fim_rate", "expected a number"),
 ])

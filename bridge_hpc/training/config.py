@@ -89,7 +89,11 @@ from bridge_hpc.training.resilience.config import (  # noqa: E402,F401 - Bridge'
     RerunStateMachineConfig,
     StragglerDetectionConfig,
 )
-from bridge_hpc.training.utils.config import LoggerConfig, ProfilingConfig  # noqa: E402,F401 - re-exported
+from bridge_hpc.training.utils.config import (  # noqa: E402,F401 - re-exported
+    LoggerConfig,
+    ProfilingConfig,
+    packages_looked_up,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Sections
@@ -460,16 +464,20 @@ class ConfigContainer:
                 # keys without a data path are a forgotten one)
                 raise error("dataset.data_path", "must be set (or train_data_path / valid_data_path / "
                             "test_data_path): the fim_* keys ask for fill-in-the-middle on indexed data")
+            if name == "dataset":
+                body = _datasets.job_file_body(section_cls, body)
             kwargs[name] = build_dataclass(section_cls, name, body, error)
         for name in ("train", "model", "optimizer", "scheduler", "dataset", "logger", "checkpoint"):
-            kwargs.setdefault(name, build_dataclass(SECTIONS[name], name, {}, error))
+            kwargs.setdefault(name, build_dataclass(SECTIONS[name], name, _datasets.job_file_body(SECTIONS[name], {}),
+                                                    error))
         tokenizer = kwargs.get("tokenizer")
         if tokenizer is not None and tokenizer.use_tokenizer_vocab_size is None:
             # The model's vocabulary follows the tokenizer unless [model] says otherwise.
             tokenizer.use_tokenizer_vocab_size = "vocab_size" not in sections.get("model", {})
         cfg = cls(**kwargs)
         try:
-            cfg.finalize_sections()
+            with packages_looked_up():  # the login node imports no logger package
+                cfg.finalize_sections()
             cfg.check_data_needs()
             cfg.check_data_records()
         except ConfigError as err:
@@ -654,63 +662,12 @@ class ConfigContainer:
                    f"to be a multiple of model.pipeline_model_parallel_size ({m.pipeline_model_parallel_size})")
 
     def _validate_training_scheduler_compatibility(self) -> None:
-        """Training counted in iterations takes the scheduler's ``*_iters`` fields, in samples its
-        ``*_samples`` fields; the other unit's must stay unset (Bridge's rules and words, after the key;
-        the WSD decay fields are checked too, which Bridge leaves to megatron-core)."""
-        s = self.scheduler
-        if self.train.train_samples is not None:
-            rules = (("lr_decay_iters", s.lr_decay_iters is None,
-                      "Use lr_decay_samples for sample-based training, not lr_decay_iters"),
-                     ("lr_warmup_iters", s.lr_warmup_iters == 0,
-                      "Use lr_warmup_samples for sample-based training, not lr_warmup_iters"),
-                     ("lr_wsd_decay_iters", s.lr_wsd_decay_iters is None,
-                      "Use lr_wsd_decay_samples for sample-based training, not lr_wsd_decay_iters"),
-                     ("lr_warmup_samples", s.lr_warmup_fraction is None or s.lr_warmup_samples == 0,
-                      "Can only specify one of lr_warmup_fraction or lr_warmup_samples"))
-        else:
-            rules = (("lr_decay_samples", s.lr_decay_samples is None,
-                      "Use lr_decay_iters for iteration-based training, not lr_decay_samples"),
-                     ("lr_warmup_samples", s.lr_warmup_samples == 0,
-                      "Use lr_warmup_iters for iteration-based training, not lr_warmup_samples"),
-                     ("lr_wsd_decay_samples", s.lr_wsd_decay_samples is None,
-                      "Use lr_wsd_decay_iters for iteration-based training, not lr_wsd_decay_samples"),
-                     ("lr_warmup_iters", s.lr_warmup_fraction is None or s.lr_warmup_iters == 0,
-                      "Can only specify one of lr_warmup_fraction or lr_warmup_iters"))
-        for name, holds, message in rules:
-            _check(holds, f"scheduler.{name}", message)
+        """Bridge's check that the scheduler counts in the training's unit (:meth:`SchedulerConfig.check_unit`)."""
+        self.scheduler.check_unit(self.train)
 
     def _calculate_scheduler_steps(self) -> None:
-        """The scheduler's steps, in samples, from the iteration or the sample counts (Bridge's and
-        Megatron's arithmetic): ``lr_decay_steps``, ``lr_warmup_steps``, ``wd_incr_steps``,
-        ``wsd_decay_steps``. A run counted in samples and the same run counted in iterations
-        (``train_samples = train_iters x global_batch_size``) get equal steps."""
-        s, t = self.scheduler, self.train
-        gbs = t.global_batch_size
-        if t.train_samples is None:
-            if s.lr_decay_iters is None:
-                s.lr_decay_iters = t.train_iters
-            s.lr_decay_steps = s.lr_decay_iters * gbs
-            s.wd_incr_steps = t.train_iters * gbs
-            s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
-            warmup = s.lr_warmup_iters * gbs
-            key, decay_key = "scheduler.lr_warmup_iters", "lr_decay_iters (by default train.train_iters)"
-        else:
-            if s.lr_decay_samples is None:
-                s.lr_decay_samples = t.train_samples
-            s.lr_decay_steps = s.lr_decay_samples
-            s.wd_incr_steps = t.train_samples
-            s.wsd_decay_steps = s.lr_wsd_decay_samples or None
-            warmup = s.lr_warmup_samples
-            key, decay_key = "scheduler.lr_warmup_samples", "lr_decay_samples (by default train.train_samples)"
-        _check(s.lr_decay_steps > 0 or t.train_iters == 0,
-               "scheduler.lr_decay_iters" if t.train_samples is None else "scheduler.lr_decay_samples",
-               "must be > 0: the learning rate decays over it (lr_decay_steps must be > 0)")
-        s.lr_warmup_steps = int(s.lr_warmup_fraction * s.lr_decay_steps) if s.lr_warmup_fraction is not None else warmup
-        # megatron-core's scheduler asserts warm-up steps < decay steps, whatever the decay style.
-        _check(s.lr_warmup_steps < max(s.lr_decay_steps, 1),
-               "scheduler.lr_warmup_fraction" if s.lr_warmup_fraction is not None else key,
-               f"gives {s.lr_warmup_steps} warm-up samples, which must be fewer than the "
-               f"{max(s.lr_decay_steps, 1)} of {decay_key}")
+        """Bridge's scheduler steps from the training's length (:meth:`SchedulerConfig.calculate_steps`)."""
+        self.scheduler.calculate_steps(self.train)
 
     def _validate_gpt_dataset(self) -> None:
         """Fill the indexed-data fields that come from other sections and check them against those."""

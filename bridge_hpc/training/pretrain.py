@@ -221,6 +221,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
         # from the process start, and the set-up in between (rendezvous, locks, workers) must count too.
         age_s = None if process_age_s is None else time.time() - started_at
         state.progress.starting_job(restart_count=restart_count, startup_s=age_s, device=device)
+    state.restart_count = restart_count
     if not parallel_state.model_parallel_is_initialized():
         parallel.initialize(cfg)
     # Megatron's seeds: each pipeline stage its own stream (its layers differ), the same on the

@@ -7,6 +7,7 @@ loop and to forward-step functions that ask for it, as in Megatron Bridge. Only
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
@@ -150,6 +151,27 @@ class Timers:
 DistributedSignalHandler = StopSignalRecorder
 
 
+def get_rank_safe() -> int:
+    """This process's rank: torch.distributed's once it is up, else ``$RANK`` (0 without it): Bridge's helper."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def get_world_size_safe() -> int:
+    """The world size: torch.distributed's once it is up, else ``$WORLD_SIZE`` (1 without it): Bridge's helper."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+#: backend -> (the [logger] field that turns it on, the one that names its run, Bridge's words when that is empty)
+_RUN_NAMES = {"wandb": ("wandb_project", "wandb_exp_name", "Please specify the wandb experiment name!"),
+              "mlflow": ("mlflow_experiment", "mlflow_run_name", "Please specify the mlflow_run_name for MLFlow logging!"),
+              "comet": ("comet_project", "comet_experiment_name",
+                        "Please specify the comet_experiment_name for Comet ML logging!")}
+
+
 class GlobalState:
     """Everything the loop shares: ``cfg``, ``train_state``, ``timers``, loggers, signal handler.
 
@@ -182,6 +204,9 @@ class GlobalState:
         self.job_times_checked: float = 0.0
         #: The slowest step and the last checkpoint save of this run, to know what still fits.
         self.slowest_step_s: float = 0.0
+        #: How many runs of this job came before this one (requeues and in-job restarts; rank 0 also counts
+        #: from the progress log): ``checkpoint.ckpt_step`` applies in the first run only.
+        self.restart_count: int = 0
         #: The step this run resumed at: exit_interval counts steps trained, not steps loaded.
         self.run_start_step: int = 0
         self.last_save_s: Optional[float] = None
@@ -242,6 +267,15 @@ class GlobalState:
         return self._metrics.writer if self._metrics is not None else None
 
     def _backend_logger(self, name: str):
+        """Bridge's rules: None without a config, with the backend off or on any rank but the last
+        (:func:`get_rank_safe`); the backend on with an empty run name is Bridge's ValueError. Then the
+        backend's handle once the run's metrics are open (None before)."""
+        cfg = self.cfg
+        switch, run_name, message = _RUN_NAMES[name]
+        if cfg is None or not getattr(cfg.logger, switch) or get_rank_safe() != get_world_size_safe() - 1:
+            return None
+        if not getattr(cfg.logger, run_name) and (name == "comet" or getattr(cfg.logger, run_name) == ""):
+            raise ValueError(message)
         backends = self._metrics.backends if self._metrics is not None else None
         return backends.handle(name) if backends is not None else None
 

@@ -421,13 +421,20 @@ def nsys_step(p, iteration: int) -> None:
     step ``profile_step_end``; ``record_shapes`` goes to NVTX's autograd ranges. Nothing on CPU."""
     if not torch.cuda.is_available() or _rank() not in p.profile_ranks:
         return
-    if iteration == p.profile_step_start:
+    if iteration == _window_start(p):
         torch.cuda.profiler.start()
         _NSYS["nvtx"] = torch.autograd.profiler.emit_nvtx(record_shapes=p.record_shapes)
         _NSYS["nvtx"].__enter__()
     elif iteration == p.profile_step_end and "nvtx" in _NSYS:
         _NSYS.pop("nvtx").__exit__(None, None, None)
         torch.cuda.profiler.stop()
+
+
+def _window_start(p) -> int:
+    """The step after which the profiled window opens: ``profile_step_start``, so that the window is the steps
+    after it up to ``profile_step_end``; with ``profile_step_end == profile_step_start`` (Bridge allows it:
+    one step) the window is that one step, opened after the one before it."""
+    return p.profile_step_start if p.profile_step_end > p.profile_step_start else p.profile_step_end - 1
 
 
 #: The NVTX context :func:`nsys_step` opened, until it closes it.
@@ -441,14 +448,13 @@ def _rank() -> int:
 def _start_profiler(state: GlobalState) -> Optional[torch.profiler.profile]:
     """A torch profiler covering steps [profile_step_start, profile_step_end) on the chosen ranks."""
     p = state.cfg.profiling
-    step = state.train_state.step
-    if not p.use_pytorch_profiler or state.rank not in p.profile_ranks or step >= p.profile_step_start:
+    step, start = state.train_state.step, _window_start(p)
+    if not p.use_pytorch_profiler or state.rank not in p.profile_ranks or step >= start or start < 0:
         return None
     trace_dir = state.cfg.logger.tensorboard_dir or os.path.join(state.cfg.checkpoint.save or ".", "profile")
     prof = torch.profiler.profile(
-        schedule=torch.profiler.schedule(wait=max(p.profile_step_start - step - 1, 0),
-                                         warmup=1 if p.profile_step_start - step > 0 else 0,
-                                         active=p.profile_step_end - p.profile_step_start, repeat=1),
+        schedule=torch.profiler.schedule(wait=max(start - step - 1, 0), warmup=1 if start - step > 0 else 0,
+                                         active=p.profile_step_end - start, repeat=1),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir),
         record_shapes=p.record_shapes or p.pytorch_profiler_collect_shapes,
         with_stack=p.pytorch_profiler_collect_callstack,

@@ -398,8 +398,10 @@ class _Chooser:
     ``Checkpoint fallback`` event once the folder used instead (or none) is known.
     """
 
-    def __init__(self, root: str, world_size: int, progress):
+    def __init__(self, root: str, world_size: int, progress, step: Optional[int] = None):
         self.root, self.world_size, self.progress = root, world_size, progress
+        #: ``checkpoint.ckpt_step`` where it applies (see :func:`load_checkpoint`): that iteration or a failure.
+        self.step = step
         self.pending: List[Tuple[str, str, str]] = []  # (folder, set aside as, reason)
         self.skipped: set = set()  # folders that could not be renamed: not tried again
         self.set_aside: set = set()  # folders found damaged, by their original path
@@ -427,6 +429,12 @@ class _Chooser:
 
     def next(self) -> Tuple[str, Optional[str]]:
         """``("load", path)``, ``("none", None)`` (nothing here: start fresh) or ``("fail", message)``."""
+        if self.step is not None:  # the iteration asked for, or nothing: no fallback to another one
+            path = iteration_dir(self.root, self.step)
+            reason = verify_checkpoint(path, self.world_size) if os.path.isdir(path) else "there is no such folder"
+            if reason is None:
+                return "load", path
+            return "fail", f"checkpoint.ckpt_step = {self.step} asks for {path}, which cannot be loaded: {reason}"
         order, tracked, warning = _load_order(self.root)
         if warning and (tracked is None or iteration_dir(self.root, tracked) not in self.set_aside):
             logger.warning(warning)  # (not when the tracker names a folder this chooser set aside)
@@ -467,7 +475,11 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
     nothing was loaded. Collective.
 
     A checkpoint that fails verification or loading is set aside and the next older one tried; if
-    only damaged ones exist, :class:`CheckpointLoadError`. A run without a checkpoint of its own
+    only damaged ones exist, :class:`CheckpointLoadError`. ``checkpoint.ckpt_step`` (Megatron's and Bridge's)
+    loads that iteration of ``checkpoint.load`` instead, and nothing else (:class:`CheckpointLoadError` when
+    it cannot), in the job's first run only: a requeued or restarted run (``state.restart_count``) resumes
+    from the newest checkpoint, as the tracker names it, so that it keeps what the job trained since.
+    A run without a checkpoint of its own
     started from ``checkpoint.pretrained_checkpoint``, whose weights were read before the model was
     wrapped (:mod:`bridge_hpc.training.checkpoint.pretrained`); so does a PEFT run at every start, whose own
     checkpoints hold its adapters only, with a record of their base that is checked first
@@ -481,7 +493,8 @@ def load_checkpoint(state: GlobalState, model, optimizer, scheduler) -> Optional
     start = time.perf_counter()
     now = parallel.model_parallel_sizes()
     if cfg.load:
-        chooser = _Chooser(cfg.load, _world_size(), state.progress) if rank == 0 else None
+        step = cfg.ckpt_step if state.restart_count == 0 else None
+        chooser = _Chooser(cfg.load, _world_size(), state.progress, step) if rank == 0 else None
         while True:
             decision, value = _from_rank0(chooser.decide() if chooser is not None else None)
             if decision == "fail":

@@ -199,8 +199,4 @@ class CheckpointConfig:
                "must be > 0 (or unset)")
         _check(self.save_retain_interval is None or self.save_interval is not None, "checkpoint.save_retain_interval",
                "needs checkpoint.save_interval (the saves it keeps some of)")
-        _check(self.ckpt_step is None, "checkpoint.ckpt_step",
-               "must be unset: a fixed iteration would be loaded again after every requeue, throwing away what "
-               "the job trained since; the iteration to load is the one latest_checkpointed_iteration.txt in "
-               "checkpoint.load names, which each save moves on (write an older iteration there to roll back; "
-               "see docs/preemption.md)")
+        _check(self.ckpt_step is None or self.ckpt_step >= 0, "checkpoint.ckpt_step", "must be >= 0 (an iteration)")

@@ -9,20 +9,26 @@ built-in config type to the function that builds its datasets on the ranks, and 
 from __future__ import annotations
 
 import abc
-import array
 import dataclasses
 import json
 import logging
 import math
 import os
-import struct
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Literal, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Literal, NamedTuple, Optional, Tuple, Union
 
 from bridge_hpc.contracts.errors import ConfigError, UnexpectedKeywordError
 from bridge_hpc.contracts.schema import DeferredPostInit, check_left_at_default, did_you_mean
 from bridge_hpc.contracts.schema import check as _check
+from bridge_hpc.training.datasets.indexed_files import (  # noqa: F401 - re-exported (the login node's data checks)
+    _INDEX_HEADER_BYTES,
+    IndexedDatasetHeader,
+    Progress,
+    _bin_offset,
+    read_index_header,
+    verify_index,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,24 +109,6 @@ DEFAULT_SPLIT = "969,30,1"
 #: A blend as megatron-core takes it: dataset prefixes and their weights (None: by size).
 Blend = Tuple[List[str], Optional[List[float]]]
 
-#: megatron-core's indexed-dataset ``DType`` codes -> (name, bytes per token); floats are not token ids.
-_INDEX_DTYPES = {1: ("uint8", 1), 2: ("int8", 1), 3: ("int16", 2), 4: ("int32", 4), 5: ("int64", 8),
-                 8: ("uint16", 2)}
-_INDEX_MAGIC = b"MMIDIDX\x00\x00"
-#: magic (9) + version (8) + dtype code (1) + sequence count (8) + document count (8)
-_INDEX_HEADER_BYTES = 34
-
-
-@dataclass(frozen=True)
-class IndexedDatasetHeader:
-    """What an ``.idx`` file says about its ``.bin``: read with ``struct``, no numpy or torch."""
-
-    prefix: str
-    dtype: str
-    itemsize: int
-    sequence_count: int
-    document_count: int
-    bin_bytes: int
 
 
 def _blend_items(value: Union[str, List[Union[str, float]]]) -> List[Union[str, float]]:
@@ -205,130 +193,6 @@ def parse_split(split: str, key: str = "dataset.split") -> List[float]:
     return [n / total for n in numbers] + [0.0] * (3 - len(numbers))
 
 
-def read_index_header(prefix: str, key: str) -> IndexedDatasetHeader:
-    """Check ``prefix.idx`` / ``prefix.bin`` in O(1) reads; raise ConfigError naming the file and ``key``.
-
-    The ``.idx`` header gives the token dtype and the sequence and document counts, which fix the
-    ``.idx`` size (lengths int32, pointers int64 per sequence, int64 per document boundary). The
-    pointers are the running sum of the sequence lengths times the item size, so the last pointer plus
-    the last length times the item size is what the ``.bin`` size must be: a truncated file, or an
-    ``.idx`` paired with a ``.bin`` of another dtype or dataset, fails here instead of as a numpy error
-    (or silently wrong tokens) on every rank. So does a dataset of empty documents only (an empty
-    ``.bin``, which megatron-core's memory map cannot open: "cannot mmap an empty file").
-    """
-    idx, bin_ = prefix + ".idx", prefix + ".bin"
-    for path in (idx, bin_):
-        _check(os.path.isfile(path), key, f"{path} is missing (expected {prefix}.bin and .idx, as written by "
-                                          "bridge-prepare-data)")
-    idx_bytes, bin_bytes = os.path.getsize(idx), os.path.getsize(bin_)
-    with open(idx, "rb") as f:
-        head = f.read(_INDEX_HEADER_BYTES)
-        _check(len(head) == _INDEX_HEADER_BYTES, key, f"{idx} is truncated ({idx_bytes} bytes, shorter than the "
-                                                     "index header)")
-        magic, version, code, n, d = struct.unpack("<9sQBQQ", head)
-        _check(magic == _INDEX_MAGIC, key, f"{idx} is not a megatron-core index file (bad magic bytes)")
-        _check(version == 1, key, f"{idx} has index version {version}; this reader knows version 1")
-        _check(code in _INDEX_DTYPES, key, f"{idx} has dtype code {code}, which is not an integer token dtype")
-        dtype, itemsize = _INDEX_DTYPES[code]
-        _check(n > 0 and d >= 2, key, f"{idx} holds no documents")
-        expected = _INDEX_HEADER_BYTES + 12 * n + 8 * d
-        # A multimodal index has one more byte per sequence (its modes), which a GPT dataset ignores.
-        _check(idx_bytes >= expected, key, f"{idx} is truncated: {idx_bytes} bytes, its header "
-                                           f"({n} sequences, {d - 1} documents) needs {expected}")
-        _check(idx_bytes in (expected, expected + n), key,
-               f"{idx} has {idx_bytes} bytes, its header ({n} sequences, {d - 1} documents) says {expected}")
-        f.seek(_INDEX_HEADER_BYTES + 4 * (n - 1))
-        (last_length,) = struct.unpack("<i", f.read(4))
-        f.seek(_INDEX_HEADER_BYTES + 4 * n + 8 * (n - 1))
-        (last_pointer,) = struct.unpack("<q", f.read(8))
-        f.seek(_INDEX_HEADER_BYTES + 12 * n + 8 * (d - 1))
-        (last_boundary,) = struct.unpack("<q", f.read(8))
-    _check(last_boundary == n, key, f"{idx} is inconsistent: its last document ends at sequence {last_boundary}, "
-                                    f"not at its sequence count {n}")
-    want = last_pointer + last_length * itemsize
-    _check(bin_bytes == want, key,
-           f"{bin_} has {bin_bytes} bytes but {idx} describes {want} ({n} sequences of {dtype}): "
-           + ("the .bin is truncated, or " if bin_bytes < want else "")
-           + "the .idx and .bin disagree (dtype or dataset)")
-    # megatron-core memory-maps the .bin on every rank, and an empty file cannot be mapped.
-    _check(bin_bytes > 0, key, f"{bin_} holds no tokens (every document is empty): prepare the data again from "
-                               "a corpus with text in it")
-    return IndexedDatasetHeader(prefix, dtype, itemsize, n, d - 1, bin_bytes)
-
-
-def _bin_offset(header: IndexedDatasetHeader, sequence: int) -> int:
-    """Where sequence ``sequence`` of ``header``'s dataset starts in its ``.bin`` (its size for the
-    sequence count): one read of the ``.idx``'s pointers (all of which ``bridge-submit --verify-data``
-    checks: :func:`verify_index`)."""
-    if sequence >= header.sequence_count:
-        return header.bin_bytes
-    with open(header.prefix + ".idx", "rb") as f:
-        f.seek(_INDEX_HEADER_BYTES + 4 * header.sequence_count + 8 * sequence)
-        return struct.unpack("<q", f.read(8))[0]
-
-
-#: ``progress(file, bytes done, bytes in all)``: how the checks of every record (``bridge-submit
-#: --verify-data``) report on long files.
-Progress = Callable[[str, int, int], None]
-#: Entries per read when :func:`verify_index` walks an ``.idx``: 12 MiB of lengths and pointers at a time.
-_VERIFY_CHUNK = 1 << 20
-
-
-def _int_array(code: str, data: bytes) -> array.array:
-    """Little-endian integers (megatron-core's ``.idx`` on x86 and ARM) as an ``array`` of ``code``."""
-    out = array.array(code)
-    out.frombytes(data)
-    if sys.byteorder == "big":
-        out.byteswap()
-    return out
-
-
-def verify_index(prefix: str, key: str, progress: Optional[Progress] = None) -> int:
-    """Check every entry of ``prefix.idx``, not only the last ones that :func:`read_index_header` reads.
-
-    For ``bridge-submit --verify-data``: each sequence's length must be >= 0 and its pointer where the
-    sequence before it ends, and the document boundaries must run from 0 up to the sequence count
-    without going back. A damaged entry in the middle of an ``.idx`` would otherwise make megatron-core
-    read the wrong tokens, or past the end of the ``.bin``, on the ranks, without an error. One pass
-    over the ``.idx`` in chunks, with ``array`` (no numpy on the login node); the ``.bin`` is not read.
-    Returns the sequence count; raises ConfigError naming the file, the entry and ``key``.
-    """
-    header = read_index_header(prefix, key)
-    n, d = header.sequence_count, header.document_count + 1
-    idx, total = prefix + ".idx", _INDEX_HEADER_BYTES + 12 * n + 8 * d
-    expected = 0
-    try:
-        with open(idx, "rb") as f:
-            for first in range(0, n, _VERIFY_CHUNK):
-                count = min(_VERIFY_CHUNK, n - first)
-                f.seek(_INDEX_HEADER_BYTES + 4 * first)
-                lengths = _int_array("i", f.read(4 * count))
-                f.seek(_INDEX_HEADER_BYTES + 4 * n + 8 * first)
-                pointers = _int_array("q", f.read(8 * count))
-                for i, (length, pointer) in enumerate(zip(lengths, pointers), first):
-                    if length < 0 or pointer != expected:  # (no message built per entry: this loop is the cost)
-                        raise ConfigError(f"{idx} is damaged: sequence {i} " + (
-                            f"has length {length}" if length < 0 else
-                            f"starts at byte {pointer} of the .bin, but the sequences before it end at byte {expected}"),
-                            key=key)
-                    expected = pointer + length * header.itemsize
-                if progress is not None:
-                    progress(idx, _INDEX_HEADER_BYTES + 12 * (first + count), total)
-            previous = 0
-            for first in range(0, d, _VERIFY_CHUNK):
-                count = min(_VERIFY_CHUNK, d - first)
-                f.seek(_INDEX_HEADER_BYTES + 12 * n + 8 * first)
-                for j, boundary in enumerate(_int_array("q", f.read(8 * count)), first):
-                    if not (boundary == 0 if j == 0 else previous <= boundary <= n):
-                        raise ConfigError(f"{idx} is damaged: document {j} starts at sequence {boundary}, expected "
-                                          + ("0" if j == 0 else f"{previous} to {n} (where document {j - 1} starts, "
-                                                                "up to the sequence count)"), key=key)
-                    previous = boundary
-                if progress is not None:
-                    progress(idx, _INDEX_HEADER_BYTES + 12 * n + 8 * (first + count), total)
-    except OSError as err:
-        raise ConfigError(f"{idx} cannot be read: {err.strerror or err}", key=key) from None
-    return n
 
 
 def dataset_config_class(body: Dict[str, Any]) -> type:
@@ -341,6 +205,16 @@ def dataset_config_class(body: Dict[str, Any]) -> type:
     if any(str(k).startswith("fim_") for k in body):
         return GPTFIMDatasetConfig
     return GPTDatasetConfig if any(body.get(k) is not None for k in GPT_DATASET_PATH_KEYS) else MockGPTDatasetConfig
+
+
+#: What a job file's ``[dataset]`` of GPT data gets for the fields it leaves out that Bridge's config requires.
+JOB_FILE_DEFAULTS = {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False}
+
+
+def job_file_body(section_cls: type, body: Dict[str, Any]) -> Dict[str, Any]:
+    """``body`` (a ``[dataset]`` table) with :data:`JOB_FILE_DEFAULTS` under it for a GPT dataset config: a job
+    file states what differs from plain causal LM data, where a Python config must set all three (Bridge)."""
+    return {**JOB_FILE_DEFAULTS, **body} if issubclass(section_cls, GPTDatasetConfig) else body
 
 
 def absolute_dataset_paths(body: Dict[str, Any], base: str) -> Dict[str, Any]:
@@ -492,6 +366,7 @@ class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
     def finalize(self) -> None:
         super().finalize()
         self._check_megatron_options()
+        self._check_defined()
         per_split = {k: getattr(self, k) for k in GPT_DATASET_PATH_KEYS[1:] if getattr(self, k) is not None}
         if self.data_path is None and not per_split and (self.blend is not None or self.blend_per_split is not None):
             self._finalize_given_blends()
@@ -524,6 +399,12 @@ class GPTDatasetConfig(DataloaderConfig, DeferredPostInit):
         _check(self.seq_length is None or self.seq_length > 0, "dataset.seq_length", "must be > 0")
         _check(self.num_dataset_builder_threads >= 1, "dataset.num_dataset_builder_threads", "must be >= 1")
         _check(self.mid_level_dataset_surplus >= 0, "dataset.mid_level_dataset_surplus", "must be >= 0")
+
+    def _check_defined(self) -> None:
+        """Bridge's rule, in its words after the key: the three masking switches have no default (megatron-core's
+        None); a job file's loader gives them false when the TOML leaves them out (:func:`job_file_body`)."""
+        for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+            _check(getattr(self, key) is not None, f"dataset.{key}", f"{key} must be defined.")
 
     def _check_megatron_options(self) -> None:
         """megatron-core's options this trainer cannot act on, refused by name; their defaults pass."""
@@ -626,8 +507,8 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
     ``vocab_size`` (bridge_hpc's) bounds the token ids; None takes the model's vocabulary size.
     ``finalize`` refuses ``blend`` / ``blend_per_split`` with Bridge's TypeError ("got an unexpected
     keyword argument 'blend'", a ConfigError naming the key too) and data paths with a ConfigError (Bridge
-    would turn ``data_path`` into a blend and read it: mock data reads no files here), and sets
-    megatron-core's ``mock``.
+    would turn ``data_path`` into a blend and read it: mock data reads no files here), drops the two
+    blend fields from the instance as Bridge does, and sets megatron-core's ``mock``.
     """
 
     vocab_size: Optional[int] = None
@@ -641,6 +522,8 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
         for key in ("blend", "blend_per_split"):  # Bridge's error, in its words after the key
             if getattr(self, key):
                 raise UnexpectedKeywordError(f"got an unexpected keyword argument '{key}'", key=f"dataset.{key}")
+            self.__dict__.pop(key, None)  # as Bridge: a mock config holds no blend (the class's None reads through)
+        self._check_defined()
         for key in (*GPT_DATASET_PATH_KEYS, "blend", "blend_per_split"):
             _check(getattr(self, key) is None, f"dataset.{key}", "must be unset for mock data (it reads no files)")
         self.mock = True
@@ -667,7 +550,8 @@ class GPTFIMDatasetConfig(GPTDatasetConfig):
     ``<prefix> <suffix> suffix <middle> prefix middle``; the sample is then cut back to its length.
     With ``fim_split_sample`` (a token, e.g. a file separator) a segment that contains it is, with
     probability ``fim_rate``, split there and each fragment gets FIM with ``fim_fragment_rate``;
-    fragments whose text starts with ``fim_no_prefix`` are left as they are.
+    fragments whose text starts with ``fim_no_prefix`` are left as they are. (Without
+    ``fim_split_sample`` there are no fragments, and ``fim_fragment_rate``, accepted as in Bridge, acts on none.)
 
     ``fim_extra_tokens`` names the sentinel tokens (keys ``prefix``, ``middle``, ``suffix``, ``pad``,
     ``eod``); keys left out take Megatron-LM's ``<fim_prefix>``, ``<fim_middle>``, ``<fim_suffix>``,
@@ -719,12 +603,9 @@ class GPTFIMDatasetConfig(GPTDatasetConfig):
                f"prefix, middle and suffix must be three different tokens, got {sentinels}")
         _check(self.fim_split_sample is None or self.fim_split_sample != "", "dataset.fim_split_sample",
                "expected a token to split samples at, got an empty string")
-        if self.fim_split_sample is not None:
-            _check(self.fim_fragment_rate is not None, "dataset.fim_fragment_rate",
-                   "must be set with dataset.fim_split_sample (the FIM rate of each fragment)")
-        else:
-            _check(self.fim_fragment_rate is None, "dataset.fim_fragment_rate",
-                   "is only used with dataset.fim_split_sample; remove it or set fim_split_sample")
+        # (a fragment rate without fim_split_sample is Bridge's config too: there are no fragments to apply it to)
+        _check(self.fim_split_sample is None or self.fim_fragment_rate is not None, "dataset.fim_fragment_rate",
+               "must be set with dataset.fim_split_sample (the FIM rate of each fragment)")
         _check(self.fim_no_prefix is None or self.fim_no_prefix != "", "dataset.fim_no_prefix",
                "expected the text that exempts a fragment from FIM, got an empty string")
 

@@ -259,7 +259,8 @@ class SchedulerConfig:
     ``lr_warmup_steps``, ``wd_incr_steps`` and ``wsd_decay_steps`` are computed there, as in Bridge
     (iterations x global batch size, or the sample counts), so a run counted in samples and the same
     run counted in iterations get the same schedule. ``lr_decay_iters`` / ``lr_decay_samples`` unset:
-    the whole run; ``lr_warmup_fraction``: that share of the decay steps.
+    the whole run (``max_steps``, when set: the full run this shorter one is the start of); ``lr_warmup_fraction``:
+    that share of the decay steps.
     ``no_weight_decay_cond_type = "qwen3_next"`` also decays the q/k layernorm weights.
     """
 
@@ -279,12 +280,17 @@ class SchedulerConfig:
     end_weight_decay: Optional[float] = None
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
     no_weight_decay_cond_type: Optional[Literal["qwen3_next"]] = None
+    #: Bridge's: the length (iterations) of the full run whose schedule this shorter one follows, for a test
+    #: run of its first ``train.train_iters`` steps; must be >= them (iteration-based training only).
+    max_steps: Optional[int] = None
     lr_decay_steps: Optional[int] = field(default=None, init=False)
     lr_warmup_steps: Optional[int] = field(default=None, init=False)
     wd_incr_steps: Optional[int] = field(default=None, init=False)
     wsd_decay_steps: Optional[int] = field(default=None, init=False)
 
     def finalize(self) -> None:
+        _check(self.max_steps is None or self.max_steps > 0, "scheduler.max_steps",
+               f"scheduler.max_steps must be positive, got {self.max_steps}.")
         for key in ("lr_warmup_iters", "lr_warmup_samples"):
             _check(getattr(self, key) >= 0, f"scheduler.{key}", "must be >= 0")
         for key in ("lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples"):
@@ -322,6 +328,75 @@ class SchedulerConfig:
             value = getattr(self, key)
             _check(value is None or value >= 0, f"scheduler.{key}", "must be >= 0")
         _check(self.lr_warmup_init >= 0, "scheduler.lr_warmup_init", "must be >= 0")
+
+    def check_unit(self, train: Any) -> None:
+        """Training counted in iterations takes the scheduler's ``*_iters`` fields, in samples its
+        ``*_samples`` fields; the other unit's must stay unset (Bridge's rules and words, after the key;
+        the WSD decay fields are checked too, which Bridge leaves to megatron-core)."""
+        s = self
+        if train.train_samples is not None:
+            rules = (("lr_decay_iters", s.lr_decay_iters is None,
+                      "Use lr_decay_samples for sample-based training, not lr_decay_iters"),
+                     ("lr_warmup_iters", s.lr_warmup_iters == 0,
+                      "Use lr_warmup_samples for sample-based training, not lr_warmup_iters"),
+                     ("lr_wsd_decay_iters", s.lr_wsd_decay_iters is None,
+                      "Use lr_wsd_decay_samples for sample-based training, not lr_wsd_decay_iters"),
+                     ("lr_warmup_samples", s.lr_warmup_fraction is None or s.lr_warmup_samples == 0,
+                      "Can only specify one of lr_warmup_fraction or lr_warmup_samples"))
+        else:
+            rules = (("lr_decay_samples", s.lr_decay_samples is None,
+                      "Use lr_decay_iters for iteration-based training, not lr_decay_samples"),
+                     ("lr_warmup_samples", s.lr_warmup_samples == 0,
+                      "Use lr_warmup_iters for iteration-based training, not lr_warmup_samples"),
+                     ("lr_wsd_decay_samples", s.lr_wsd_decay_samples is None,
+                      "Use lr_wsd_decay_iters for iteration-based training, not lr_wsd_decay_samples"),
+                     ("lr_warmup_iters", s.lr_warmup_fraction is None or s.lr_warmup_iters == 0,
+                      "Can only specify one of lr_warmup_fraction or lr_warmup_iters"))
+        if train.train_samples is not None:
+            rules += (("max_steps", s.max_steps is None, "scheduler.max_steps is only supported for iteration-based "
+                                                         "training; use sample-based scheduler fields with train_samples"),)
+        for name, holds, message in rules:
+            _check(holds, f"scheduler.{name}", message)
+
+    def calculate_steps(self, train: Any) -> None:
+        """The scheduler's steps, in samples, from the iteration or the sample counts (Bridge's and
+        Megatron's arithmetic): ``lr_decay_steps``, ``lr_warmup_steps``, ``wd_incr_steps``,
+        ``wsd_decay_steps``. A run counted in samples and the same run counted in iterations
+        (``train_samples = train_iters x global_batch_size``) get equal steps. ``max_steps`` (Bridge's, iterations
+        only) stands for the full run's length: the schedule is that run's, of which this one trains the first
+        ``train.train_iters`` steps."""
+        s, t = self, train
+        gbs = t.global_batch_size
+        if t.train_samples is None:
+            _check(s.max_steps is None or s.max_steps >= t.train_iters, "scheduler.max_steps",
+                   f"scheduler.max_steps ({s.max_steps}) must be greater than or equal to train.train_iters "
+                   f"({t.train_iters}).")
+            full_run = s.max_steps if s.max_steps is not None else t.train_iters
+            if s.lr_decay_iters is None:
+                s.lr_decay_iters = full_run
+            s.lr_decay_steps = s.lr_decay_iters * gbs
+            s.wd_incr_steps = full_run * gbs
+            s.wsd_decay_steps = s.lr_wsd_decay_iters * gbs if s.lr_wsd_decay_iters else None
+            warmup = s.lr_warmup_iters * gbs
+            key = "scheduler.lr_warmup_iters"
+            decay_key = "lr_decay_iters (by default scheduler.max_steps, else train.train_iters)"
+        else:
+            if s.lr_decay_samples is None:
+                s.lr_decay_samples = t.train_samples
+            s.lr_decay_steps = s.lr_decay_samples
+            s.wd_incr_steps = t.train_samples
+            s.wsd_decay_steps = s.lr_wsd_decay_samples or None
+            warmup = s.lr_warmup_samples
+            key, decay_key = "scheduler.lr_warmup_samples", "lr_decay_samples (by default train.train_samples)"
+        _check(s.lr_decay_steps > 0 or t.train_iters == 0,
+               "scheduler.lr_decay_iters" if t.train_samples is None else "scheduler.lr_decay_samples",
+               "must be > 0: the learning rate decays over it (lr_decay_steps must be > 0)")
+        s.lr_warmup_steps = int(s.lr_warmup_fraction * s.lr_decay_steps) if s.lr_warmup_fraction is not None else warmup
+        # megatron-core's scheduler asserts warm-up steps < decay steps, whatever the decay style.
+        _check(s.lr_warmup_steps < max(s.lr_decay_steps, 1),
+               "scheduler.lr_warmup_fraction" if s.lr_warmup_fraction is not None else key,
+               f"gives {s.lr_warmup_steps} warm-up samples, which must be fewer than the "
+               f"{max(s.lr_decay_steps, 1)} of {decay_key}")
 
 
 #: What tensor inspection needs and bridge_hpc lacks; :meth:`TensorInspectConfig.finalize` names it.

@@ -4,9 +4,11 @@ Beside the training log (train_utils) that reads them."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Literal, Optional
+from typing import Dict, Iterator, List, Literal, Optional
 
 from bridge_hpc.contracts.errors import MissingPackageError
 from bridge_hpc.contracts.schema import check as _check
@@ -148,8 +150,9 @@ class LoggerConfig:
     def _check_bridges_rules(self) -> None:
         """Megatron Bridge's rules, in its words after the key: a backend that is on needs its run or
         experiment name (ValueError: Bridge's GlobalState says it for W&B, its finalize for MLflow and
-        Comet); any MLflow or Comet field set needs that backend's package (ModuleNotFoundError). The
-        package is looked up, not imported (the login node imports no logger package)."""
+        Comet); any MLflow or Comet field set needs that backend's package (ModuleNotFoundError): imported, as
+        Bridge does, except in a job file's loader, which looks it up (:func:`packages_looked_up`: the login
+        node imports no logger package)."""
         _check(not self.wandb_project or self.wandb_exp_name != "", "logger.wandb_exp_name",
                "Please specify the wandb experiment name!")
         _check(not self.mlflow_experiment or self.mlflow_run_name, "logger.mlflow_run_name",
@@ -166,13 +169,39 @@ class LoggerConfig:
                          "Install it via pip install comet-ml or uv add comet-ml")
 
 
+#: True while a job file's sections are finalized (:func:`packages_looked_up`): the logger packages are then
+#: looked up, not imported, so that the login node imports none of them (they take seconds; the ranks import
+#: the ones that are on when their backends start).
+_LOOK_UP_ONLY: contextvars.ContextVar = contextvars.ContextVar("logger_packages_looked_up_only", default=False)
+
+
+@contextlib.contextmanager
+def packages_looked_up() -> Iterator[None]:
+    """Within it, :meth:`LoggerConfig.finalize` finds the MLflow / Comet packages without importing them
+    (``ConfigContainer.from_sections``, the job file's loader); elsewhere it imports them, as Bridge's does."""
+    token = _LOOK_UP_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _LOOK_UP_ONLY.reset(token)
+
+
 def _require_package(section: "LoggerConfig", package: str, names: tuple, message: str) -> None:
-    """Raise MissingPackageError naming the first of ``names`` that is set when ``package`` is not installed."""
+    """Raise MissingPackageError naming the first of ``names`` that is set when ``package`` cannot be imported:
+    Bridge's ``importlib.import_module`` check (a package whose own import lacks a module fails it too), or
+    within :func:`packages_looked_up` its lookup only."""
     used = [name for name in names if getattr(section, name)]
     if not used:
         return
+    import importlib
     import importlib.util
 
+    if not _LOOK_UP_ONLY.get():
+        try:
+            importlib.import_module(package)
+        except ModuleNotFoundError as exc:
+            raise MissingPackageError(message, package=package, key=f"logger.{used[0]}") from exc
+        return
     try:
         found = importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):  # a package whose import is blocked, or a module without a spec
@@ -212,7 +241,7 @@ class ProfilingConfig:
                f"profile_step_start must be >= 0, got {self.profile_step_start}")
         _check(self.profile_step_end >= 0, "profiling.profile_step_end",
                f"profile_step_end must be >= 0, got {self.profile_step_end}")
-        _check(self.profile_step_end > self.profile_step_start, "profiling.profile_step_end",
-               f"profile_step_end ({self.profile_step_end}) must be > profile_step_start ({self.profile_step_start})")
+        _check(self.profile_step_end >= self.profile_step_start, "profiling.profile_step_end",
+               f"profile_step_end ({self.profile_step_end}) must be >= profile_step_start ({self.profile_step_start})")
         _check(not self.pytorch_profiler_collect_chakra, "profiling.pytorch_profiler_collect_chakra",
                "must be false: Chakra execution traces are not collected by bridge_hpc's profiler")
