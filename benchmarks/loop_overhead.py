@@ -514,6 +514,12 @@ def run_one(kind: str, device: str, ranks: int, job: Path, overrides: List[str],
     if proc.returncode != 0:
         raise SystemExit(f"{kind} run failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n"
                          f"{proc.stderr[-6000:]}")
+    return run_figures(kind, device, out, warmup, wall, sections)
+
+
+def run_figures(kind: str, device: str, out: Path, warmup: int, wall: float, sections: bool = False) -> Dict[str, Any]:
+    """The figures of a finished run of ``kind`` from the files its ranks wrote at ``out``
+    (``wall``: the run's seconds, launch included)."""
     raw = json.loads(out.read_text())
     stamps = raw["stamps"]
     intervals = [b - a for a, b in zip(stamps, stamps[1:])]

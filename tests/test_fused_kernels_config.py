@@ -15,7 +15,6 @@ from bridge_hpc.training.config import FUSED_NORM_MAX_WIDTH, GPTModelConfig
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"transformer_impl": "transformer_engine"}, "stands in for Transformer Engine's kernels"),
     ({"hidden_size": 2 * FUSED_NORM_MAX_WIDTH}, f"normalizes rows of up to {FUSED_NORM_MAX_WIDTH} values"),
 ])
 def test_what_the_fused_kernels_cannot_run_is_refused_naming_the_key(fields, words):
@@ -24,6 +23,11 @@ def test_what_the_fused_kernels_cannot_run_is_refused_naming_the_key(fields, wor
     with pytest.raises(ConfigError) as err:
         cfg.finalize()
     assert err.value.key == "model.fused_kernels" and words in err.value.message
+
+
+def test_on_te_layers_only_the_cross_entropy_is_fused_so_any_width_is_accepted():
+    GPTModelConfig(num_layers=2, hidden_size=2 * FUSED_NORM_MAX_WIDTH, num_attention_heads=4, seq_length=32,
+                   fused_kernels=True, transformer_impl="transformer_engine").finalize()
 
 
 def test_the_widest_norm_is_accepted():

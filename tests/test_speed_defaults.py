@@ -112,7 +112,6 @@ def test_a_key_set_to_its_fast_value_is_the_jobs_own(job):
 @pytest.mark.parametrize("overrides, key, why", [
     (('model.activation_func="silu"',), "model.bias_activation_fusion", "fuses gelu or swiglu only"),
     (("model.add_bias_linear=false",), "model.bias_activation_fusion", "needs model.add_bias_linear = true"),
-    (('model.transformer_impl="transformer_engine"',), "model.fused_kernels", "stands in for Transformer Engine"),
     (("model.hidden_size=16512", "model.num_attention_heads=4"), "model.fused_kernels", "rows of up to 16384"),
     (("model.tensor_model_parallel_size=2", "slurm.ntasks_per_node=2"), "model.cuda_graph_impl",
      "data parallelism only"),
@@ -289,7 +288,7 @@ def test_what_only_transformer_engine_runs_takes_its_layers(job, overrides, need
     m = cfg.training.model
     assert m.transformer_impl == "transformer_engine" and S.needs_te_layers(cfg.training) == needs
     assert LAYERS in cfg.training.fast_path.chosen and LAYERS in cfg.training.fast_path.set_here
-    assert m.fused_kernels is False and "stands in for Transformer Engine" in reasons(cfg)["model.fused_kernels"]
+    assert m.fused_kernels is True  # its cross entropy (TE's layers fuse their norms and biases themselves)
     if "fp8" in needs:  # FP8 steps stay eager, said so
         assert m.cuda_graph_impl == "none" and reasons(cfg)["model.cuda_graph_impl"] == S.FP8_GRAPH
     # resolved.toml read back (as the ranks do) resolves to the same
@@ -303,7 +302,7 @@ def test_a_shape_where_te_measured_faster_takes_its_layers_and_a_rank_without_te
     small = load(job, GPU).training
     assert small.model.transformer_impl == "local" and "hidden size 1024" in dict(small.fast_path.not_chosen)[LAYERS]
     big = load(job, GPU, "model.hidden_size=3072", "model.ffn_hidden_size=12288").training
-    assert big.model.transformer_impl == "transformer_engine" and big.model.fused_kernels is False
+    assert big.model.transformer_impl == "transformer_engine" and big.model.fused_kernels is True
     S.settle_on_rank(big, on_cuda=True, has_triton=True, world_size=1, has_te=False)
     assert big.model.transformer_impl == "local" and dict(big.fast_path.not_chosen)[LAYERS] == S.NO_TE
     fp8 = load(job, GPU, "model.bf16=true", "optimizer.bf16=true", "mixed_precision.fp8=\"hybrid\"").training

@@ -535,8 +535,8 @@ class GPTModelConfig(LowPrecisionFields):
     #: logits, no fp32 copy of them kept; it replaces megatron-core's, fused or not), every
     #: LayerNorm/RMSNorm in Triton, and the biases of the linear layers that add their own (the QKV
     #: projection's) inside the matrix multiply. Same parameters and checkpoints as without. GPUs only
-    #: (CUDA builds of torch ship triton); hidden sizes up to ``FUSED_NORM_MAX_WIDTH``; not with
-    #: Transformer Engine's layers, which fuse these themselves.
+    #: (CUDA builds of torch ship triton); hidden sizes up to ``FUSED_NORM_MAX_WIDTH``. On Transformer
+    #: Engine's layers, which fuse their norms and biases themselves, the cross entropy only.
     fused_kernels: bool = False
 
     def finalize(self) -> None:
@@ -566,10 +566,7 @@ class GPTModelConfig(LowPrecisionFields):
                    f"fuses gelu or swiglu only (model.activation_func = \"{self.activation_func}\" has no fused kernel)")
             _check(self.activation_func != "gelu" or self.add_bias_linear, "model.bias_activation_fusion",
                    "with model.activation_func = \"gelu\" needs model.add_bias_linear = true (it fuses the bias)")
-        if self.fused_kernels:
-            _check(self.transformer_impl == "local", "model.fused_kernels",
-                   "stands in for Transformer Engine's kernels in the local layers: with model.transformer_impl = "
-                   "\"transformer_engine\" its own norms and cross entropy run; set one or the other")
+        if self.fused_kernels and self.transformer_impl == "local":  # (on TE's layers: the cross entropy only)
             _check(self.hidden_size <= FUSED_NORM_MAX_WIDTH, "model.fused_kernels",
                    f"normalizes rows of up to {FUSED_NORM_MAX_WIDTH} values, and model.hidden_size is {self.hidden_size}")
         tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size

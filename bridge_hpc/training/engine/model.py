@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import importlib.util
+import logging
 from typing import Optional
 
 import torch
@@ -29,6 +30,8 @@ from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import GPTModelConfig
 from bridge_hpc.training.gpt_step import forward_step, get_batch
 from bridge_hpc.training.losses import masked_next_token_loss, masked_token_loss
+
+logger = logging.getLogger(__name__)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -100,12 +103,21 @@ def transformer_config(cfg: GPTModelConfig) -> TransformerConfig:
     )
 
 
+def _te_layers(cfg: GPTModelConfig) -> bool:
+    """Whether the model is built of Transformer Engine's layers: asked for, on CUDA, with the package."""
+    return (cfg.transformer_impl == "transformer_engine" and torch.cuda.is_available()
+            and importlib.util.find_spec("transformer_engine") is not None)
+
+
 def _layer_spec(cfg: GPTModelConfig):
-    if (cfg.transformer_impl == "transformer_engine" and torch.cuda.is_available()
-            and importlib.util.find_spec("transformer_engine") is not None):
+    if _te_layers(cfg):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+    if cfg.transformer_impl == "transformer_engine":
+        logger.warning("model.transformer_impl = \"transformer_engine\", but this rank has %s: the local layers run "
+                       "(the same parameters and checkpoints)",
+                       "no CUDA" if not torch.cuda.is_available() else "no transformer_engine package")
     # The local layers stand in for Transformer Engine's where it is missing, except for what only
     # its layers do (megatron-core's own assertion would end the rank with a traceback).
     for key, needed in (("model.sequence_parallel", cfg.sequence_parallel),
@@ -128,8 +140,8 @@ def _block_spec(cfg: GPTModelConfig, config: TransformerConfig, vp_stage: Option
     every norm (the layers' two and the final one, which a layer spec cannot name) the Triton one and
     the column-parallel linear layers adding their bias in the matrix multiply."""
     layer = _layer_spec(cfg)
-    if not cfg.fused_kernels:
-        return layer
+    if not cfg.fused_kernels or cfg.transformer_impl != "local":
+        return layer  # (Transformer Engine's layers fuse their norms and biases themselves: the loss only)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from bridge_hpc.training.engine.fused_kernels import BiasInGemmColumnParallelLinear, TritonNorm
