@@ -71,6 +71,7 @@ RELATED = {
     "cluster.cpus_per_node": {"slurm.ntasks_per_node"},
     "cluster.max_time": {"slurm.time"},
     "slurm.gpus_per_node": set(),
+    "cluster.gpu_model": {"mixed_precision.fp8", "mixed_precision.fp8_recipe", "mixed_precision.fp4_recipe"},
     "train.micro_batch_size": {"train.global_batch_size"},
     "train.global_batch_size": {"train.micro_batch_size"},
     "train.eval_interval": {"train.eval_iters"},

@@ -106,7 +106,8 @@ def test_the_cards_table_says_what_each_generation_runs():
 
 
 @pytest.mark.parametrize("overrides, key, words", [
-    (('mixed_precision.fp8="hybrid"', "slurm.gpus_per_node=0", TE), "mixed_precision.fp8", "asks for no GPUs"),
+    (('mixed_precision.fp8="hybrid"', "slurm.gpus_per_node=0", TE), "slurm.gpus_per_node",
+     "mixed_precision.fp8 asks for FP8"),
     (('mixed_precision.fp8="hybrid"', 'model.transformer_impl="local"') + GPU, "mixed_precision.fp8",
      "Transformer Engine's layers only"),
     (('mixed_precision.fp8="hybrid"', 'mixed_precision.fp8_recipe="mxfp8"', 'cluster.gpu_model="H100"', TE) + GPU,

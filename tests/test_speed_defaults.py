@@ -112,7 +112,8 @@ def test_a_key_set_to_its_fast_value_is_the_jobs_own(job):
 @pytest.mark.parametrize("overrides, key, why", [
     (('model.activation_func="silu"',), "model.bias_activation_fusion", "fuses gelu or swiglu only"),
     (("model.add_bias_linear=false",), "model.bias_activation_fusion", "needs model.add_bias_linear = true"),
-    (("model.hidden_size=16512", "model.num_attention_heads=4"), "model.fused_kernels", "rows of up to 16384"),
+    (("model.hidden_size=16512", "model.num_attention_heads=4", 'model.transformer_impl="local"'), "model.fused_kernels",
+     "rows of up to 16384"),
     (("model.tensor_model_parallel_size=2", "slurm.ntasks_per_node=2"), "model.cuda_graph_impl",
      "data parallelism only"),
     (("model.pipeline_model_parallel_size=2", "slurm.ntasks_per_node=2"), "model.cuda_graph_impl",
@@ -308,6 +309,15 @@ def test_a_shape_where_te_measured_faster_takes_its_layers_and_a_rank_without_te
     fp8 = load(job, GPU, "model.bf16=true", "optimizer.bf16=true", "mixed_precision.fp8=\"hybrid\"").training
     S.settle_on_rank(fp8, on_cuda=True, has_triton=True, world_size=1, has_te=False)
     assert fp8.model.transformer_impl == "transformer_engine"  # needed: the rank's own check refuses FP8 instead
+
+
+def test_a_peft_job_keeps_the_local_layers_unless_it_asks(job, monkeypatch):
+    monkeypatch.setattr(S, "MEASURED_TE_FASTER", {64: True})
+    assert load(job, GPU).training.model.transformer_impl == "transformer_engine"
+    base = job.parent / "base"
+    base.mkdir()
+    peft = load(job, GPU, "peft.type=lora", f"checkpoint.pretrained_checkpoint={base}").training
+    assert peft.model.transformer_impl == "local" and dict(peft.fast_path.not_chosen)[LAYERS] == S.PEFT_ON_TE
 
 
 def test_a_job_that_sets_the_layers_keeps_them(job):

@@ -90,6 +90,12 @@ def finalize_grads(model: List[torch.nn.Module]) -> None:
         finalize_model_grads(model)
 
 
+def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def forward_backward(forward_step_func: Callable, data_iterator, model: List[torch.nn.Module], num_microbatches: int,
                      optimizer=None, forward_only: bool = False, collect_non_loss_data: bool = False,
                      validate_loss: Optional[Callable[[torch.Tensor], None]] = None,
@@ -105,9 +111,15 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
     micro-batch's loss as the loss function returned it (:func:`bridge_hpc.training.resilience.rerun.validate_loss`).
     ``before_grad_sync`` gets every micro-batch's report just before the last backward, the one that
     synchronizes the gradients (:class:`~bridge_hpc.training.engine.grad_reduce_rider.GradReduceRider`).
+    As megatron-core's schedules do, each model's ``set_is_first_microbatch()`` is called first: with FP8,
+    Transformer Engine's layers otherwise keep the FP8 copies of their weights from the first step on.
     """
     chunk = model[0]
     store: List[Any] = []
+    for each in model:  # Transformer Engine's FP8 layers re-quantize their weights at a step's first micro-batch
+        inner = _unwrapped(each)
+        if hasattr(inner, "set_is_first_microbatch"):
+            inner.set_is_first_microbatch()
 
     def one_microbatch(last: bool) -> None:
         output, loss_func = forward_step_func(data_iterator, chunk)

@@ -452,6 +452,11 @@ class TensorInspectConfig:
 FUSED_NORM_MAX_WIDTH = 16384
 
 
+#: The smallest hidden size at which the whole-step CUDA graph has run over Transformer Engine's layers
+#: (benchmarks/te.py, one H200, 2026-12-02); the tiny GPT's (64) crashed there.
+TE_GRAPH_MIN_HIDDEN = 1024
+
+
 @dataclass
 class GPTModelConfig(LowPrecisionFields):
     """A GPT built from megatron-core's ``GPTModel``; names follow megatron-core's TransformerConfig.
@@ -574,6 +579,10 @@ class GPTModelConfig(LowPrecisionFields):
             _check(isinstance(self.cuda_graph_warmup_steps, int) and self.cuda_graph_warmup_steps >= 1,
                    "model.cuda_graph_warmup_steps", "must be an integer >= 1: the eager steps before the capture "
                    f"compile the fused kernels, which a capture cannot do; got {self.cuda_graph_warmup_steps!r}")
+            _check(self.transformer_impl == "local" or self.hidden_size >= TE_GRAPH_MIN_HIDDEN, "model.cuda_graph_impl",
+                   f"\"full_iteration\" over Transformer Engine's layers runs from model.hidden_size "
+                   f"{TE_GRAPH_MIN_HIDDEN} up (it ran at 1024-4096 and crashed with an illegal memory access at "
+                   f"hidden size 64 on an H200); this model's is {self.hidden_size}")
             _check(tp == pp == cp == 1, "model.cuda_graph_impl",
                    "\"full_iteration\" runs with data parallelism only: model.tensor_model_parallel_size, "
                    f"pipeline_model_parallel_size and context_parallel_size must be 1, got {tp}, {pp} and {cp}")

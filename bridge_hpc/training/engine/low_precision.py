@@ -167,8 +167,8 @@ def check_container(cfg: Any, gpus: Optional[bool] = None) -> None:
     reuse needs MXFP8; with ``gpus`` False (a job that asks for no GPUs) FP8/FP4 are refused outright."""
     m, ddp = cfg.model, cfg.ddp
     if gpus is False and m.low_precision:
-        raise ConfigError(f"{m.low_precision.upper()} runs on GPUs with Transformer Engine; the job asks for no GPUs "
-                          "([slurm] gpus_per_node = 0)", key=key_of(cfg, m.low_precision))
+        raise ConfigError(f"is 0, and {key_of(cfg, m.low_precision)} asks for {m.low_precision.upper()}, which runs on "
+                          "GPUs with Transformer Engine: ask for GPUs, or leave FP8 out", key="slurm.gpus_per_node")
     gather = "mixed_precision.fp8_param_gather" if key_of(cfg, "fp8_param_gather").startswith("mixed") \
         else "ddp.fp8_param_gather"
     if ddp.fp8_param_gather or m.fp8_param:
