@@ -107,3 +107,14 @@ def add_tokenizer(folder: str) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:80])
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
+
+
+def safetensors_in(folder: str) -> dict:
+    """Every tensor of the ``*.safetensors`` files in ``folder``, by name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out

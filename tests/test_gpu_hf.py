@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 from bridge_test_helpers import direct_rank_env, single_rank_world
-from hf_models import FAMILIES, VOCAB, batch, hf_logits, make_hf_model, model_config
-from safetensors.torch import load_file
+from hf_models import FAMILIES, VOCAB, batch, hf_logits, make_hf_model, model_config, safetensors_in
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,12 +31,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 GPU_TOLERANCE = 1e-3
 
 
-def _tensors(folder: str) -> dict:
-    out = {}
-    for name in os.listdir(folder):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, name)))
-    return out
+_tensors = safetensors_in
 
 
 def _bridge_hf(*args: str) -> subprocess.CompletedProcess:

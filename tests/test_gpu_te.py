@@ -38,8 +38,7 @@ from bridge_test_helpers import (
     tiny_job,
     tiny_run_dir,
 )
-from hf_models import make_hf_model
-from safetensors.torch import load_file
+from hf_models import make_hf_model, safetensors_in
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.training.engine.metrics import read_metrics
@@ -150,12 +149,7 @@ def test_lora_on_te_layers_resumes_bit_exact_with_adapter_only_checkpoints(tmp_p
     assert model_keys and all(".adapter." in k for k in model_keys), [k for k in model_keys if ".adapter." not in k]
 
 
-def _tensors(folder: str) -> dict:
-    out = {}
-    for name in os.listdir(folder):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, name)))
-    return out
+_tensors = safetensors_in
 
 
 def _bridge_hf(*args: str) -> None:

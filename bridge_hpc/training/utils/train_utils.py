@@ -40,6 +40,8 @@ from bridge_hpc.contracts import metrics_file
 from bridge_hpc.training.config import ProfilingConfig, TrainingConfig
 from bridge_hpc.training.engine.collectives import comm_device
 from bridge_hpc.training.state import GlobalState, TrainState
+from bridge_hpc.training.state import get_rank_safe as _rank
+from bridge_hpc.training.state import get_world_size_safe as _world_size
 from bridge_hpc.training.utils.model_hooks import (  # noqa: F401 - Bridge's names at Bridge's path
     LinearForLastLayer,
     ModelHook,
@@ -127,19 +129,6 @@ def num_floating_point_operations(cfg, batch_size: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # CUDA memory history
 # ---------------------------------------------------------------------------------------------
-
-
-def _rank() -> int:
-    """This process's global rank; before torch.distributed is up, the launcher's RANK (else 0)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def memory_snapshot_file(profiling: ProfilingConfig, rank: int, tag: str = "") -> str:
