@@ -24,3 +24,6 @@ CONSUMED_SAMPLES = "consumed_samples"
 SKIPPED = "skipped"
 #: An evaluation at this step joins its record under this key (the validation loss).
 VALIDATION_LOSS = "val_loss"
+#: Mixture-of-Experts: the auxiliary losses of the step, each averaged over the MoE layers, under
+#: megatron-core's tracker names (the coefficients not applied: 1.0 is balanced load).
+MOE_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")

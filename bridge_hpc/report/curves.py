@@ -3,7 +3,8 @@
 - ``metrics.jsonl`` (rank 0, :mod:`bridge_hpc.training.engine.metrics`) holds one record per step of the run's
   one trajectory: a resume drops the records past the step it resumed from, so steps never repeat.
   Each record has ``step``, ``loss``, ``tokens_per_s`` and ``step_time_s`` (the optimizer step alone,
-  without evaluation, checkpoint saves or start-up).
+  without evaluation, checkpoint saves or start-up). An MoE model's records add its auxiliary losses
+  (``load_balancing_loss``, ``z_loss`` ...).
 - Validation loss: a record that carries :data:`VALIDATION_LOSS` holds the evaluation at its step and is
   read first. Where no record does, the evaluations the ranks printed into the job's stdout log, in
   Megatron's format (``validation loss at iteration 20 | lm loss value: 4.85E+00 | ...``), are read
@@ -18,10 +19,10 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.contracts.metrics_file import LOSS, STEP, TOKENS_PER_S, VALIDATION_LOSS
+from bridge_hpc.contracts.metrics_file import LOSS, MOE_LOSSES, STEP, TOKENS_PER_S, VALIDATION_LOSS
 
 #: The key of a metrics.jsonl record that holds the validation ("lm loss") evaluated at that step.
 #: Megatron's evaluation line, as the ranks print it (rank prefixes such as ``0: `` before it).
@@ -38,6 +39,8 @@ class TrainingCurves:
     tokens_per_s: List[Optional[float]] = field(default_factory=list)
     step_time_s: List[Optional[float]] = field(default_factory=list)
     validation: Dict[int, float] = field(default_factory=dict)
+    #: Mixture-of-Experts auxiliary losses (:data:`MOE_LOSSES`): name -> [(step, value)], the steps that have it
+    aux_losses: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
     validation_sources: List[str] = field(default_factory=list)  # the files the validation losses came from
     #: 1-based numbers of the non-blank lines of metrics.jsonl that were passed over (not UTF-8, not JSON, not
     #: a record with an integer ``step``, or a last line cut short), and how many non-blank lines it has
@@ -121,6 +124,10 @@ def read_curves(metrics_path: str, job_logs: Iterable[str] = ()) -> Optional[Tra
         curves.losses.append(loss)
         curves.tokens_per_s.append(_number(record.get(TOKENS_PER_S)))
         curves.step_time_s.append(_number(record.get("step_time_s")))
+        for name in MOE_LOSSES:
+            value = _number(record.get(name))
+            if value is not None:
+                curves.aux_losses.setdefault(name, []).append((step, value))
     if curves.validation:
         curves.validation_sources = [metrics_path]
     else:

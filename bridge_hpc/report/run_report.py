@@ -49,6 +49,8 @@ class RunReport:
     save_interval: Optional[Hindsight] = None
     #: the interval resolved.toml records ("auto", a number, or None), for runs that recorded none
     configured_interval: Optional[object] = None
+    #: resolved.toml's ``[model]`` ({} without it): what the figures count (an MoE model's active experts)
+    model: dict = field(default_factory=dict)
 
 
 class NoProgressLog(ConfigError):
@@ -172,12 +174,13 @@ def read_run_report(target: str, label: Optional[str] = None, device_fallback: O
                    else "no record with a loss")
             unusable.message += f"; nothing else to report ({metrics}: {why})"
         raise ConfigError(unusable.message, path=unusable.path)
-    configured = None
+    configured, model = None, {}
     if paths is not None:
         table = paths.recorded.get("checkpoint")
         configured = table.get("save_interval") if isinstance(table, dict) else None
+        model = paths.recorded.get("model") if isinstance(paths.recorded.get("model"), dict) else {}
     return RunReport(target, label or target, log_path, report, curves, notes,
-                     hindsight(history_of_runs(runs)) if runs else None, configured)
+                     hindsight(history_of_runs(runs)) if runs else None, configured, model)
 
 
 def labels_for(targets: Sequence[str]) -> List[str]:

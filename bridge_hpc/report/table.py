@@ -104,7 +104,28 @@ def format_table(run: RunReport) -> str:
         f"between allocations (queue wait, not allocated) {t['between_allocations_s']:.1f} s",
     ]
     lines += save_interval_lines(run)
+    lines += moe_lines(run)
     return "\n".join(lines) + "\n"
+
+
+def moe_lines(run: RunReport) -> List[str]:
+    """An MoE model's auxiliary losses (first, last and mean over the steps recorded) and what its
+    TFLOP/s count: the active parameters, not every expert's."""
+    curves, model = run.curves, run.model
+    experts, topk = model.get("num_moe_experts"), model.get("moe_router_topk", 2)
+    lines = []
+    if isinstance(experts, int) and not isinstance(experts, bool):
+        shared = " and the shared expert" if model.get("moe_shared_expert_intermediate_size") else ""
+        lines.append(f"Mixture-of-Experts: {experts} experts, {topk} per token; TFLOP/s and MFU count the active "
+                     f"parameters (the {topk} routed experts{shared} a token passes through, not all {experts})")
+    elif curves is not None and curves.aux_losses:  # (a run without resolved.toml: torchrun, not bridge-submit)
+        lines.append("Mixture-of-Experts: TFLOP/s and MFU count the active parameters (the experts a token is "
+                     "routed to, not all of them)")
+    for name, values in (curves.aux_losses.items() if curves is not None else ()):
+        mean = sum(v for _, v in values) / len(values)
+        lines.append(f"{name}: step {values[0][0]} {values[0][1]:.4f}, step {values[-1][0]} {values[-1][1]:.4f}, "
+                     f"mean {mean:.4f} ({len(values)} steps)")
+    return lines
 
 
 def used_intervals(run: RunReport) -> str:

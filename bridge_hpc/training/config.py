@@ -579,6 +579,8 @@ class ConfigContainer:
         model_parallel = self.model.model_parallel_size
         _check(world_size % model_parallel == 0, "model.tensor_model_parallel_size",
                f"world size {world_size} is not divisible by the model-parallel size {model_parallel}")
+        if hasattr(self.model, "check_expert_world"):
+            self.model.check_expert_world(world_size)
         return world_size // model_parallel
 
     def set_data_parallel_size(self) -> None:

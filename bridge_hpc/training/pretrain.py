@@ -508,6 +508,11 @@ def _wrap_ddp(cfg: ConfigContainer, model: torch.nn.Module, first_chunk: bool = 
         # option (forward_sync_buffers; it still syncs once at init, where the buffers are equal).
         params = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
         no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+        if cfg.model.expert_model_parallel_size > 1:  # (reduced over their own group: train.finalize_grads)
+            from bridge_hpc.training.engine import moe
+
+            torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, moe.expert_param_names(model))
         ddp = torch.nn.parallel.DistributedDataParallel(model, **no_sync)
         GradReduceRider.install(ddp)  # the step's losses and stop flags ride on its gradient all-reduce
         return ddp

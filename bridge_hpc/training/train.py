@@ -24,7 +24,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-from bridge_hpc.training.engine import parallel
+from bridge_hpc.training.engine import moe, parallel
 from bridge_hpc.training.engine.collectives import (
     comm_device,
     reduce_loss_dicts_and_flags,
@@ -41,6 +41,7 @@ from bridge_hpc.training.engine.ddp_hooks import (  # noqa: F401
     should_disable_forward_pre_hook,
 )
 from bridge_hpc.training.engine.grad_reduce_rider import GradReduceRider
+from bridge_hpc.training.engine.moe_config import is_moe
 from bridge_hpc.training.engine.optimizer import installed_fused_step
 from bridge_hpc.training.process import bytecode_cache, heap
 from bridge_hpc.training.resilience import rerun
@@ -82,9 +83,15 @@ def zero_grads(model: List[torch.nn.Module], optimizer) -> None:
 def finalize_grads(model: List[torch.nn.Module]) -> None:
     """Finish the data-parallel gradient reduction.
 
-    torch DDP has already all-reduced during the last backward; megatron-core DDP reduces here.
+    torch DDP has already all-reduced during the last backward, except the expert parameters of expert
+    parallelism, reduced here over their own group; megatron-core DDP reduces here.
     """
-    if not isinstance(model[0], torch.nn.parallel.DistributedDataParallel) and hasattr(model[0], "zero_grad_buffer"):
+    if isinstance(model[0], torch.nn.parallel.DistributedDataParallel):
+        if model[0].parameters_to_ignore:
+            from bridge_hpc.training.engine import moe
+
+            moe.reduce_expert_grads(model[0].module)
+    elif hasattr(model[0], "zero_grad_buffer"):
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads(model)
@@ -116,6 +123,8 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
     """
     chunk = model[0]
     store: List[Any] = []
+    if is_moe(_unwrapped(chunk).config) and not forward_only:
+        moe.set_aux_loss_scale(optimizer, num_microbatches, comm_device())
     for each in model:  # Transformer Engine's FP8 layers re-quantize their weights at a step's first micro-batch
         inner = _unwrapped(each)
         if hasattr(inner, "set_is_first_microbatch"):
@@ -283,6 +292,8 @@ def train_step(forward_step_func: Callable, data_iterator, model: List[torch.nn.
     skipped_iter = 0 if update_successful else 1
 
     loss_dict, global_state.agreed_observations = finish_reduce()
+    if is_moe(cfg.model):  # the load-balancing and z losses, logged with the language-model loss
+        loss_dict.update(moe.aux_losses(cfg.model, get_num_microbatches(global_state)))
     return loss_dict, skipped_iter, False, False, 0, grad_norm, num_zeros_in_grad
 
 

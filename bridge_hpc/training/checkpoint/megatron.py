@@ -105,6 +105,26 @@ def _extra_state_absent_from(sharded: Dict[str, Any], path: str) -> List[str]:
     return absent
 
 
+def _expert_names(state: Dict[str, Any], model, to_global: bool) -> Dict[str, Any]:
+    """A CPU rank's model or optimizer state dict with its experts named by their global index
+    (``to_global``) or by this rank's local one again (:func:`bridge_hpc.training.engine.moe.global_expert_name`):
+    with expert parallelism each rank holds other experts under the same local names, which DCP would
+    take for one replicated tensor. The optimizer's form (``state`` and ``param_groups`` of names) too."""
+    from bridge_hpc.training.engine.moe import global_expert_name
+
+    experts = getattr(getattr(_unwrap(model[0]), "config", None), "num_moe_experts", None)
+    if experts is None:
+        return state
+
+    def rename(key: str) -> str:
+        return global_expert_name(key, to_global, experts)
+
+    if "param_groups" in state and "state" in state:
+        groups = [dict(group, params=[rename(key) for key in group["params"]]) for group in state["param_groups"]]
+        return {"state": {rename(key): value for key, value in state["state"].items()}, "param_groups": groups}
+    return {rename(key): value for key, value in state.items()}
+
+
 def _dcp_writer(path: str):
     """DCP's file writer, with a full disk reported as an OSError naming the file. DCP gathers a
     rank's write error to every rank by pickling it, which drops the chained OSError that torch's zip
@@ -461,9 +481,9 @@ def _save_model_and_optimizer(model, optimizer, path: str, save_optim: bool, wri
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model[0], optimizer.optimizer)
-    state = {"model": _adapters_only(_without_empty_extra_state(model_sd))}
+    state = {"model": _expert_names(_adapters_only(_without_empty_extra_state(model_sd)), model, to_global=True)}
     if save_optim:
-        state["optimizer"] = optim_sd
+        state["optimizer"] = _expert_names(optim_sd, model, to_global=True)
     dcp.save(state, storage_writer=_dcp_writer(path))
 
 
@@ -502,10 +522,11 @@ def _load_model_and_optimizer(model, optimizer, path: str, load_optim: bool, ful
         # Not get_state_dict: it initializes an empty optimizer state by running a step with zero
         # gradients, after which Adam's first real update of a fresh optimizer is scaled as its second.
         model_sd, optim_sd = get_model_state_dict(model[0]), None
-    state = {"model": _adapters_only(_without_empty_extra_state(model_sd))}
+    state = {"model": _expert_names(_adapters_only(_without_empty_extra_state(model_sd)), model, to_global=True)}
     if load_optim:
-        state["optimizer"] = optim_sd
+        state["optimizer"] = _expert_names(optim_sd, model, to_global=True)
     dcp.load(state, storage_reader=_parallel_reader(dcp.FileSystemReader)(path))
+    state = {part: _expert_names(value, model, to_global=False) for part, value in state.items()}
     state["model"].update({key: None for key, value in _adapters_only(model_sd).items() if value is None})
     _load_model_state(_unwrap(model[0]), state["model"])
     if load_optim:

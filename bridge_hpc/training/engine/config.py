@@ -14,6 +14,7 @@ from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import DeferredPostInit, build_dataclass, check_left_at_default, did_you_mean
 from bridge_hpc.contracts.schema import check as _check
 from bridge_hpc.training.engine.low_precision import LowPrecisionFields
+from bridge_hpc.training.engine.moe_config import MoEFields
 
 logger = logging.getLogger(__name__)
 
@@ -458,7 +459,7 @@ TE_GRAPH_MIN_HIDDEN = 1024
 
 
 @dataclass
-class GPTModelConfig(LowPrecisionFields):
+class GPTModelConfig(LowPrecisionFields, MoEFields):
     """A GPT built from megatron-core's ``GPTModel``; names follow megatron-core's TransformerConfig.
 
     Model parallelism (GPUs only; :mod:`bridge_hpc.training.engine.parallel`): ``tensor_model_parallel_size``
@@ -474,7 +475,10 @@ class GPTModelConfig(LowPrecisionFields):
     ``activation_func = "openai_gelu"`` (GPT-2's tanh-approximated gelu, Megatron-LM's name).
     ``hf_config`` names the Hugging Face folder whose ``config.json`` filled this section on the login
     node (:mod:`bridge_hpc.training.hf.families`); the ranks read nothing from it but its weights, when
-    ``checkpoint.pretrained_checkpoint`` names it too.
+    ``checkpoint.pretrained_checkpoint`` names it too. Mixture-of-Experts (``num_moe_experts`` ...,
+    ``expert_model_parallel_size``) and FP8/FP4 fields come from
+    :class:`~bridge_hpc.training.engine.moe_config.MoEFields` and
+    :class:`~bridge_hpc.training.engine.low_precision.LowPrecisionFields`.
     """
 
     hf_config: Optional[str] = None
@@ -614,6 +618,13 @@ class GPTModelConfig(LowPrecisionFields):
                    "needs model.transformer_impl = \"transformer_engine\": context-parallel attention is "
                    "Transformer Engine's (the local attention sees the whole sequence)")
         self.check_low_precision()
+        self.check_moe()
+        self.check_moe_kernels(gpus=None)
+        if self.is_moe:
+            etp = self.expert_tensor_parallel_size or tp
+            width = self.moe_ffn_hidden_size or self.ffn_hidden_size
+            _check(width % etp == 0, "model.expert_tensor_parallel_size",
+                   f"must divide the experts' width ({width}), got {etp}")
 
     @property
     def full_iteration_cuda_graph(self) -> bool:

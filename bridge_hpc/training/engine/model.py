@@ -138,12 +138,36 @@ def _layer_spec(cfg: GPTModelConfig):
 def _block_spec(cfg: GPTModelConfig, config: TransformerConfig, vp_stage: Optional[int]):
     """The decoder's spec: the layer spec, or with ``model.fused_kernels`` the block's submodules with
     every norm (the layers' two and the final one, which a layer spec cannot name) the Triton one and
-    the column-parallel linear layers adding their bias in the matrix multiply."""
+    the column-parallel linear layers adding their bias in the matrix multiply; with experts, the
+    block's submodules with the MoE layers where ``model.moe_layer_freq`` puts them."""
     layer = _layer_spec(cfg)
-    if not cfg.fused_kernels or cfg.transformer_impl != "local":
+    fused = cfg.fused_kernels and cfg.transformer_impl == "local"
+    if fused:
+        _fuse_dense_layer(layer)
+    if cfg.is_moe:
+        from bridge_hpc.training.engine import moe
+
+        block = moe.decoder_block_spec(cfg, config, vp_stage, layer, te=_te_layers(cfg))
+        if fused:
+            from bridge_hpc.training.engine.fused_kernels import TritonNorm
+
+            block.layer_norm = TritonNorm
+            for spec in block.layer_specs:
+                spec.submodules.pre_mlp_layernorm = TritonNorm
+        return block
+    if not fused:
         return layer  # (Transformer Engine's layers fuse their norms and biases themselves: the loss only)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    from bridge_hpc.training.engine.fused_kernels import TritonNorm
+
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=TritonNorm)
+
+
+def _fuse_dense_layer(layer) -> None:
+    """``model.fused_kernels`` on a local layer spec: the Triton norms, and the QKV and first MLP
+    projections adding their bias in the matrix multiply."""
     from bridge_hpc.training.engine.fused_kernels import BiasInGemmColumnParallelLinear, TritonNorm
 
     layer.submodules.input_layernorm = TritonNorm
@@ -152,8 +176,6 @@ def _block_spec(cfg: GPTModelConfig, config: TransformerConfig, vp_stage: Option
     mlp = layer.submodules.mlp  # megatron-core 0.19 spells the MLP's spec as a partial of MLP.as_mlp_submodule
     (mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules).linear_fc1 = \
         BiasInGemmColumnParallelLinear
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                      layer_norm=TritonNorm)
 
 
 class TritonLossGPTModel(GPTModel):
@@ -207,8 +229,13 @@ def gpt_model_provider(cfg: GPTModelConfig, pre_process: bool = True, post_proce
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    elif isinstance(getattr(model, "rotary_pos_emb", None), RotaryEmbedding):
+        return model
+    if isinstance(getattr(model, "rotary_pos_emb", None), RotaryEmbedding):
         model.rotary_pos_emb.__class__ = HostRotaryEmbedding
+    if cfg.is_moe:
+        from bridge_hpc.training.engine import moe
+
+        moe.to_host(model)
     return model
 
 

@@ -112,7 +112,18 @@ def setup_optimizer(cfg: ConfigContainer, model: List[torch.nn.Module]):
         inner = torch.optim.SGD(groups, lr=o.lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay, **fused)
     _pin_kernels_on_load(inner, fused=o.fused_step)
     return TorchOptimizer(inner, params, o.clip_grad, foreach=True if o.fused_step else None,
-                          count_zeros=o.log_num_zeros_in_grad)
+                          count_zeros=o.log_num_zeros_in_grad, expert_group=_expert_group(params))
+
+
+def _expert_group(params: List[torch.nn.Parameter]):
+    """The group over which this rank's expert parameters differ from other ranks' (expert
+    parallelism), whose squared gradient norms a clipping norm sums; None without it."""
+    from bridge_hpc.training.engine import moe
+
+    if not any(moe.is_expert_param(p) for p in params):
+        return None
+    group = moe.expert_sq_norm_group()
+    return group if torch.distributed.get_world_size(group) > 1 else None
 
 
 def check_cpu_optimizer(o: OptimizerConfig) -> None:
@@ -195,16 +206,19 @@ class TorchOptimizer:
 
     ``step()`` clips and returns ``(update_successful, grad_norm, num_zeros_in_grad)``; a
     non-finite gradient norm skips the update, as megatron's optimizer does. ``foreach`` is passed to
-    ``clip_grad_norm_`` (None: torch's default, a per-tensor loop on CPU).
+    ``clip_grad_norm_`` (None: torch's default, a per-tensor loop on CPU). With expert parallelism
+    (``expert_group``) the norm is the whole model's: the expert parameters' squared norms are summed over
+    the ranks that hold different experts, as megatron-core's optimizer sums them.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter], clip_grad: float,
-                 foreach: Optional[bool] = None, count_zeros: bool = False):
+                 foreach: Optional[bool] = None, count_zeros: bool = False, expert_group=None):
         self.optimizer = optimizer
         self.params = params
         self.clip_grad = clip_grad
         self.foreach = foreach
         self.count_zeros = count_zeros
+        self.expert_group = expert_group
 
     @property
     def param_groups(self):
@@ -224,11 +238,27 @@ class TorchOptimizer:
         # Counted before clipping, as megatron-core counts them (``optimizer.log_num_zeros_in_grad``).
         zeros = self._num_zeros_in_grad() if self.count_zeros else None
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=self.foreach))
+        if self.expert_group is None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=self.foreach))
+        else:
+            grad_norm = self._clip_with_experts(max_norm)
         if not math.isfinite(grad_norm):
             return False, grad_norm, zeros
         self.optimizer.step()
         return True, grad_norm, zeros
+
+    def _clip_with_experts(self, max_norm: float) -> float:
+        from bridge_hpc.training.engine.moe import is_expert_param
+
+        grads = [p.grad for p in self.params if p.grad is not None]
+        experts = [p.grad for p in self.params if p.grad is not None and is_expert_param(p)]
+        shared = [p.grad for p in self.params if p.grad is not None and not is_expert_param(p)]
+        squares = torch.stack([torch.nn.utils.get_total_norm(part, foreach=self.foreach) ** 2 if part
+                               else torch.zeros(()) for part in (shared, experts)])
+        torch.distributed.all_reduce(squares[1:], group=self.expert_group)
+        norm = squares.sum().sqrt()
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=self.foreach)
+        return float(norm)
 
     def _num_zeros_in_grad(self) -> int:
         """Gradient elements equal to zero, over every parameter this rank updates; summed over the

@@ -20,7 +20,9 @@ Everything here is megatron-core's own machinery, wired the way Megatron-LM wire
   every stage of every group stops at the same iteration.
 
 The CPU path (gloo, torch DDP) has one rank per model: megatron-core's schedules and sharded
-checkpoints need CUDA, so a model-parallel size above 1 is refused there, naming the key.
+checkpoints need CUDA, so a model-parallel size above 1 is refused there, naming the key. Expert
+parallelism runs there too (:mod:`bridge_hpc.training.engine.moe`: the experts' all-gather dispatcher
+over gloo, their gradients reduced over their own group).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def check_supported(cfg) -> None:
                                            "context_parallel_size") if getattr(m, k) > 1)
         raise ConfigError("model parallelism needs GPUs: megatron-core's pipeline schedules, distributed "
                           "optimizer and sharded checkpoints run on CUDA, and this rank has none", key=key)
+    if m.is_moe and not torch.cuda.is_available():
+        m.check_moe_kernels(gpus=False)
 
 
 def initialize(cfg) -> None:
@@ -53,6 +57,8 @@ def initialize(cfg) -> None:
         virtual_pipeline_model_parallel_size=(m.virtual_pipeline_model_parallel_size
                                               if (m.virtual_pipeline_model_parallel_size or 1) > 1 else None),
         context_parallel_size=m.context_parallel_size,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         distributed_timeout_minutes=cfg.dist.distributed_timeout_minutes,
         nccl_communicator_config_path=d.nccl_communicator_config_path,
         use_sharp=d.use_sharp,

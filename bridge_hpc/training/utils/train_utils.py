@@ -109,19 +109,30 @@ def prepare_forward_step_func(forward_step_func: Callable, state: GlobalState) -
 
 
 def num_floating_point_operations(cfg, batch_size: int) -> float:
-    """Rough training FLOPs of one global batch: 6·N·tokens for the dense weights plus attention.
+    """Rough training FLOPs of one global batch: 6·N·tokens for the weights a token passes through
+    plus attention.
 
-    Used for the cumulative ``floating_point_operations_so_far`` counter and TFLOP/s in the log;
-    it is an estimate (causal attention counted at half of the full score matrix).
+    Used for the cumulative ``floating_point_operations_so_far`` counter and TFLOP/s (and MFU) in the
+    log; it is an estimate (causal attention counted at half of the full score matrix). In an MoE layer
+    N counts the *active* parameters: the router, the ``moe_router_topk`` experts a token is sent to and
+    the shared expert, not every expert.
     """
     m = cfg.model
     h, s, layers = m.hidden_size, m.seq_length, m.num_layers
     kv = (m.kv_channels or h // m.num_attention_heads) * m.num_query_groups
     q = (m.kv_channels or h // m.num_attention_heads) * m.num_attention_heads
-    mlp_in = m.ffn_hidden_size * (2 if m.activation_func == "swiglu" else 1)
-    dense_per_layer = h * (q + 2 * kv) + q * h + h * mlp_in + m.ffn_hidden_size * h
+    gated = 2 if m.activation_func == "swiglu" else 1
+
+    def mlp(width: int) -> int:
+        return h * width * gated + width * h
+
+    moe_layers = sum(m.moe_layer_pattern()) if getattr(m, "num_moe_experts", None) else 0
+    attention_params = h * (q + 2 * kv) + q * h
+    mlp_params = (layers - moe_layers) * mlp(m.ffn_hidden_size)
+    if moe_layers:
+        mlp_params += moe_layers * (sum(mlp(width) for width in m.active_ffn_widths()) + h * m.num_moe_experts)
     tokens = batch_size * s
-    dense = 6 * tokens * (layers * dense_per_layer + h * m.vocab_size)
+    dense = 6 * tokens * (layers * attention_params + mlp_params + h * m.vocab_size)
     attention = 6 * tokens * layers * s * q  # QK^T and AV, fwd+bwd, causal half of 2·2·s·q each
     return float(dense + attention)
 
