@@ -25,7 +25,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "bridge_hpc"
 TORCH_FREE_TRAINING = (
     "bridge_hpc.training", "bridge_hpc.training.config", "bridge_hpc.training.mixed_precision",
     "bridge_hpc.training.comm_overlap", "bridge_hpc.training.datasets", "bridge_hpc.training.datasets.config",
-    "bridge_hpc.training.datasets.indexed_files",
+    "bridge_hpc.training.datasets.indexed_files", "bridge_hpc.training.datasets.jsonl_records",
+    # what the seed config keeps apart: the wording of a config's changes, the rank and world size
+    "bridge_hpc.training.utils.config_values", "bridge_hpc.training.process.world",
     "bridge_hpc.training.engine", "bridge_hpc.training.engine.config", "bridge_hpc.training.engine.low_precision",
     "bridge_hpc.training.resilience",
     "bridge_hpc.training.resilience.config", "bridge_hpc.training.tokenizers",

@@ -6,13 +6,16 @@ other known section (``[train]``, ``[model]``, ``[checkpoint]``, ...) is carried
 where the training core gives it meaning. Each problem becomes a :class:`ConfigError` naming the file
 and the dotted key, so the CLI can print one line and exit 2.
 
+This module types and checks the launcher's sections and puts a job together
+(:func:`load_job_config`); the files are read, merged and overridden in
+:mod:`bridge_hpc.jobfile.sources`, and the ranks' sections resolved (absolute paths, the stop
+signal, the Hugging Face and base-checkpoint checks) in :mod:`bridge_hpc.jobfile.training_sections`.
+
 No torch here: this module runs on the login node.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import fnmatch
 import math
 import os
@@ -23,35 +26,37 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import toml
 
-try:  # TOML 1.0 as the standard library reads it (Python >= 3.11); the toml package before
-    import tomllib as _tomllib
-except ImportError:  # pragma: no cover - Python 3.10
-    _tomllib = None
-
 from bridge_hpc.contracts import bytecode_cache, fast_path, run_folder, signals
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.schema import LAUNCHER_SECTIONS, build_dataclass, did_you_mean
 from bridge_hpc.contracts.text import has_control_chars
-from bridge_hpc.training.checkpoint import architecture as base_architecture
-from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
-from bridge_hpc.training.config import (
-    ConfigContainer,
-    GPTModelConfig,
-    absolute_dataset_paths,
-    dataset_config_class,
-    recipe_fields,
+from bridge_hpc.jobfile.sources import (  # noqa: F401 - the public ones re-exported (launch.preflight reads TOML)
+    _KEY_NOT_PRINTABLE,
+    _NO_CONTROL,
+    MAX_CONFIG_BYTES,
+    MAX_DEPTH,
+    MAX_PROFILES,
+    TomlError,
+    _bad_key,
+    _expanduser,
+    _is_file,
+    _load_with_profiles,
+    _resolve,
+    _Where,
+    deep_merge,
+    parse_override,
+    parse_toml,
 )
-from bridge_hpc.training.datasets.config import GPTDatasetConfig, MockGPTDatasetConfig  # the torch-free ones
+from bridge_hpc.jobfile.training_sections import _resolved_training_sections
+from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
+from bridge_hpc.training.config import ConfigContainer
 from bridge_hpc.training.engine import low_precision, speed_defaults
-from bridge_hpc.training.hf import families as hf_families
-from bridge_hpc.training.hf import mapping as hf_mapping
 
 # Every pattern below is applied with fullmatch: ``$`` would also match before a final newline, and a
 # name ending in a newline would end an ``#SBATCH`` line and start a shell line.
 _TIME_RE = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<h>[0-9]{1,3}):(?P<m>[0-9]{2}):(?P<s>[0-9]{2})")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SBATCH_OPTION_RE = re.compile(r"[a-z][a-z0-9-]*")
-_KEY_PART_RE = re.compile(r"[A-Za-z0-9_-]+")
 #: [env] names a job may not set: what Slurm sets for each job and the batch script and the ranks
 #: read (an exported SLURM_RESTART_COUNT of ``a[$(cmd)]`` would run cmd in the script's arithmetic),
 #: bridge_hpc's own BRIDGE_* variables, and the shell's start-up and parsing variables (BASH_ENV,
@@ -72,13 +77,6 @@ SECRET_ENV_NAMES = ("*_API_KEY", "*_TOKEN", "API_KEY", "WANDB_API_KEY", "HF_TOKE
 _SECRET_KEYS = {("logger", "comet_api_key"): "COMET_API_KEY"}
 #: What ``[cluster] secret_env_names`` may hold: variable names, ``*`` standing for any text.
 _SECRET_NAME_RE = re.compile(r"[A-Za-z0-9_*]+")
-#: The largest job file or profile read (a profile pointing at /proc/kcore must not be read whole).
-MAX_CONFIG_BYTES = 1 << 20
-#: How deeply tables and arrays may nest (the checks below walk them; no job config needs more).
-MAX_DEPTH = 16
-#: How many files one job may read through ``extends`` (profiles that extend each other several
-#: times over would otherwise be read exponentially often).
-MAX_PROFILES = 32
 #: TOML integers are 64-bit signed; the readers return larger ones without complaint.
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -257,258 +255,7 @@ class JobConfig:
         return [v for v in self.env if v.from_shell]
 
 
-# --------------------------------------------------------------------------- loading and merging
-
-
-_NO_CONTROL = "must not contain newlines or control characters"
-_KEY_NOT_PRINTABLE = "a key must not contain newlines, control characters or invisible ones"
-
-
-def _bad_key(key: str) -> bool:
-    """Keys are shown in messages: one with newlines, control, format (bidi overrides, zero-width)
-    or space characters other than ' ' is named by its repr and refused (no known key has any)."""
-    return not key.isprintable()
-
-
-def _expanduser(text: str) -> Path:
-    """``Path(text).expanduser()``; ValueError (not RuntimeError) for ``~nosuchuser``."""
-    try:
-        return Path(text).expanduser()
-    except RuntimeError:
-        raise ValueError(f"{text!r}: no such user's home folder") from None
-
-
-def _resolve(path: Path) -> Path:
-    """``path.resolve()``; ValueError (not RuntimeError or OSError) for a symlink loop or a name the
-    file system refuses (too long, ...)."""
-    try:
-        return path.resolve()
-    except RuntimeError:
-        raise ValueError(f"{str(path)!r}: symbolic links loop") from None
-    except OSError as err:
-        raise ValueError(f"{str(path)!r}: {err.strerror or err}") from None
-
-
-def _is_file(path: Path) -> bool:
-    """``path.is_file()``; ValueError for an error other than "no such file" (name too long, ...)."""
-    try:
-        return path.is_file()
-    except OSError as err:
-        raise ValueError(f"{str(path)!r}: {err.strerror or err}") from None
-
-
-def _too_deep(value: Any, limit: int = MAX_DEPTH, prefix: str = "") -> Optional[str]:
-    """The dotted key under which tables and arrays in ``value`` nest more than ``limit`` levels
-    (``prefix`` when it is ``value`` itself or an array in it), else None. Walked without recursion."""
-    stack: List[Tuple[Any, int, str]] = [(value, 0, prefix)]
-    while stack:
-        item, depth, dotted = stack.pop()
-        if isinstance(item, dict):
-            children = [(v, f"{dotted}.{k}" if dotted else str(k)) for k, v in item.items()]
-        elif isinstance(item, list):
-            children = [(v, dotted) for v in item]
-        else:
-            continue
-        if depth >= limit:
-            return dotted
-        stack.extend((child, depth + 1, key) for child, key in children)
-    return None
-
-
-class TomlError(ValueError):
-    """Text that is not TOML; the message says where (line and column) and what is wrong."""
-
-
-def parse_toml(text: str) -> Dict[str, Any]:
-    """TOML text to a dict: tomllib (TOML 1.0) where Python has it, else the toml package, whose
-    reader misreads valid input (escapes in table names, ``}`` in strings of inline tables).
-    Raises TomlError, or RecursionError for arrays or tables nested thousands deep."""
-    if _tomllib is not None:
-        try:
-            return _tomllib.loads(text)
-        except _tomllib.TOMLDecodeError as err:
-            raise TomlError(str(err)) from None
-    try:  # pragma: no cover - Python 3.10
-        return toml.loads(text)
-    except toml.TomlDecodeError as err:  # pragma: no cover
-        raise TomlError(f"{err.msg} (at line {err.lineno}, column {err.colno})") from None
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError) as err:  # pragma: no cover
-        raise TomlError(str(err)) from None
-
-
-def _read_toml(path: Path, referenced_by: Optional[Tuple[Path, str]] = None) -> Dict[str, Any]:
-    """Parse one TOML file. A file reached through ``extends`` that cannot be read or parsed blames
-    that key of the file that named it (``referenced_by``); tables nested too deeply are named in the
-    file that holds them."""
-    def error(message: str) -> ConfigError:
-        if referenced_by:
-            return ConfigError(f"{str(path)!r}: {message}", path=str(referenced_by[0]), key=referenced_by[1])
-        return ConfigError(message, path=str(path))
-
-    if has_control_chars(str(path)):
-        if referenced_by:
-            raise ConfigError(f"{str(path)!r}: a file name {_NO_CONTROL}", path=str(referenced_by[0]), key=referenced_by[1])
-        raise ConfigError(f"a file name {_NO_CONTROL}", path=repr(str(path)))
-    try:
-        if not path.is_file():
-            raise error("file does not exist" if not path.exists() else "not a regular file")
-        with path.open("rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as err:
-        raise error(f"cannot read file: {err.strerror or err}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise error(f"larger than {MAX_CONFIG_BYTES} bytes: not a job config")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise error("not a text file (not UTF-8)") from None
-    if "\0" in text:
-        raise error("not a text file (contains NUL bytes)")
-    try:
-        doc = parse_toml(text)
-    except TomlError as err:
-        raise error(f"not valid TOML: {err}") from None
-    except RecursionError:
-        raise error(f"tables or arrays nested too deeply (more than {MAX_DEPTH} levels)") from None
-    deep = _too_deep(doc)
-    if deep is not None:
-        raise ConfigError(f"tables or arrays nested too deeply (more than {MAX_DEPTH} levels)", path=str(path),
-                          key=deep or None)
-    return doc
-
-
-def deep_merge(base: Dict[str, Any], override: Dict[str, Any]) -> Dict[str, Any]:
-    """Tables merge key by key; any other value in ``override`` replaces the base's."""
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _load_with_profiles(path: Path, chain: Tuple[Path, ...] = (),
-                        referenced_by: Optional[Tuple[Path, str]] = None,
-                        read: Optional[List[Path]] = None) -> Tuple[Dict[str, Any], Dict[Tuple[str, ...], Path]]:
-    """Read ``path`` after the profiles it ``extends`` (in order); later values win.
-
-    Returns the merged document and, for every leaf key, the file it came from, so that an error in
-    an inherited key names the profile, not the job file. ``read`` counts the files read so far.
-    """
-    read = [] if read is None else read
-    read.append(path)
-    if len(read) > MAX_PROFILES:
-        raise ConfigError(f"more than {MAX_PROFILES} files read through extends (profiles that extend each other "
-                          "over and over?)", path=str(referenced_by[0] if referenced_by else path), key="extends")
-    doc = _read_toml(path, referenced_by)
-    extends = doc.pop("extends", [])
-    if isinstance(extends, str):
-        extends = [extends]
-    if not isinstance(extends, list) or not all(isinstance(e, str) for e in extends):
-        raise ConfigError("expected a file name or a list of file names", path=str(path), key="extends")
-    merged: Dict[str, Any] = {}
-    origin: Dict[Tuple[str, ...], Path] = {}
-    for rel in extends:
-        if has_control_chars(rel):
-            raise ConfigError(f"{rel!r}: a file name {_NO_CONTROL}", path=str(path), key="extends")
-        if not rel.strip():
-            raise ConfigError("expected a file name, got an empty string", path=str(path), key="extends")
-        try:
-            parent = _resolve(path.parent / _expanduser(rel))
-            is_file = _is_file(parent)
-        except ValueError as err:
-            raise ConfigError(f"profile {rel!r}: {err}", path=str(path), key="extends") from None
-        if parent in chain or parent == path:
-            raise ConfigError(f"profiles extend each other in a cycle through {str(parent)!r}", path=str(path), key="extends")
-        if not is_file:
-            what = "not found" if not os.path.lexists(parent) else "is not a regular file"
-            raise ConfigError(f"profile {rel!r} {what} (looked for {str(parent)!r})", path=str(path), key="extends")
-        pdoc, porigin = _load_with_profiles(parent, chain + (path,), (path, "extends"), read)
-        merged = deep_merge(merged, pdoc)
-        origin.update(porigin)
-    merged = deep_merge(merged, doc)
-    for keypath in _leaf_paths(doc):
-        origin[keypath] = path
-    return merged, origin
-
-
-def _leaf_paths(doc: Dict[str, Any], prefix: Tuple[str, ...] = ()) -> List[Tuple[str, ...]]:
-    out = []
-    for key, value in doc.items():
-        if isinstance(value, dict) and value:
-            out.extend(_leaf_paths(value, prefix + (key,)))
-        else:
-            out.append(prefix + (key,))
-    return out
-
-
-def parse_override(text: str) -> Tuple[List[str], Any]:
-    """``section.key=value`` -> (["section", "key"], value). The value is read as a TOML value when it
-    is one (numbers, booleans, quoted strings, arrays), else taken as a plain string."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected section.key=value")
-    key, raw = text.split("=", 1)
-    if has_control_chars(key) or _bad_key(key.strip()):
-        raise ConfigError(f"--set {text!r}: {_KEY_NOT_PRINTABLE}", key=key.strip())
-    parts = key.strip().split(".")
-    if len(parts) < 2 or not all(_KEY_PART_RE.fullmatch(p) for p in parts):
-        raise ConfigError(f"--set {text!r}: expected a dotted key of letters, digits, '_' and '-' "
-                          "such as train.train_iters", key=key.strip())
-    if len(parts) > MAX_DEPTH:
-        raise ConfigError(f"--set {key.strip()}: more than {MAX_DEPTH} levels of keys", key=key.strip())
-    try:
-        value = parse_toml(f"v = {raw}")["v"]
-    except RecursionError:
-        raise ConfigError(f"--set {key.strip()}: the value is nested too deeply", key=key.strip()) from None
-    except (TomlError, KeyError):
-        value = raw
-    if _too_deep(value, MAX_DEPTH - len(parts)) is not None:
-        raise ConfigError(f"--set {key.strip()}: the value is nested too deeply", key=key.strip())
-    if isinstance(value, (datetime.date, datetime.time)):
-        value = raw  # slurm.time=02:00:00 means the string, not a TOML time of day
-    return parts, value
-
-
 # --------------------------------------------------------------------------- typed sections
-
-
-@dataclass
-class _Where:
-    """Maps a dotted key to the file it was set in (the job file, a profile or the command line)."""
-
-    path: Path
-    origin: Dict[Tuple[str, ...], Path]
-    overridden: Tuple[Tuple[str, ...], ...]
-
-    def file_of(self, dotted: str, parts: Optional[Tuple[str, ...]] = None) -> str:
-        """The file that set ``dotted`` (``parts``: the same key path, where a key holds a dot)."""
-        parts = parts if parts is not None else tuple(dotted.split("."))
-        for n in range(len(parts), 0, -1):  # the key itself, or a table above it set as a whole
-            if parts[:n] in self.overridden:
-                return f"{self.path} (--set {'.'.join(parts[:n])})"
-            if parts[:n] in self.origin:
-                return str(self.origin[parts[:n]])
-        for keypath in self.overridden:  # a table that a --set (which came last) put keys into
-            if keypath[:len(parts)] == parts:
-                return f"{self.path} (--set {'.'.join(keypath)})"
-        for keypath, origin in self.origin.items():  # a table, or a key that holds a dot
-            joined = ".".join(keypath)
-            if keypath[:len(parts)] == parts or joined == dotted or joined.startswith(dotted + "."):
-                return str(origin)
-        # A key missing from its table: whoever set what is in the nearest table above it; where a
-        # --set and files both did, the --set, which came last.
-        for n in range(len(parts) - 1, 0, -1):
-            for keypath in self.overridden:
-                if keypath[:n] == parts[:n]:
-                    return f"{self.path} (--set {'.'.join(keypath)})"
-            for keypath, origin in self.origin.items():
-                if keypath[:n] == parts[:n]:
-                    return str(origin)
-        return str(self.path)
-
-    def error(self, dotted: str, message: str, parts: Optional[Tuple[str, ...]] = None) -> ConfigError:
-        return ConfigError(message, path=self.file_of(dotted, parts), key=dotted)
 
 
 def _no_control_chars(value: Any, parts: Tuple[str, ...], where: _Where) -> None:
@@ -756,185 +503,6 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         path=path, job=job, slurm=slurm, env=env, container=container, setup=setup,
         cluster=cluster, training=container_cfg, raw=resolved, stop_signal=stop_signal, where=where,
     )
-
-
-#: Training paths placed in the run folder: (section, key, default name in the run folder or None).
-_RUN_FOLDER_PATHS = (
-    ("checkpoint", "save", run_folder.CHECKPOINTS_DIR),
-    ("checkpoint", "load", None),
-    ("logger", "tensorboard_dir", run_folder.TENSORBOARD_DIR),
-    ("logger", "metrics_file", run_folder.METRICS_FILE),
-    ("logger", "save_config_filepath", None),
-    ("logger", "wandb_save_dir", None),
-    ("dist", "flight_recorder_dump_path", None),
-)
-#: Run-folder paths that an empty string turns off (what is then not written): ``tensorboard_dir = ""``
-#: is Megatron Bridge's "no TensorBoard" (its default, None, cannot be written in TOML).
-_OFF_WHEN_EMPTY = {("logger", "tensorboard_dir"): "TensorBoard"}
-
-
-#: What a job gets unless it says otherwise, where Megatron Bridge's default suits a script but not a
-#: job on a preemptible cluster: (section, key, value). The progress log is what bridge-report and the
-#: goodput figures read, so a job writes it, as it writes TensorBoard events (``log_progress = false``
-#: turns it off).
-_JOB_DEFAULTS = (("logger", "log_progress", True),)
-
-
-#: Training inputs given as paths: relative ones mean the folder bridge-submit runs in, as for
-#: ``job.run_dir`` and ``job.forward_step``. (Dataset prefixes: :func:`absolute_dataset_paths`.)
-_INPUT_PATHS = (
-    ("checkpoint", "pretrained_checkpoint"),
-    ("model", "hf_config"),
-    ("dataset", "dataset_root"),
-    ("tokenizer", "tokenizer_model"),
-    ("tokenizer", "vocab_file"),
-    ("tokenizer", "merge_file"),
-    ("dist", "nccl_communicator_config_path"),
-)
-
-
-def _recipe_table(value: Any, where: "_Where") -> Dict[str, Any]:
-    """``[mixed_precision]`` as a table: a recipe name (``mixed_precision = "bf16_mixed"``, Bridge's
-    spelling) becomes the fields it sets, so resolved.toml records the precision the ranks used."""
-    if not isinstance(value, str):
-        return dict(value)
-    try:
-        return recipe_fields(value)
-    except ConfigError as err:
-        raise where.error("mixed_precision", err.message) from None
-
-
-def _resolved_training_sections(doc: Dict[str, Any], run_dir: str, base: Path, stop_signal: signals.StopSignal,
-                                where: "_Where") -> Dict[str, Dict[str, Any]]:
-    """The ranks' sections as resolved.toml records them: every path absolute (outputs relative to the
-    run folder, so a job file and its resolved.toml place files identically; inputs relative to
-    ``base``, the folder bridge-submit runs in) and ``train.exit_signal`` set to the stop signal's list
-    (:mod:`bridge_hpc.contracts.signals`)."""
-    training = {k: _recipe_table(v, where) if k == "mixed_precision" else dict(v)
-                for k, v in doc.items() if k in TRAINING_SECTIONS}
-    for section, key in _INPUT_PATHS:
-        value = training.get(section, {}).get(key)
-        if isinstance(value, str) and value.strip():
-            try:
-                path = _expanduser(value)
-            except ValueError as err:
-                raise where.error(f"{section}.{key}", str(err)) from None
-            training[section][key] = str(path if path.is_absolute() else base / path)
-    _hugging_face_sections(training, where)
-    _toolkit_base_matches_model(training, where)
-    dataset = training.get("dataset")
-    indexed = dataset is not None and issubclass(dataset_config_class(dataset), GPTDatasetConfig) and not issubclass(
-        dataset_config_class(dataset), MockGPTDatasetConfig)  # mock data is a GPTDatasetConfig that reads no files
-    if indexed:
-        dataset = absolute_dataset_paths(dataset, str(base))
-        cache = dataset.get("path_to_cache") or run_folder.DATASET_CACHE_DIR
-        if isinstance(cache, str):
-            try:
-                cache_path = _expanduser(cache)
-            except ValueError as err:
-                raise where.error("dataset.path_to_cache", str(err)) from None
-            dataset["path_to_cache"] = str(cache_path if cache_path.is_absolute() else Path(run_dir) / cache_path)
-        training["dataset"] = dataset
-    for section, key, default in _RUN_FOLDER_PATHS:
-        value = training.get(section, {}).get(key)
-        if value is None and default is None:
-            continue
-        switch = _OFF_WHEN_EMPTY.get((section, key))
-        if switch and value is not None and (not isinstance(value, str) or value != value.strip()):
-            raise where.error(f"{section}.{key}", f'expected a folder path (relative ones are in the run folder), or "" '
-                              f"to turn {switch} off, got {value!r}")
-        if value is not None and not isinstance(value, str):
-            continue  # the section's own type check names it
-        if switch and value == "":
-            continue  # off: resolved.toml keeps the "" so that the ranks see it too
-        try:
-            path = _expanduser(value) if value is not None else Path(default)
-        except ValueError as err:
-            raise where.error(f"{section}.{key}", str(err)) from None
-        training.setdefault(section, {})[key] = str(path if path.is_absolute() else Path(run_dir) / path)
-    for section, key, value in _JOB_DEFAULTS:
-        training.setdefault(section, {}).setdefault(key, value)
-    train = training.setdefault("train", {})
-    wanted = list(stop_signal.rank_signals)
-    given = train.get("exit_signal")
-    if given is None:
-        train["exit_signal"] = wanted
-    else:
-        names = [given] if isinstance(given, str) else given
-        missing = [n for n in wanted if isinstance(names, list) and n not in names]
-        if missing:
-            raise where.error("train.exit_signal", f"must include {', '.join(missing)}: Slurm will send it "
-                              f"(slurm.signal = {stop_signal.sbatch_value!r}) and a rank without a handler dies "
-                              "without a checkpoint; leave train.exit_signal unset to follow slurm.signal")
-    return training
-
-
-def _hugging_face_sections(training: Dict[str, Dict[str, Any]], where: "_Where") -> None:
-    """``[model] hf_config`` (also implied by a Hugging Face folder as ``checkpoint.pretrained_checkpoint``):
-    the model section filled from the folder's config.json (:func:`bridge_hpc.training.hf.families.fill_model_section`:
-    explicit keys win, contradictions refused), the folder's tokenizer unless ``[tokenizer]`` is given,
-    and a Hugging Face ``pretrained_checkpoint`` checked against the model from its safetensors headers
-    (missing, truncated or misshapen tensors), so that none of it fails on the ranks."""
-    model = training.get("model")
-    pretrained = training.get("checkpoint", {}).get("pretrained_checkpoint")
-    hf_pretrained = isinstance(pretrained, str) and hf_families.is_hf_folder(pretrained)
-    config_key = "model.hf_config"  # the job's key that names the folder the model comes from
-    if hf_pretrained and (model is None or model.get("hf_config") is None):
-        model = training.setdefault("model", {})
-        model["hf_config"] = pretrained
-        config_key = "checkpoint.pretrained_checkpoint"
-    folder = model.get("hf_config") if isinstance(model, dict) else None
-    if folder is None:
-        return
-    if not isinstance(folder, str) or not folder.strip():
-        raise where.error("model.hf_config", f"expected a Hugging Face model folder (with config.json), got {folder!r}")
-    folder_key = config_key
-    try:
-        filled, _ = hf_families.fill_model_section(model, folder)
-        if hf_pretrained:
-            finalized = build_dataclass(GPTModelConfig, "model", filled, lambda key, message: ConfigError(message, key=key))
-            finalized.finalize()
-            folder_key = "checkpoint.pretrained_checkpoint"
-            hf_mapping.check_folder(pretrained, dataclasses.asdict(finalized))
-    except ConfigError as err:
-        if err.key and not err.path:  # a key of the job's [model]
-            raise where.error(err.key, err.message) from None
-        if not err.key:  # the folder itself (no config.json, say): the job's key that names it
-            raise where.error(folder_key, f"{err.path}: {err.message}" if err.path else err.message) from None
-        raise  # a key of one of the folder's files (config.json's model_type, a tensor): that file and key
-    training["model"] = filled
-    if "tokenizer" not in training and any(os.path.isfile(os.path.join(folder, name))
-                                           for name in hf_families.TOKENIZER_FILES):
-        training["tokenizer"] = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": folder}
-
-
-def _toolkit_base_matches_model(training: Dict[str, Dict[str, Any]], where: "_Where") -> None:
-    """A toolkit checkpoint as ``checkpoint.pretrained_checkpoint``: the model it was written by (its
-    run_config.json) against the job's ``[model]``, on every field that fixes a tensor's shape
-    (:mod:`bridge_hpc.training.checkpoint.architecture`), so that a base of another architecture is
-    refused here, not by a size mismatch on every rank after the queue."""
-    pretrained = training.get("checkpoint", {}).get("pretrained_checkpoint")
-    if not isinstance(pretrained, str) or not pretrained.strip() or hf_families.is_hf_folder(pretrained):
-        return
-    folder = base_architecture.base_iteration_folder(pretrained)
-    if folder is None:
-        return  # nothing to compare yet (the ranks say what is missing when they read it)
-    try:
-        saved = base_architecture.saved_model(folder)
-    except ConfigError as err:
-        raise where.error("checkpoint.pretrained_checkpoint", f"{err.path}: {err.message}") from None
-    try:
-        model = build_dataclass(GPTModelConfig, "model", training.get("model", {}),
-                                lambda key, message: ConfigError(message, key=key))
-        model.finalize()
-    except ConfigError as err:
-        raise where.error(err.key or "model", err.message) from None
-    found = base_architecture.first_contradiction(saved, dataclasses.asdict(model))
-    if found is not None:
-        name, wanted, theirs = found
-        raise where.error(f"model.{name}", f"is {wanted!r}, but checkpoint.pretrained_checkpoint {folder} holds a model "
-                          f"with {name} = {theirs!r} (its tensors cannot be read into this model): set model.{name} = "
-                          f"{theirs!r}, or start from a checkpoint of this architecture")
 
 
 def _resolve_forward_step(spec: str, base: Path, where: "_Where") -> str:

@@ -11,6 +11,12 @@ section's ``finalize()`` fills derived fields and checks the section on its own;
 :meth:`ConfigContainer.validate` finalizes everything and checks the sections against each other
 (which needs the world size, so it runs once torch.distributed is up). Every bad value raises
 :class:`~bridge_hpc.contracts.errors.ConfigError` naming the dotted key.
+
+This module holds the sections of the training loop itself and the container; the other sections
+live beside the components that read them (``[tokenizer]`` in :mod:`bridge_hpc.training.tokenizers.config`,
+``[dataset]`` in :mod:`bridge_hpc.training.datasets.config`, ...) and are re-exported here, Bridge's
+path for every one of them. So are the helpers that word what a config changes from the defaults
+(:mod:`bridge_hpc.training.utils.config_values`, Bridge's ``_get_*`` among them).
 """
 
 from __future__ import annotations
@@ -41,6 +47,16 @@ from bridge_hpc.training.mixed_precision import (
     get_mixed_precision_config,
     recipe_fields,  # noqa: F401 - for the login side (jobconfig)
 )
+from bridge_hpc.training.process import world
+from bridge_hpc.training.utils.config_values import (  # noqa: F401 - Bridge's private helpers, re-exported
+    LOGGED_VALUE_CHARS,
+    REDACTED,
+    SECRET_FIELDS,
+    _get_key_config_values,
+    _get_mcore_transformer_parent,
+    _get_non_default_values,
+    log_changed_fields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +83,7 @@ from bridge_hpc.training.datasets.config import (  # noqa: E402,F401 - Bridge's 
     parse_jsonl_record,
     parse_split,
     read_index_header,
+    reads_indexed_data,
     verify_index,
 )
 from bridge_hpc.training.engine.config import (  # noqa: E402,F401 - Bridge's names, re-exported
@@ -88,6 +105,10 @@ from bridge_hpc.training.resilience.config import (  # noqa: E402,F401 - Bridge'
     NVRxStragglerDetectionConfig,
     RerunStateMachineConfig,
     StragglerDetectionConfig,
+)
+from bridge_hpc.training.tokenizers.config import (  # noqa: E402,F401 - Bridge's name, re-exported
+    TOKENIZER_TYPES_WITH_MODEL,
+    TokenizerConfig,
 )
 from bridge_hpc.training.utils.config import (  # noqa: E402,F401 - re-exported
     LoggerConfig,
@@ -274,81 +295,6 @@ class ValidationConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer
-# ---------------------------------------------------------------------------------------------
-
-#: Tokenizer types that read a file or folder named by ``tokenizer.tokenizer_model``.
-TOKENIZER_TYPES_WITH_MODEL = ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                              "TikTokenizer")
-
-
-@dataclass
-class TokenizerConfig:
-    """Which tokenizer turns text into token ids: Megatron Bridge's ``TokenizerConfig`` names.
-
-    Built on the ranks (and by ``bridge-prepare-data``) with megatron-core's own tokenizer library,
-    see :mod:`bridge_hpc.training.tokenizers`. Types: ``HuggingFaceTokenizer`` (a local folder or
-    ``tokenizer.json``), ``SentencePieceTokenizer`` / ``GPTSentencePieceTokenizer`` (a local ``.model``),
-    ``TikTokenizer`` (a local tiktoken vocabulary file), ``NullTokenizer`` (text is space-separated
-    ids; needs ``vocab_size``) and ``ByteLevelTokenizer`` (ours, not Bridge's: UTF-8 bytes 0-255 plus
-    special tokens from id 256 on, no file at all).
-
-    Nothing is ever downloaded, so ``tokenizer_model`` must be an existing local path: checked here,
-    at submission, rather than minutes later on every rank. A relative path means the folder
-    bridge-submit runs in (as for ``job.run_dir``); resolved.toml records it absolute.
-
-    ``vocab_size`` is the tokenizer's (Bridge: "size of vocab before EOD or padding"; NullTokenizer
-    and TikTokenizer read it). ``use_tokenizer_vocab_size`` says whether the model's vocabulary comes
-    from the tokenizer: left unset, :meth:`ConfigContainer.from_sections` makes it true exactly when
-    ``[model]`` does not set ``vocab_size``. The tokenizer's size is then padded up to a multiple of
-    ``make_vocab_size_divisible_by`` (Megatron's default 128) x the tensor-parallel size.
-    ``vocab_extra_ids`` adds ``<extra_id_0>``... special tokens (HuggingFace, SentencePiece, byte-level).
-    """
-
-    tokenizer_type: Optional[Literal["HuggingFaceTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                                     "TikTokenizer", "NullTokenizer", "ByteLevelTokenizer"]] = None
-    tokenizer_model: Optional[str] = None
-    vocab_size: Optional[int] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    vocab_extra_ids: int = 0
-    special_tokens: Optional[List[str]] = None
-    tiktoken_pattern: Optional[Literal["v1", "v2"]] = None
-    tiktoken_num_special_tokens: int = 1000
-    hf_tokenizer_kwargs: Dict[str, Any] = field(default_factory=dict)
-    sp_tokenizer_kwargs: Dict[str, Any] = field(default_factory=dict)
-    make_vocab_size_divisible_by: int = 128
-    use_tokenizer_vocab_size: Optional[bool] = None
-
-    def finalize(self) -> None:
-        _check(self.tokenizer_type is not None, "tokenizer.tokenizer_type",
-               "must be set: HuggingFaceTokenizer, SentencePieceTokenizer, TikTokenizer, NullTokenizer "
-               "or ByteLevelTokenizer")
-        if self.tokenizer_type in TOKENIZER_TYPES_WITH_MODEL:
-            _check(self.tokenizer_model is not None, "tokenizer.tokenizer_model",
-                   f"must be set for {self.tokenizer_type}: a local file or folder (nothing is downloaded)")
-        else:
-            _check(self.tokenizer_model is None, "tokenizer.tokenizer_model",
-                   f"is not used by {self.tokenizer_type}; remove it")
-        for key in ("tokenizer_model", "vocab_file", "merge_file"):
-            value = getattr(self, key)
-            if value is None:
-                continue
-            path = os.path.abspath(os.path.expanduser(value))
-            _check(os.path.exists(path), f"tokenizer.{key}",
-                   f"{value!r} is not an existing local file or folder (nothing is downloaded: a hub name does not work)")
-            setattr(self, key, path)
-        _check(self.tokenizer_type != "NullTokenizer" or self.vocab_size is not None, "tokenizer.vocab_size",
-               "must be set for NullTokenizer")
-        _check(self.vocab_size is None or self.vocab_size > 0, "tokenizer.vocab_size", "must be > 0")
-        _check(self.vocab_extra_ids >= 0, "tokenizer.vocab_extra_ids", "must be >= 0")
-        _check(self.vocab_extra_ids == 0 or self.tokenizer_type not in ("TikTokenizer", "NullTokenizer"),
-               "tokenizer.vocab_extra_ids", f"is not supported by {self.tokenizer_type}")
-        _check(self.make_vocab_size_divisible_by > 0, "tokenizer.make_vocab_size_divisible_by", "must be > 0")
-        _check(self.tiktoken_num_special_tokens >= 0, "tokenizer.tiktoken_num_special_tokens", "must be >= 0")
-
-
-# ---------------------------------------------------------------------------------------------
 # The container
 # ---------------------------------------------------------------------------------------------
 
@@ -526,7 +472,7 @@ class ConfigContainer:
         ids from it, and it sizes the vocabulary), and so does fine-tuning data, which is tokenized on
         the fly; fine-tuning also needs its training file when it trains. Checked at submission, not
         minutes later on the ranks."""
-        if _reads_indexed_data(self.dataset):
+        if reads_indexed_data(self.dataset):
             _check(self.tokenizer is not None, "tokenizer.tokenizer_type",
                    "dataset.data_path needs a [tokenizer] section: the one the data was prepared with "
                    "(e.g. tokenizer_type = \"ByteLevelTokenizer\")")
@@ -570,7 +516,7 @@ class ConfigContainer:
                 path = d.split_path(split)
                 if path is not None and wanted > 0:
                     checked.append((path, check_jsonl_records(path, d.prompt_key, d.answer_key, full, progress)))
-        elif _reads_indexed_data(d) and full:
+        elif reads_indexed_data(d) and full:
             checked = [(prefix + ".idx", verify_index(prefix, key, progress)) for prefix, key in d.prefixes()]
         return checked
 
@@ -587,7 +533,7 @@ class ConfigContainer:
         """Set ``data_parallel_size`` from the world (torch.distributed's, else ``$WORLD_SIZE``, else 1)
         without the other checks of :meth:`validate`, and copy it to ``comm_overlap`` (whose overlaps
         default to on above 1)."""
-        self.data_parallel_size = self.get_data_parallel_size(_world_size())
+        self.data_parallel_size = self.get_data_parallel_size(world.world_size())
         if self.comm_overlap is not None:
             self.comm_overlap.data_parallel_size = self.data_parallel_size
 
@@ -598,10 +544,10 @@ class ConfigContainer:
         ``world_size`` defaults to torch.distributed's when it is up, else ``$WORLD_SIZE``, else 1.
         """
         m, t = self.model, self.train
-        self.data_parallel_size = self.get_data_parallel_size(world_size or _world_size())
+        self.data_parallel_size = self.get_data_parallel_size(world_size or world.world_size())
         self._check_batch_sizes(t.global_batch_size, t.micro_batch_size, "train.global_batch_size",
                                 "micro_batch_size", "step")
-        if _reads_indexed_data(self.dataset):
+        if reads_indexed_data(self.dataset):
             self._validate_gpt_dataset()
         if isinstance(self.dataset, FinetuningDatasetConfig):
             self.check_data_needs()
@@ -701,19 +647,7 @@ class ConfigContainer:
         the baseline, easy to spot in a log. Bridge compares its megatron-core-derived sections with
         megatron-core's defaults; here every section is this toolkit's dataclass, so the baseline is
         its own defaults. A field without a default shows its value."""
-        def shown(value: Any) -> str:  # a blend of a thousand shards must not make a line of megabytes
-            text = repr(value)
-            return text if len(text) <= LOGGED_VALUE_CHARS else text[:LOGGED_VALUE_CHARS] + f"... ({len(text)} chars)"
-
-        for name, section in self.sections():
-            changed = _non_default_values(section)
-            for section_name, key in SECRET_FIELDS:
-                if section_name == name and key in changed:
-                    changed[key] = (REDACTED, changed[key][1])
-            if changed:
-                logger.info("config [%s] differs from the defaults: %s", name, ", ".join(
-                    f"{key} = {shown(value)}" if default is _REQUIRED else f"{key} = {shown(value)} (default {shown(default)})"
-                    for key, (value, default) in changed.items()))
+        log_changed_fields(self.sections(), logger)
 
     def to_dict(self) -> Dict[str, Any]:
         """The resolved configuration as plain data (saved in every checkpoint, written by
@@ -804,7 +738,7 @@ def _validate_and_sync_distributed_optimizer_settings(config: ConfigContainer) -
     ddp_setting = config.ddp.use_distributed_optimizer
     optimizer_setting = config.optimizer.use_distributed_optimizer
     if ddp_setting or optimizer_setting:
-        if ddp_setting != optimizer_setting and _rank() == 0:
+        if ddp_setting != optimizer_setting and world.rank() == 0:
             import logging
 
             logging.getLogger(__name__).warning(
@@ -831,112 +765,8 @@ def _validate_mixed_precision_consistency(config: ConfigContainer) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers: checking keys and types
+# Bridge's megatron-core dataset classes, resolved on first use
 # ---------------------------------------------------------------------------------------------
-
-
-#: Fields that hold secrets: never logged, never saved (what stands in for them: :data:`REDACTED`).
-SECRET_FIELDS = (("logger", "comet_api_key"),)
-REDACTED = "<redacted>"
-
-#: The longest value :meth:`ConfigContainer.log_non_default_values` writes whole.
-LOGGED_VALUE_CHARS = 200
-#: Stands for "no default" in :func:`_non_default_values`.
-_REQUIRED = object()
-
-
-def _non_default_values(section: Any) -> Dict[str, Tuple[Any, Any]]:
-    """``{field: (value, default)}`` for the init fields of a dataclass ``section`` whose value is not
-    the default (``default`` is :data:`_REQUIRED` for a field without one)."""
-    out: Dict[str, Tuple[Any, Any]] = {}
-    for f in dataclasses.fields(section):
-        if not f.init:
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = _REQUIRED
-        value = getattr(section, f.name)
-        if default is _REQUIRED or value != default:
-            out[f.name] = (value, default)
-    return out
-
-
-def _reads_indexed_data(dataset: Any) -> bool:
-    """A :class:`GPTDatasetConfig` that reads ``.bin``/``.idx`` files: not the mock one, which is a
-    GPTDatasetConfig too (as in Bridge) but reads nothing, nor one without any data (megatron-core's
-    mock mode, ``mock`` set by finalize)."""
-    return (isinstance(dataset, _datasets.GPTDatasetConfig) and not isinstance(dataset, _datasets.MockGPTDatasetConfig)
-            and not dataset.mock)
-
-
-def _get_mcore_transformer_parent(model_config: Any) -> type:
-    """megatron-core's TransformerConfig class to compare ``model_config`` with (Bridge's helper):
-    ``MLATransformerConfig`` for an MLA model, else ``TransformerConfig``. bridge_hpc's
-    :class:`GPTModelConfig` is a GPT without MLA, so it gets ``TransformerConfig``. Imports megatron-core
-    (ranks only)."""
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-
-    return MLATransformerConfig if isinstance(model_config, MLATransformerConfig) else TransformerConfig
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    """Equal, or the same dtype spelled as a torch dtype on one side and as its name on the other
-    (bridge_hpc's sections keep dtype names, megatron-core's defaults are torch dtypes)."""
-    return a == b or str(a).replace("torch.", "") == str(b).replace("torch.", "")
-
-
-def _get_non_default_values(config_obj: Any, mcore_class: type) -> Dict[str, Tuple[Any, Any]]:
-    """``{field: (current value, megatron-core default)}`` for the fields of dataclass ``mcore_class``
-    (megatron-core's parent class, e.g. its ``OptimizerConfig``) that ``config_obj`` sets to something
-    else (Bridge's helper for :meth:`ConfigContainer.log_non_default_values`). Fields without a default
-    in ``mcore_class``, and ones ``config_obj`` lacks, are skipped."""
-    out: Dict[str, Tuple[Any, Any]] = {}
-    for f in dataclasses.fields(mcore_class):
-        if f.name not in {g.name for g in dataclasses.fields(config_obj)}:
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            continue
-        value = getattr(config_obj, f.name)
-        if not _same_value(value, default):
-            out[f.name] = (value, default)
-    return out
-
-
-def _get_key_config_values(config_obj: Any) -> Dict[str, Any]:
-    """``{field: value}`` of dataclass ``config_obj``'s fields, leaving out None values and callables
-    (Bridge's helper: what is logged of a section that has no megatron-core parent to compare with)."""
-    return {f.name: getattr(config_obj, f.name) for f in dataclasses.fields(config_obj)
-            if getattr(config_obj, f.name) is not None and not callable(getattr(config_obj, f.name))}
-
-
-def _world_size() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
-    except ImportError:
-        pass
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _rank() -> int:
-    """This process's rank, as :func:`_world_size` finds the world (torch.distributed, else ``$RANK``)."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:
-        pass
-    return int(os.environ.get("RANK", "0"))
 
 
 #: Bridge's dataset config names that are megatron-core subclasses: resolved on first use

@@ -34,11 +34,10 @@ from bridge_hpc.training.datasets.config import (  # the descriptions: the ranks
     FinetuningDatasetConfig,
     GPTDatasetConfig,
     GPTFIMDatasetConfig,
-    JsonlProblem,
     MockGPTDatasetConfig,
-    parse_jsonl_record,
     read_index_header,
 )
+from bridge_hpc.training.datasets.jsonl_records import JsonlProblem, parse_jsonl_record
 
 __all__ = ["MockGPTDataset", "FinetuningDataset", "DatasetProvider", "DatasetBuildContext", "SampleIterator",
            "build_data_iterator", "build_datasets", "build_mock_datasets", "build_gpt_datasets",
@@ -504,7 +503,7 @@ def index_jsonl(path: str, prompt_key: str, answer_key: str) -> np.ndarray:
     """Byte ranges ``[start, end)`` and line numbers of the records of a jsonl file, one row each; blank
     lines are skipped.
 
-    Every line is checked once here, as at submission (:func:`~bridge_hpc.training.config.parse_jsonl_record`),
+    Every line is checked once here, as at submission (:func:`~bridge_hpc.training.datasets.jsonl_records.parse_jsonl_record`),
     so that a bad one stops the run at start-up rather than at the step that reads it, and a file
     changed since it was submitted is caught too: a line that is not a JSON object, or lacks either
     field, or whose field is not a string of text (a lone surrogate), is a ConfigError naming

@@ -1,4 +1,4 @@
-"""Build a :class:`~bridge_hpc.training.config.TokenizerConfig` into a megatron-core tokenizer.
+"""Build a :class:`~bridge_hpc.training.tokenizers.config.TokenizerConfig` into a megatron-core tokenizer.
 
 Why megatron-core's own library (``megatron.core.tokenizers``) and not the libraries directly: the
 object it returns is what megatron-core's datasets expect (``eod``, ``vocab_size``,
@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from bridge_hpc.contracts.errors import ConfigError
-from bridge_hpc.training.config import ConfigContainer, TokenizerConfig
+from bridge_hpc.training.tokenizers.config import TokenizerConfig
+
+if TYPE_CHECKING:  # training.config imports tokenizers.config, so a run-time import back would be a circle
+    from bridge_hpc.training.config import ConfigContainer
 
 #: The pip extra that installs every optional tokenizer library.
 DATA_EXTRA = "bridge_hpc[data]"
