@@ -132,6 +132,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         with heap.imports_uncollected(), compiler_imports.deferred():
             forward_step = load_forward_step(job.job.forward_step, source=args.config)
             entry = load_entry(job.job.entry)
+        # This process leaves through os._exit once the entry point returns (_leave): the process group
+        # pretrain brings up is left to that, not torn down first.
+        from bridge_hpc.training import pretrain as pretrain_module
+
+        pretrain_module.PROCESS_ENDS_ON_RETURN = True
         # The entry point brings torch.distributed up itself, after its signal handler is in place: a
         # preemption notice during a slow rendezvous is then recorded, not fatal.
         try:

@@ -7,6 +7,10 @@ that Bridge's own unit tests (``tests/unit_tests/training``) or its documented A
 3. ``SchedulerConfig.max_steps``; ``CheckpointConfig(ckpt_step=..., load=...)``, which a run loads.
 4. ``LoggerConfig.finalize`` imports the backend's package (Bridge's check); a job file's loader looks it up.
 5. ``GlobalState``'s W&B / MLflow / Comet properties: the last rank only, a missing run name is a ValueError.
+6. ``training_log`` hands each of those loggers the step's scalars and timers with Bridge's calls; the run's
+   own backends keep what they have already once.
+7. ``pretrain``'s process group: the caller's stays up, its own is torn down (aborted when the run fails),
+   except after a failed attempt under the in-process restart wrapper, which cleans up itself.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import copy
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
-from bridge_test_helpers import free_port, tiny_checkpoints, tiny_job
+from bridge_test_helpers import TINY, free_port, single_rank_world, tiny_checkpoints, tiny_job
 
 from bridge_hpc.contracts.errors import ConfigError, MissingPackageError
 from bridge_hpc.training import config as C
@@ -259,3 +264,211 @@ def test_a_logger_property_is_none_without_a_config_or_with_its_backend_off(monk
 
     assert getattr(GlobalState(), prop) is None
     assert getattr(_state(monkeypatch, 3, 4), prop) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. training_log and GlobalState's loggers
+# ---------------------------------------------------------------------------------------------
+
+
+class _Logger:
+    """A stand-in for a backend's logger: records the calls training_log makes on it."""
+
+    def __init__(self, method: str):
+        self.calls = []
+        setattr(self, method, lambda *args, **kwargs: self.calls.append((method, args, kwargs)))
+
+
+class _Records:
+    def __init__(self):
+        self.records = []
+
+    def log(self, record):
+        self.records.append(record)
+
+
+def test_training_log_hands_each_logger_the_steps_scalars_and_timers_as_bridge_does(tmp_path):
+    from bridge_hpc.rank import build_config
+    from bridge_hpc.training.state import GlobalState
+    from bridge_hpc.training.utils.train_utils import training_log
+
+    loggers = {"wandb": _Logger("log"), "mlflow": _Logger("log_metrics"), "comet": _Logger("log_metrics")}
+
+    class State(GlobalState):
+        wandb_logger = property(lambda self: loggers["wandb"])
+        mlflow_logger = property(lambda self: loggers["mlflow"])
+        comet_logger = property(lambda self: loggers["comet"])
+
+    cfg = build_config(str(TINY), [f"job.run_dir={tmp_path / 'run'}", "logger.log_interval=2",
+                                   "logger.tensorboard_log_interval=1", "logger.timing_log_level=1",
+                                   "logger.log_timers_to_tensorboard=true", "logger.log_loss_scale_to_tensorboard=true",
+                                   "logger.log_world_size_to_tensorboard=true"])
+    state = State()
+    state.cfg = cfg
+    records = _Records()
+    for step in (1, 2):
+        state.train_state.step, state.train_state.consumed_train_samples = step, 8 * step
+        timer = state.timers("forward-backward", 1)
+        timer.start()
+        timer.stop()
+        training_log({"lm loss": torch.tensor(2.5)}, {}, 1e-3, None, 4.0, False, 0, 0.5, 7.0, 3, cfg, state,
+                     [0.0, 1.0 * step], None, step_time_s=1.0, metrics=records)
+
+    timer_ms = records.records[1]["forward-backward-time"]
+    assert timer_ms > 0
+    every_step = {"lm loss": 2.5, "learning-rate": 1e-3, "grad-norm": 0.5, "num-zeros": 3, "iteration-time": 1.0}
+    log_step = {"batch-size": cfg.train.global_batch_size, "loss-scale": 4.0, "world-size": 1, "params-norm": 7.0,
+                "forward-backward-time": timer_ms}
+    for name, logger in loggers.items():
+        by_step = {}
+        for method, args, kwargs in logger.calls:
+            if name == "wandb":  # Bridge: wandb_writer.log(metrics, iteration)
+                assert method == "log" and len(args) == 2 and not kwargs
+                metrics, step = args
+            else:  # Bridge: mlflow_logger / comet_logger.log_metrics(metrics, step=iteration)
+                assert method == "log_metrics" and len(args) == 1 and set(kwargs) == {"step"}
+                metrics, step = args[0], kwargs["step"]
+            by_step.setdefault(step, {}).update(metrics)
+        assert sorted(by_step) == [1, 2], name
+        assert by_step[1].items() >= {**every_step, "samples vs steps": 8}.items(), name
+        assert not set(log_step) & set(by_step[1]), name  # the log step's scalars on log steps only
+        assert by_step[2].items() >= {**every_step, **log_step, "samples vs steps": 16}.items(), name
+
+
+def test_the_runs_own_backend_keeps_a_value_its_step_has_already_once():
+    from bridge_hpc.training.utils.log_backends import LogBackends
+
+    cfg = _python_built()
+    cfg.logger.wandb_project, cfg.logger.wandb_exp_name = "p", "e"
+    backends = LogBackends(cfg, home="/nonexistent")  # not opened: nothing starts, steps only collect
+    backends.add(3, {"lm loss": 2.5, "learning-rate": 1e-3})  # the record, through the run's metrics
+    backends.add(3, {"lm loss": 2.5, "learning-rate": 1e-3, "custom": 1.0}, only="wandb")  # wandb_logger.log
+    assert backends._pending[3] == {None: {"lm loss": 2.5, "learning-rate": 1e-3}, "wandb": {"custom": 1.0}}
+    backends.add(3, {"lm loss": 9.0}, only="wandb")  # a value of its own still wins for that backend
+    assert backends._pending[3]["wandb"] == {"custom": 1.0, "lm loss": 9.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. pretrain's process group, and the in-process restart wrapper's clean-up
+# ---------------------------------------------------------------------------------------------
+
+
+def _tiny_config(tmp_path, *overrides: str):
+    from bridge_hpc.rank import build_config
+
+    return build_config(str(TINY), [f"job.run_dir={tmp_path / 'run'}", "train.eval_interval=0", *overrides])
+
+
+@pytest.mark.parametrize("owner", ["in-process wrapper", "pretrain", "caller"])
+def test_when_set_up_raises_the_wrapper_keeps_the_process_group_clean_up(one_rank, tmp_path, monkeypatch, owner):
+    """Bridge's ``test_inprocess_restart_wrapper_retains_cleanup_ownership_when_setup_raises`` and its
+    neighbours, on a real gloo group: set-up fails once the process group and megatron-core's groups are up.
+    Under the in-process wrapper (its CallWrapper stood in for, as Bridge's test does) the wrapped
+    ``_pretrain`` leaves both to the wrapper, whose abort and finalize clean up; a plain pretrain aborts
+    the group it brought up; a caller's group stays up."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from bridge_hpc.training import pretrain as P
+    from bridge_hpc.training.gpt_step import forward_step
+    from bridge_hpc.training.state import GlobalState
+
+    def set_up_fails(cfg):
+        raise RuntimeError("set-up failed")
+
+    monkeypatch.setattr(P, "setup_model", set_up_fails)
+    cfg = _tiny_config(tmp_path)
+    if owner == "caller":
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    state = GlobalState()
+    state.cfg = cfg
+    with pytest.raises(RuntimeError, match="set-up failed"):
+        if owner == "in-process wrapper":
+            P._pretrain(state, forward_step, store=dist.HashStore(), inprocess_call_wrapper=types.SimpleNamespace(iteration=1))
+        else:
+            P.pretrain(cfg, forward_step)
+    assert dist.is_initialized() is (owner != "pretrain")
+    assert parallel_state.model_parallel_is_initialized() is (owner != "pretrain")
+    if owner == "in-process wrapper":
+        assert isinstance(state.restart_store, dist.PrefixStore)  # the attempt's prefix of the wrapper's store
+        dist.barrier()  # the group was left as it was: usable until the wrapper aborts it
+
+
+def test_the_in_process_wrappers_finalize_drops_megatron_cores_groups(monkeypatch):
+    """Bridge's wrapper finalizes a failed attempt (``destroy_state``) after its abort destroyed the process
+    groups: megatron-core forgets them, so the next attempt sets them up on its own group. The package is
+    stood in for (no in-process restart runs); megatron-core's groups are real, on a gloo group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from bridge_hpc.training.resilience import inprocess_restart
+
+    wrapper_kwargs = {}
+
+    class Wrapper:
+        def __init__(self, **kwargs):
+            wrapper_kwargs.update(kwargs)
+
+        def __call__(self, fn):
+            return fn
+
+    class ThreadedFinalize:
+        def __init__(self, timeout, fn, args=(), kwargs=None):
+            self.fn = fn
+
+        def __call__(self, state):
+            self.fn()
+            return state
+
+    def compose(*parts):
+        def composed(state):
+            for part in reversed(parts):
+                state = part(state)
+            return state
+        return composed
+
+    fake = types.SimpleNamespace(
+        Wrapper=Wrapper, CallWrapper=type("CallWrapper", (), {}), Compose=compose,
+        finalize=types.SimpleNamespace(ThreadedFinalize=ThreadedFinalize),
+        abort=types.SimpleNamespace(AbortTorchDistributed=lambda: (lambda state: state)),
+        health_check=types.SimpleNamespace(CudaHealthCheck=lambda timeout: None, FaultCounter=lambda **kw: None),
+        initialize=types.SimpleNamespace(RetryController=lambda **kw: None))
+    package = types.ModuleType("nvidia_resiliency_ext")
+    package.inprocess = fake
+    monkeypatch.setitem(sys.modules, "nvidia_resiliency_ext", package)
+    monkeypatch.setitem(sys.modules, "nvidia_resiliency_ext.inprocess", fake)
+    monkeypatch.setattr(inprocess_restart, "check_supported", lambda: None)
+    world = single_rank_world()
+    next(world)
+    try:
+        monkeypatch.setenv("MASTER_PORT", str(free_port() - 1))  # the coordination store's port (+1) is free
+        wrapped, store = inprocess_restart.maybe_wrap_for_inprocess_restart(lambda **kw: None,
+                                                                            C.InProcessRestartConfig(enabled=True))
+        assert isinstance(store, dist.TCPStore)
+        assert parallel_state.model_parallel_is_initialized()
+        wrapper_kwargs["finalize"]("frozen state")
+        assert not parallel_state.model_parallel_is_initialized()
+        assert dist.is_initialized()  # the process group itself is the abort's (AbortTorchDistributed)
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize("owner", ["pretrain", "caller", "the rank's exit"])
+def test_a_run_tears_down_the_process_group_it_brought_up_and_leaves_a_callers(one_rank, tmp_path, monkeypatch,
+                                                                               owner):
+    """Bridge's ``_maybe_destroy_process_group``: after a normal end pretrain destroys (after a barrier) the
+    group it brought up, not one that was up before it; ``python -m bridge_hpc.rank``, which leaves through
+    os._exit right after, leaves it to the process's end."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from bridge_hpc.training import pretrain as P
+    from bridge_hpc.training.gpt_step import forward_step
+
+    if owner == "caller":
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    monkeypatch.setattr(P, "PROCESS_ENDS_ON_RETURN", owner == "the rank's exit")
+    P.pretrain(_tiny_config(tmp_path, "train.train_iters=2", "checkpoint.save_interval=2", "scheduler.lr_warmup_iters=1"),
+               forward_step)
+    assert dist.is_initialized() is (owner != "pretrain")
+    assert parallel_state.model_parallel_is_initialized() is (owner != "pretrain")

@@ -306,17 +306,33 @@ def test_training_log_reports_on_log_steps(single_rank, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_collectives_on_two_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """What :func:`_two_rank_worker` found on each of two gloo ranks (one torchrun for the tests below)."""
+    out = tmp_path_factory.mktemp("two_ranks")
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-         os.path.abspath(__file__), str(tmp_path)],
+         os.path.abspath(__file__), str(out)],
         capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
-    for got in results:
+    return [json.loads((out / f"rank_{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_training_log_takes_the_learning_rate_over_pg_collections_mp_group(two_ranks):
+    """Bridge's ``pg_collection`` (an ordinary parameter, after ``model``): the groups of the logging
+    reductions. Rank 0 has no learning rate (no trainable parameters); over the collection's ``mp`` group
+    (both ranks) it logs rank 1's, to the last bit; without one, over its own model-parallel group
+    (TP = PP = 1: itself), none."""
+    for got in two_ranks:
+        assert got["lr_pg_collection"] == 3e-4
+        assert got["lr_own_group"] == (None if got["rank"] == 0 else 3e-4)
+
+
+def test_collectives_on_two_ranks(two_ranks):
+    for got in two_ranks:
         # DP=2 (TP=PP=1): replicated parameters are not summed over data-parallel ranks
         assert got["dp_norm"] == pytest.approx(math.sqrt(32))
         # TP=2: rank r holds slice [1, 2] / [3, 4] (summed over TP) and a replicated [2] (counted once)
@@ -330,6 +346,30 @@ def test_collectives_on_two_ranks(tmp_path):
         # DTensors: Shard(0) of [1, 2, 3, 4] summed over the mesh, Replicate [2, 2] once
         assert got["dtensor_norm"] == pytest.approx(math.sqrt(30 + 8))
         assert got["fsdp_norm"] == pytest.approx(math.sqrt(30 + 8))
+
+
+def _learning_rates_logged(out_dir: str, rank: int):
+    """The learning rate training_log records on this rank (None on rank 0, 3e-4 on rank 1) without a
+    pg_collection and with one whose ``mp`` group is both ranks, passed where Bridge's signature has it."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from bridge_hpc.rank import build_config
+
+    cfg = build_config(str(TINY), [f"job.run_dir={os.path.join(out_dir, 'run')}", "logger.log_interval=1000"])
+    logged = []
+    for pg_collection in (None, ProcessGroupCollection(mp=dist.group.WORLD)):
+        state = GlobalState()
+        state.cfg, state.rank, state.world_size = cfg, rank, 2
+        state.train_state.step = 1
+
+        class Records:
+            def log(self, record):
+                logged.append(record["lr"])
+
+        training_log({"lm loss": torch.tensor(1.0)}, {}, None if rank == 0 else 3e-4, None, 1.0, False, 0, None,
+                     None, None, cfg, state, [0.0, 1.0], None, pg_collection, metrics=Records())
+    return logged
 
 
 def _two_rank_worker(out_dir: str) -> None:
@@ -347,6 +387,7 @@ def _two_rank_worker(out_dir: str) -> None:
     mp = parallel_state.get_model_parallel_group()
     got["dp_norm"] = calc_params_l2_norm([Toy()], fp32)
     got["and_dp_group"] = logical_and_across_model_parallel_group(rank == 0, mp)
+    got["lr_own_group"], got["lr_pg_collection"] = _learning_rates_logged(out_dir, rank)
     parallel_state.destroy_model_parallel()
 
     parallel_state.initialize_model_parallel(2, 1)

@@ -57,11 +57,22 @@ from bridge_hpc.training.utils.train_utils import start_memory_history_recording
 logger = logging.getLogger(__name__)
 
 
+#: True in ``python -m bridge_hpc.rank``, which leaves through ``os._exit`` as soon as the entry point
+#: returns (:func:`bridge_hpc.rank._leave`): there the process group pretrain brought up is left to the
+#: process's end, since its orderly teardown (a barrier, then every communicator destroyed) would only
+#: spend seconds of a preempted job's grace time. Python callers get Bridge's teardown.
+PROCESS_ENDS_ON_RETURN = False
+
+
 def pretrain(config: ConfigContainer, forward_step_func: Callable) -> None:
     """Train the GPT described by ``config`` with ``forward_step_func`` (any Bridge signature).
 
-    Initializes torch.distributed from the environment if the caller has not; leaves it up on
-    return (the caller owns the process group).
+    The process group is Bridge's to own: one that is up when pretrain starts is the caller's and stays
+    up; one that pretrain brings up itself (from the environment) it destroys before returning (a barrier,
+    then ``destroy_process_group``) and aborts when the run fails (no barrier: a peer may be stuck in a
+    collective), except under the in-process restart wrapper (``[inprocess_restart]``), which keeps the
+    clean-up of a failed attempt: it aborts the process group and drops megatron-core's groups itself
+    (:mod:`bridge_hpc.training.resilience.inprocess_restart`). See :data:`PROCESS_ENDS_ON_RETURN`.
     """
     setup_logging(config.logger.logging_level if config.logger.logging_level is not None else logging.INFO)
     state = GlobalState()
@@ -81,16 +92,18 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
     """Megatron Bridge's signature: ``store`` and ``inprocess_call_wrapper`` come from the in-process
     restart wrapper (each attempt gets its own prefix of the coordination store)."""
     cfg = state.cfg
+    # Bridge's rule: a process group that is not up yet is this run's to tear down (see pretrain).
+    owns_process_group = not dist.is_initialized()
     if inprocess_call_wrapper is not None:
         # An in-process restart calls this again in the same process with the same ``state``: start
-        # each attempt from a fresh one (the step, counters and loggers come back from the checkpoint)
-        # and drop the model-parallel groups of the aborted process group.
+        # each attempt from a fresh one (the step, counters and loggers come back from the checkpoint).
+        # The aborted attempt's process groups are gone already: the wrapper's abort destroyed them and
+        # its finalize dropped megatron-core's (inprocess_restart.py).
         if inprocess_call_wrapper.iteration > 0:
             last_step_time = state.last_step_time
             state.__init__()
             state.cfg = cfg
             state.inprocess_restart = (inprocess_call_wrapper.iteration, last_step_time)
-            parallel_state.destroy_model_parallel()
         if store is not None:
             store = dist.PrefixStore(str(inprocess_call_wrapper.iteration), store)
     state.restart_store = store
@@ -98,11 +111,13 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
     if cfg.train.exit_signal_handler:
         state.signal_handler = StopSignalRecorder(cfg.train.exit_signal).__enter__()
     checkpointing_context: dict = {}
+    failed = True
     try:
         # Out of the cycle collector's walks (bridge_hpc.training.process.heap): the imports now, what set-up
         # makes when the steps start.
         with heap.run_frozen():
             _setup_and_train(state, forward_step_func, checkpointing_context)
+        failed = False
     except BaseException:
         _stop_async_writer(checkpointing_context, abandon=True)  # a save in flight is not waited for
         if state.progress is not None:
@@ -117,7 +132,31 @@ def _pretrain(state: GlobalState, forward_step_func: Callable, store=None, inpro
                 logger.warning("could not record the failure in the progress log: %s", err)
         raise
     finally:
-        _shut_down(state, checkpointing_context)
+        try:
+            _shut_down(state, checkpointing_context)
+        finally:
+            # Last: the checkpoint worker is stopped and the logs are closed by now (Bridge's order).
+            if owns_process_group and not PROCESS_ENDS_ON_RETURN and not (failed and inprocess_call_wrapper is not None):
+                _end_process_group(abort=failed)
+
+
+def _end_process_group(abort: bool) -> None:
+    """Bridge's ``_maybe_destroy_process_group`` for a process group this run brought up: after a normal
+    end a barrier, then ``destroy_process_group``; after a failure an abort of every group, without a
+    barrier or waiting for their outstanding work (a peer may be blocked in a collective), which must not
+    hide the failure (logged, not raised). megatron-core's groups are dropped first, so that a later run in
+    the process sets up its own."""
+    if not dist.is_initialized():
+        return
+    parallel_state.destroy_model_parallel()
+    if not abort:
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as err:  # noqa: BLE001 - the run's own failure is the one to report
+        logger.warning("could not abort the process group after the failure: %s: %s", type(err).__name__, err)
 
 
 def _shut_down(state: GlobalState, checkpointing_context: dict) -> None:

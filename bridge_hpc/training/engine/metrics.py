@@ -59,6 +59,9 @@ TENSORBOARD_TAGS = {
     "loss_scale": "loss-scale",
     "world_size": "world-size",
     "device_memory_used_gb": "mem-device-memory-used-gb",
+    "batch_size": "batch-size",
+    "skipped_train_samples": "skipped-train-samples",
+    "max_attention_logit": "max-attention-logit",
 }
 #: Seconds one checkpoint save blocked training, at the saved step (Megatron's ``save-checkpoint`` timer).
 SAVE_TAG = "save-checkpoint-time"
@@ -71,6 +74,13 @@ RESTARTS_TAG = "goodput/restarts"
 LOST_STEPS_TAG = "goodput/lost-steps"
 STARTUP_TAG = "goodput/start-up-time"
 RUN_START_TAGS = (LOAD_TAG, RESTARTS_TAG, LOST_STEPS_TAG, STARTUP_TAG)
+
+
+def tensorboard_scalars(record: Dict[str, Any]) -> Dict[str, Any]:
+    """A step record's numbers under their TensorBoard tags (:data:`TENSORBOARD_TAGS`, other keys as they
+    are): what TensorBoard and the log backends get of it (not the step, an evaluation's loss, None or a flag)."""
+    return {TENSORBOARD_TAGS.get(key, key): value for key, value in record.items()
+            if key not in (STEP, VALIDATION_LOSS) and value is not None and not isinstance(value, bool)}
 
 
 @dataclass
@@ -179,9 +189,7 @@ class MetricsLogger:
             self._scalars({STARTUP_TAG: time.time() - self._startup_from}, step)
             self._startup_from = None
         if step % self._tb_interval == 0:
-            self._scalars({TENSORBOARD_TAGS.get(key, key): value for key, value in record.items()
-                           if key not in (STEP, VALIDATION_LOSS) and value is not None and not isinstance(value, bool)},
-                          step)
+            self._scalars(tensorboard_scalars(record), step)
         if self.backends is not None:
             self.backends.step_done(step)
 

@@ -8,9 +8,15 @@ TCP store (``store``) coordinates the ranks, and the wrapped function gets the a
 It is usable only where (1) the installed package has ``inprocess.Wrapper`` and ``CallWrapper``,
 (2) CUDA/NCCL is present: the package's ``AbortTorchDistributed`` aborts NCCL communicators only
 (0.4.1 and 0.7.0); a gloo collective waiting on a dead rank cannot be interrupted, so on CPU a fault
-would hang instead of restarting, and (3) torch.distributed is not initialised yet (the wrapper
-creates and destroys the process group on each attempt). Otherwise :func:`check_supported` raises a
+would hang instead of restarting, and (3) torch.distributed is not initialised yet (each attempt
+brings the process group up through the wrapper's store). Otherwise :func:`check_supported` raises a
 :class:`~bridge_hpc.contracts.errors.ConfigError` naming ``inprocess_restart.enabled`` at start-up.
+
+As in Megatron Bridge, the wrapper owns the clean-up after a failed attempt, set-up failures included:
+the wrapped ``_pretrain`` leaves its process group as it is when it raises (it tears down only the one
+it brought up itself, after a normal end), the wrapper's abort (``AbortTorchDistributed``) destroys every
+group, and its finalize drops megatron-core's references to them (Bridge's ``destroy_state``), so the
+next attempt sets megatron-core's groups up again on its own process group.
 
 Checked on an H100 with nvidia-resiliency-ext 0.7.0 and megatron-core 0.19.2
 (tests/test_gpu_resiliency.py, skipped without CUDA): a fault at step 12 re-runs training in the same
@@ -92,6 +98,11 @@ def maybe_wrap_for_inprocess_restart(train_fn: Callable, config: Any) -> Tuple[C
     # annotation objects, and this module's annotations are strings (``from __future__``), so set it.
     adapter.__annotations__ = {"inprocess_call_wrapper": Optional[inprocess.CallWrapper]}
 
+    from megatron.core import parallel_state
+
+    # Bridge's finalize, after the abort has destroyed the process groups: megatron-core forgets them.
+    finalize = inprocess.Compose(inprocess.finalize.ThreadedFinalize(timeout=seconds(10),
+                                                                     fn=parallel_state.destroy_model_parallel))
     health = [inprocess.health_check.CudaHealthCheck(timeout=seconds(10))]
     if config.max_rank_faults is not None:
         health.append(inprocess.health_check.FaultCounter(max_rank_faults=config.max_rank_faults))
@@ -100,6 +111,7 @@ def maybe_wrap_for_inprocess_restart(train_fn: Callable, config: Any) -> Tuple[C
         initialize=inprocess.initialize.RetryController(max_iterations=config.max_iterations,
                                                         min_world_size=config.active_world_size or 1),
         abort=inprocess.Compose(inprocess.abort.AbortTorchDistributed()),
+        finalize=finalize,
         health_check=inprocess.Compose(*health),
         heartbeat_interval=seconds(config.heartbeat_interval),
         heartbeat_timeout=seconds(config.heartbeat_timeout),

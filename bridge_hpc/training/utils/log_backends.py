@@ -146,6 +146,15 @@ def sanitize_mlflow_metrics(metrics: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+_MISSING = object()
+
+
+def _same(kept: Any, value: Any) -> bool:
+    """Whether ``value`` is the number ``kept`` is (Python numbers only: a tensor is not compared)."""
+    return (isinstance(kept, (int, float)) and isinstance(value, (int, float))
+            and type(kept) is type(value) and kept == value)
+
+
 def _scalar(value: Any) -> Optional[float]:
     """A finite-or-not float of a number (0-d tensors and numpy scalars included); None for anything else."""
     if isinstance(value, bool) or value is None:
@@ -510,7 +519,15 @@ class LogBackends:
     def add(self, step: int, values: Dict[str, Any], only: Optional[str] = None) -> None:
         if not values or (only is not None and only not in self.names):
             return
-        self._pending.setdefault(step, {}).setdefault(only, {}).update(values)
+        parts = self._pending.setdefault(step, {})
+        if only is not None and None in parts:
+            # A backend's own values that the step has for every backend already (training_log hands
+            # GlobalState's loggers the scalars its record brought here) are not kept a second time.
+            common = parts[None]
+            values = {key: value for key, value in values.items() if not _same(common.get(key, _MISSING), value)}
+            if not values:
+                return
+        parts.setdefault(only, {}).update(values)
         self.last_step = max(self.last_step, step)
         if len(self._pending) > MAX_PENDING_STEPS:
             self.commit(min(self._pending))

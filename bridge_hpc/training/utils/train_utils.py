@@ -27,7 +27,7 @@ import os
 import time
 from collections import defaultdict
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -613,11 +613,41 @@ def report_throughput(train_config: TrainingConfig, iteration: int, seq_length: 
 # ---------------------------------------------------------------------------------------------
 
 
+def _logging_groups(pg_collection: Optional[Any]) -> Tuple[Any, Any, Any]:
+    """``(mp, pp, dp)``: the process groups :func:`training_log` reduces and reports over, those of
+    ``pg_collection`` (Bridge's ``ProcessGroupCollection``, or any object with those attributes) where it
+    has them, else megatron-core's (the trainer sets up megatron-core's global parallel state, which is
+    what its models' ``pg_collection`` holds; Bridge reads the model's), None before that is set up."""
+    initialized = parallel_state.model_parallel_is_initialized()
+
+    def pick(name: str, default: Callable[[], Any]) -> Any:
+        group = getattr(pg_collection, name, None) if pg_collection is not None else None
+        return group if group is not None else (default() if initialized else None)
+
+    return (pick("mp", parallel_state.get_model_parallel_group),
+            pick("pp", parallel_state.get_pipeline_model_parallel_group),
+            pick("dp", parallel_state.get_data_parallel_group))
+
+
+def _max_learning_rate(learning_rate: Optional[float], mp_group: Any) -> Optional[float]:
+    """Bridge's reduction of the learning rate over the model-parallel group (a rank without trainable
+    parameters has none), in float64 so that the rate logged is the scheduler's to the last bit (Bridge's
+    :func:`reduce_max_stat_across_model_parallel_group` rounds it to float32). A group of one rank has
+    nothing to reduce: no collective."""
+    if mp_group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(mp_group) <= 1:
+        return learning_rate
+    value = torch.tensor([float("-inf") if learning_rate is None else float(learning_rate)], dtype=torch.float64,
+                         device=comm_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=mp_group)
+    result = value.item()
+    return None if result == float("-inf") else result
+
+
 def _log_step_reports(global_state: GlobalState, model: Optional[ModelList],
-                      history_wct: Optional[Sequence[float]], pg_collection: Optional[Any] = None) -> Dict[str, Any]:
+                      history_wct: Optional[Sequence[float]], pp_group: Any = None) -> Dict[str, Any]:
     """The reports ``logger`` asks for, as TensorBoard tag -> value (``params_norm`` for the parameter
-    norm). Collective where a report is (parameter norm, memory over PP): every rank runs it on the
-    same steps with the same settings."""
+    norm). Collective where a report is (parameter norm, memory over ``pp_group``): every rank runs it on
+    the same steps with the same settings."""
     cfg, ts = global_state.cfg, global_state.train_state
     log = cfg.logger
     reports: Dict[str, Any] = {}
@@ -625,8 +655,6 @@ def _log_step_reports(global_state: GlobalState, model: Optional[ModelList],
         reports["params_norm"] = calc_params_l2_norm(model, cfg.model)
     if log.log_memory_to_tensorboard:
         memory = report_memory(memory_keys=log.memory_keys)
-        pp_group = getattr(pg_collection, "pp", None) or (parallel_state.get_pipeline_model_parallel_group()
-                                                          if parallel_state.model_parallel_is_initialized() else None)
         memory = reduce_max_memory_across_pp_group(memory, pp_group)
         reports.update({f"memory/{name}": value for name, value in memory.items()})
     if log.log_throughput_to_tensorboard and history_wct is not None:
@@ -730,6 +758,32 @@ def _build_moe_metric_writer(tb_writer: Optional[Any], comet_logger: Optional[An
     return _MoeMetricFanoutWriter(tb_writer, comet_logger, mlflow_logger)
 
 
+def _to_bridge_loggers(global_state: GlobalState, record: Dict[str, Any]) -> None:
+    """The step's scalars to the loggers ``global_state`` exposes, with the calls Bridge's training_log makes:
+    ``wandb_logger.log(scalars, step)``, ``mlflow_logger.log_metrics(scalars, step=step)`` (names sanitized
+    as Bridge's MLflow rule says), ``comet_logger.log_metrics(scalars, step=step)``. The scalars are what
+    TensorBoard gets of the record, under the same tags (:func:`~bridge_hpc.training.engine.metrics.tensorboard_scalars`):
+    the learning rate, the losses, the grad norm, ``samples vs steps``, ``iteration-time``, and on log steps
+    the batch size, loss scale, world size, parameter norm and the reports and timers turned on in
+    ``[logger]``. The run's own backends (GlobalState's loggers while ``[logger]`` turns them on) get the
+    record through the run's metrics already: these calls join the same step's values, sent once, when the
+    step's checkpoint is saved (:mod:`bridge_hpc.training.utils.log_backends`)."""
+    wandb_logger, mlflow_logger, comet_logger = (global_state.wandb_logger, global_state.mlflow_logger,
+                                                 global_state.comet_logger)
+    if wandb_logger is None and mlflow_logger is None and comet_logger is None:
+        return
+    from bridge_hpc.training.engine.metrics import tensorboard_scalars
+    from bridge_hpc.training.utils.log_backends import sanitize_mlflow_metrics
+
+    step, scalars = record[metrics_file.STEP], tensorboard_scalars(record)
+    if wandb_logger is not None:
+        wandb_logger.log(scalars, step)
+    if mlflow_logger is not None:
+        mlflow_logger.log_metrics(sanitize_mlflow_metrics(scalars), step=step)
+    if comet_logger is not None:
+        comet_logger.log_metrics(scalars, step=step)
+
+
 #: ``total_loss_dict``'s counters of the log interval (Megatron's names).
 ADVANCED_ITERS_KEY = "advanced iterations"
 SKIPPED_ITERS_KEY = "skipped iterations"
@@ -762,7 +816,9 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
                  seq_length: Optional[int] = None, *, step_time_s: Optional[float] = None, metrics=None) -> bool:
     """Log training stats (losses, learning rate, timings, etc.): Megatron Bridge's signature. Every step
     goes to ``global_state.metrics`` (metrics.jsonl, TensorBoard, W&B, MLflow, Comet), with a human line on
-    rank 0 every ``logger.log_interval`` steps. Returns the updated ``report_memory_flag``.
+    rank 0 every ``logger.log_interval`` steps; on multiples of ``logger.tensorboard_log_interval`` its
+    scalars also go to ``global_state.wandb_logger`` / ``mlflow_logger`` / ``comet_logger`` with Bridge's
+    calls (:func:`_to_bridge_loggers`), the timers among them. Returns the updated ``report_memory_flag``.
 
     Args (Bridge's, in Bridge's order): ``loss_dict`` (this step's reduced losses); ``total_loss_dict``
     (accumulates Megatron's interval totals, ``advanced iterations``, ``skipped iterations``, ``nan
@@ -771,8 +827,11 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
     ``logger.log_loss_scale_to_tensorboard``, Megatron's ``loss-scale``); ``report_memory_flag``;
     ``skipped_iter``; ``grad_norm``; ``params_norm`` (used when given, else computed on log steps with
     ``logger.log_params_norm``); ``num_zeros_in_grad``; ``config``; ``global_state``; ``history_wct`` (end
-    times of recent steps, ``time.time() - global_state.start_time``); ``model``; ``pg_collection`` (its
-    ``pp`` group reduces the memory report, else megatron-core's); ``log_max_attention_logit`` (accepted;
+    times of recent steps, ``time.time() - global_state.start_time``); ``model``; ``pg_collection`` (the
+    groups of the logging reductions, as in Bridge: the learning rate is the max over its ``mp`` group, a
+    rank without trainable parameters having none; its ``pp`` group reduces the memory report; rank 0 of
+    its ``dp`` group prints the memory report; megatron-core's groups where it has none, see
+    :func:`_logging_groups`); ``log_max_attention_logit`` (``max-attention-logit`` on log steps when given;
     ``logger.log_max_attention_logit`` is refused by the config); ``loaded_iteration``; ``seq_length``
     (tokens per sample, default ``model.seq_length``).
 
@@ -789,7 +848,8 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
     ``log_throughput_to_tensorboard`` (``throughput/...`` over the last ``throughput_window_size`` times
     of ``history_wct``), ``log_runtime_to_tensorboard`` (``time/...``) and
     ``log_l2_norm_grad_to_tensorboard`` (``l2_norm/grad/...``; needs ``model``),
-    ``log_loss_scale_to_tensorboard`` (``loss-scale``), ``log_world_size_to_tensorboard`` (``world-size``),
+    ``batch-size`` (and ``skipped-train-samples`` once there are any), ``log_loss_scale_to_tensorboard``
+    (``loss-scale``), ``log_world_size_to_tensorboard`` (``world-size``),
     ``log_device_memory_used`` (``mem-device-memory-used-gb``, what the driver reports as used on this
     rank's GPU), and with ``timing_log_level`` >= 1 the step's timers (:func:`_timer_reports`: on the
     console line, and with ``log_timers_to_tensorboard`` as ``<name>-time``). Every
@@ -799,16 +859,19 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
     group (as Bridge, until the run's second step: by then the optimizer state is allocated). At step
     ``profiling.profile_step_end`` a CUDA memory snapshot is written when ``record_memory_history`` is on.
 
-    The reports that are collectives (parameter norm, memory over PP) must be called by every rank
-    on the same steps: this function is, by the loop.
+    The reports that are collectives (parameter norm, memory over PP, the learning rate over a
+    model-parallel group of several ranks) must be called by every rank on the same steps: this function
+    is, by the loop.
     """
-    del log_max_attention_logit, loaded_iteration
+    del loaded_iteration
     metrics = global_state.metrics if metrics is None else metrics
     if step_time_s is None:
         step_time_s = history_wct[-1] - history_wct[-2] if history_wct is not None and len(history_wct) >= 2 else 0.0
     losses = {key: float(value) for key, value in loss_dict.items()}
     _accumulate(total_loss_dict, losses, skipped_iter)
     cfg, ts = global_state.cfg, global_state.train_state
+    mp_group, pp_group, dp_group = _logging_groups(pg_collection)
+    learning_rate = _max_learning_rate(learning_rate, mp_group)
     tokens = cfg.train.global_batch_size * (seq_length or cfg.model.seq_length)
     record: Dict[str, Any] = {metrics_file.STEP: ts.step}
     for key, value in losses.items():
@@ -829,10 +892,15 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
         record["num_zeros_in_grad"] = int(num_zeros_in_grad)
     log_step = ts.step % cfg.logger.log_interval == 0
     if log_step:
-        record.update(_log_step_reports(global_state, model, history_wct, pg_collection))
+        record.update(_log_step_reports(global_state, model, history_wct, pp_group))
         if params_norm is not None:
             record["params_norm"] = float(params_norm)
         log = cfg.logger
+        record["batch_size"] = cfg.train.global_batch_size  # Bridge's batch-size (no batch-size ramp-up here)
+        if ts.skipped_train_samples > 0:
+            record["skipped_train_samples"] = ts.skipped_train_samples
+        if log_max_attention_logit is not None:
+            record["max_attention_logit"] = float(log_max_attention_logit)
         if log.log_loss_scale_to_tensorboard:
             record["loss_scale"] = float(loss_scale)
         if log.log_world_size_to_tensorboard:
@@ -843,6 +911,8 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
         for key in list(total_loss_dict):  # Megatron's interval totals start again
             total_loss_dict[key] = 0 if key in (ADVANCED_ITERS_KEY, SKIPPED_ITERS_KEY, NAN_ITERS_KEY) else 0.0
     metrics.log(record)
+    if ts.step % cfg.logger.tensorboard_log_interval == 0:
+        _to_bridge_loggers(global_state, record)
     _maybe_dump_memory_snapshot(cfg.profiling, ts.step)
 
     if log_step and global_state.rank == 0:
@@ -876,7 +946,7 @@ def training_log(loss_dict: Dict[str, torch.Tensor], total_loss_dict: Dict[str, 
     interval = cfg.logger.log_memory_interval
     if (log_step and report_memory_flag) or (interval and ts.step % interval == 0):
         memory = report_memory(cfg.logger.memory_keys)
-        dp_rank = parallel_state.get_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+        dp_rank = torch.distributed.get_rank(group=dp_group) if dp_group is not None else 0
         if memory and dp_rank == 0:
             line = " | ".join(f"{name}: {value}" for name, value in memory.items())
             print(f"[Rank {global_state.rank}] (after {ts.step} iterations) memory (GB) | {line}", flush=True)
