@@ -108,9 +108,15 @@ def load_hf_weights(folder: str, chunks: List[torch.nn.Module]) -> int:
     tensor that could not make it (the login node checks the headers before submission:
     :func:`bridge_hpc.training.hf.mapping.check_folder`)."""
     hf = families.read_config(folder)
-    files = SafetensorsFolder(folder)
     model = families.model_fields(hf, os.path.join(folder, families.CONFIG_FILE))
-    family = hf["model_type"]
+    return copy_weights(SafetensorsFolder(folder), hf["model_type"], model, chunks)
+
+
+def copy_weights(files: SafetensorsFolder, family: str, model: Dict, chunks: List[torch.nn.Module]) -> int:
+    """Copy the tensors of ``files`` (a ``family`` folder) into ``chunks``, the model of the ``[model]``
+    fields ``model`` (those :func:`bridge_hpc.training.hf.families.model_fields` reads); returns the
+    bytes read. :func:`load_hf_weights` with the folder's config already read."""
+    folder = files.folder
     prefix = mapping.gpt2_prefix(files.tensors) if family == "gpt2" else ""
     mappings = mapping.registry(family, model, prefix)
     ranks = _parallel_state()

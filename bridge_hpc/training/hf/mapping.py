@@ -18,10 +18,12 @@ import re
 from typing import Any, Dict, Optional, Tuple
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.training.hf import families
 from bridge_hpc.training.hf.mapping_registry import MegatronMappingRegistry
 from bridge_hpc.training.hf.param_mapping import (
     AutoMapping,
     ConcatenatedQKVMapping,
+    ExpertMapping,
     GatedMLPMapping,
     QKVMapping,
 )
@@ -59,8 +61,7 @@ def gpt2_prefix(names) -> str:
 def registry(family: str, model: Dict[str, Any], prefix: str = "") -> MegatronMappingRegistry:
     """Every parameter of the model (``model``: the ``[model]`` fields, finalized) for ``family``, as
     its registry. ``prefix``: GPT-2's (:func:`gpt2_prefix`)."""
-    build = _gpt2 if family == "gpt2" else _llama
-    mappings = build(model, prefix)
+    mappings = _gpt2(model, prefix) if family == "gpt2" else _llama(family, model)
     if not model["share_embeddings_and_output_weights"]:
         mappings.append(AutoMapping("output_layer.weight", "lm_head.weight", (model["vocab_size"], model["hidden_size"])))
     return MegatronMappingRegistry(*mappings, num_layers=model["num_layers"])
@@ -90,9 +91,16 @@ def _gpt2(model: Dict[str, Any], p: str) -> list:
         AutoMapping(f"{meg}mlp.linear_fc2.bias", f"{layer}mlp.c_proj.bias", (h,))]
 
 
-def _llama(model: Dict[str, Any], prefix: str = "") -> list:
-    """The rotary families (Llama, Mistral, Qwen2, Qwen3): RMSNorm, separate q/k/v (biased in Qwen2,
-    per-head q/k norms in Qwen3), SwiGLU from ``gate_proj`` and ``up_proj``."""
+#: Where an MoE family keeps a layer's router and experts: ``(block, gate, up, down)`` names.
+_MOE_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+              "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+              "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def _llama(family: str, model: Dict[str, Any]) -> list:
+    """The rotary families (Llama, Mistral, Qwen2, Qwen3 and their MoE kin): RMSNorm, separate q/k/v
+    (biased in Qwen2, per-head q/k norms in Qwen3), SwiGLU from ``gate_proj`` and ``up_proj``; in an
+    MoE model's expert layers (:func:`_experts`) a router and experts instead of that MLP."""
     h, ffn, d = model["hidden_size"], model["ffn_hidden_size"], head_dim(model)
     heads = model["num_attention_heads"]
     groups = model.get("num_query_groups") or heads
@@ -103,16 +111,48 @@ def _llama(model: Dict[str, Any], prefix: str = "") -> list:
            AutoMapping(f"{meg}input_layernorm.weight", f"{layer}input_layernorm.weight", (h,)),
            AutoMapping(f"{meg}pre_mlp_layernorm.weight", f"{layer}post_attention_layernorm.weight", (h,)),
            QKVMapping(f"{meg}self_attention.linear_qkv.weight", **attn, heads=heads, groups=groups, head_dim=d, hidden=h),
-           AutoMapping(f"{meg}self_attention.linear_proj.weight", f"{layer}self_attn.o_proj.weight", (h, heads * d)),
-           GatedMLPMapping(f"{meg}mlp.linear_fc1.weight", f"{layer}mlp.gate_proj.weight", f"{layer}mlp.up_proj.weight",
-                           (2 * ffn, h)),
-           AutoMapping(f"{meg}mlp.linear_fc2.weight", f"{layer}mlp.down_proj.weight", (h, ffn))]
+           AutoMapping(f"{meg}self_attention.linear_proj.weight", f"{layer}self_attn.o_proj.weight", (h, heads * d))]
+    with_experts = families.moe_layers(model)
+    # the layers with the dense MLP: None for every layer (a dense model), () for none (Mixtral)
+    dense = tuple(i for i in range(model["num_layers"]) if i not in with_experts) if with_experts else None
+    if dense != ():
+        out += [GatedMLPMapping(f"{meg}mlp.linear_fc1.weight", f"{layer}mlp.gate_proj.weight",
+                                f"{layer}mlp.up_proj.weight", (2 * ffn, h), layers=dense),
+                AutoMapping(f"{meg}mlp.linear_fc2.weight", f"{layer}mlp.down_proj.weight", (h, ffn), layers=dense)]
+    if with_experts:
+        out += _experts(family, model, tuple(with_experts))
     if model.get("add_qkv_bias"):
         out.append(QKVMapping(f"{meg}self_attention.linear_qkv.bias", heads=heads, groups=groups, head_dim=d,
                               **{x: f"{layer}self_attn.{x}_proj.bias" for x in "qkv"}))
     if model.get("qk_layernorm"):
         out += [AutoMapping(f"{meg}self_attention.{x}_layernorm.weight", f"{layer}self_attn.{x}_norm.weight", (d,))
                 for x in "qk"]
+    return out
+
+
+def _experts(family: str, model: Dict[str, Any], layers: Tuple[int, ...]) -> list:
+    """An MoE layer's router (``[experts, hidden]``, whole on every rank), each expert's gated fc1 and
+    fc2 (:class:`ExpertMapping`, the expert counted over the layer) and, in Qwen2-MoE, the shared expert
+    and its sigmoid gate (``shared_expert_gate``, ``[1, hidden]``; megatron-core's
+    ``moe_shared_expert_gate``)."""
+    h, n, ffn = model["hidden_size"], model["num_moe_experts"], model["moe_ffn_hidden_size"]
+    block, gate, up, down = _MOE_NAMES[family]
+    layer, meg = f"model.layers.{{i}}.{block}.", "decoder.layers.{i}.mlp."
+    expert = f"{layer}experts.{{e}}."
+    out = [AutoMapping(f"{meg}router.weight", f"{layer}gate.weight", (n, h), layers=layers),
+           ExpertMapping(GatedMLPMapping(f"{meg}experts.local_experts.{{e}}.linear_fc1.weight", f"{expert}{gate}.weight",
+                                         f"{expert}{up}.weight", (2 * ffn, h), layers=layers, num_experts=n)),
+           ExpertMapping(AutoMapping(f"{meg}experts.local_experts.{{e}}.linear_fc2.weight", f"{expert}{down}.weight",
+                                     (h, ffn), layers=layers, num_experts=n))]
+    shared = model.get("moe_shared_expert_intermediate_size")
+    if shared:
+        out += [GatedMLPMapping(f"{meg}shared_experts.linear_fc1.weight", f"{layer}shared_expert.gate_proj.weight",
+                                f"{layer}shared_expert.up_proj.weight", (2 * shared, h), layers=layers),
+                AutoMapping(f"{meg}shared_experts.linear_fc2.weight", f"{layer}shared_expert.down_proj.weight",
+                            (h, shared), layers=layers)]
+    if model.get("moe_shared_expert_gate"):
+        out.append(AutoMapping(f"{meg}shared_experts.gate_weight", f"{layer}shared_expert_gate.weight", (1, h),
+                               layers=layers))
     return out
 
 
@@ -165,7 +205,6 @@ def check_folder(folder: str, model: Dict[str, Any]):
     read the same headers again)."""
     import os
 
-    from bridge_hpc.training.hf import families
     from bridge_hpc.training.hf.safetensors_files import SafetensorsFolder
 
     hf = families.read_config(folder)
@@ -182,7 +221,6 @@ def checked_model_config(folder: str):
     import os
 
     from bridge_hpc.training.config import GPTModelConfig
-    from bridge_hpc.training.hf import families
 
     hf = families.read_config(folder)
     fields = families.model_fields(hf, os.path.join(folder, families.CONFIG_FILE))
