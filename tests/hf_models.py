@@ -13,6 +13,9 @@ from typing import Dict
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+#: The Mixture-of-Experts families: Qwen3-MoE (a dense layer among expert layers, renormalized top-k),
+#: Mixtral, Qwen2-MoE (a gated shared expert, top-k of the full softmax).
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 VOCAB = 100
 SEQ = 16
 #: A three-step fine-tuning job from the Hugging Face folder ``hf`` (``.format(seq=SEQ, hf=...)``).
@@ -51,6 +54,15 @@ def hf_config(family: str):
         return T.Qwen2Config(**common, tie_word_embeddings=True)
     if family == "qwen3":  # qk-norm, head_dim != hidden / heads
         return T.Qwen3Config(**common, head_dim=32)
+    moe = dict(common, num_hidden_layers=3, num_experts_per_tok=2)
+    if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), probabilities renormalized over the top k
+        return T.Qwen3MoeConfig(**moe, head_dim=32, num_experts=4, moe_intermediate_size=32, mlp_only_layers=[1],
+                                norm_topk_prob=True)
+    if family == "mixtral":
+        return T.MixtralConfig(**dict(moe, intermediate_size=32), num_local_experts=4, sliding_window=None)
+    if family == "qwen2_moe":  # a shared expert with its sigmoid gate, qkv bias, the full softmax's top k
+        return T.Qwen2MoeConfig(**moe, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                norm_topk_prob=False)
     return T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB, initializer_range=0.3,
                         bos_token_id=0, eos_token_id=0)
 
@@ -67,6 +79,14 @@ def make_hf_model(family: str, folder: str, seed: int = 0):
                 param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(folder)
     return model.eval()
+
+
+def make_hf_folders(root, families) -> Dict[str, str]:
+    """A random model of each of ``families`` saved under the folder ``root``: family -> its folder."""
+    folders = {family: os.path.join(str(root), family) for family in families}
+    for family, folder in folders.items():
+        make_hf_model(family, folder)
+    return folders
 
 
 def model_config(folder: str, **extra):

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from bridge_test_helpers import free_port, run_gloo_ranks, single_rank_world
-from hf_models import FAMILIES, VOCAB, batch, hf_logits, make_hf_model, model_config
+from hf_models import FAMILIES, VOCAB, batch, hf_logits, make_hf_folders, model_config
 
 TOLERANCE = 1e-4
 #: Tied embeddings across pipeline stages are made equal by megatron-core with a CUDA all-reduce at
@@ -19,12 +19,7 @@ TIED_FAMILIES = ("qwen2", "gpt2")
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    folders = {}
-    for family in FAMILIES:
-        folders[family] = str(root / family)
-        make_hf_model(family, folders[family])
-    return folders
+    return make_hf_folders(tmp_path_factory.mktemp("hf"), FAMILIES)
 
 
 @pytest.fixture

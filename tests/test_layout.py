@@ -36,7 +36,7 @@ TORCH_FREE_TRAINING = (
     "bridge_hpc.training.engine.speed_defaults",
     # the login node's checks of a Hugging Face folder (config.json, headers, shapes)
     "bridge_hpc.training.hf", "bridge_hpc.training.hf.families", "bridge_hpc.training.hf.safetensors_files",
-    "bridge_hpc.training.hf.mapping",
+    "bridge_hpc.training.hf.mapping", "bridge_hpc.training.hf.mapping_registry", "bridge_hpc.training.hf.param_mapping",
     # the model a toolkit checkpoint was written by (its run_config.json), checked against [model]
     "bridge_hpc.training.checkpoint", "bridge_hpc.training.checkpoint.architecture",
 )

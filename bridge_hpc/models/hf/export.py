@@ -5,7 +5,7 @@ The checkpoint is read without a distributed job: its model tensors, whole, stra
 ends' layouts are read: the CPU back end's (``model.<name>``, one model: CPU runs have no model
 parallelism) and megatron-core's sharded one on GPUs (global tensors at any TP/PP layout, the layers
 stacked along a first dimension, layer norms under Transformer Engine's names). The tensors are put into
-the family's names and layout (:mod:`bridge_hpc.training.hf.mapping`'s rules, inverted) and written as
+the family's names and layout (:func:`bridge_hpc.training.hf.mapping.registry`'s mappings, the other way) and written as
 ``model.safetensors`` (sharded with an index above :data:`SHARD_BYTES`), with ``config.json`` and,
 where the run had a Hugging Face tokenizer, its files: what ``transformers.AutoModelForCausalLM`` and
 ``AutoTokenizer`` load.
@@ -206,36 +206,14 @@ def _hf_as_megatron(hf_dir: str) -> Dict[str, torch.Tensor]:
 
 
 def to_hf(tensors: Dict[str, torch.Tensor], model: Dict[str, Any], family: str) -> Dict[str, torch.Tensor]:
-    """The Hugging Face tensors of ``family`` made from the model's whole tensors (inverse of the load)."""
+    """The Hugging Face tensors of ``family`` made from the model's whole tensors: each mapping of the
+    family's registry, the other way (``megatron_to_hf``)."""
     out: Dict[str, torch.Tensor] = {}
-    h, d = model["hidden_size"], mapping.head_dim(model)
-    heads = model["num_attention_heads"]
-    groups = model.get("num_query_groups") or heads
     prefix = "transformer." if family == "gpt2" else ""
-    for rule in mapping.rules(family, model, prefix):
-        for i in range(model["num_layers"]) if "{i}" in rule.megatron else [None]:
-            name = rule.megatron.format(i=i)
-            if name not in tensors:
-                raise ConfigError("missing from the checkpoint", key=name)
-            t = tensors[name]
-            hf_names = [template.format(i=i) if i is not None else template for template, _ in rule.hf]
-            if rule.kind == "vocab":
-                parts = [t[: model["vocab_size"]]]
-            elif rule.kind == "gated":
-                parts = list(t.chunk(2, dim=0))
-            elif rule.kind == "qkv":
-                per_group = heads // groups
-                grouped = t.reshape(groups, (per_group + 2) * d, *t.shape[1:])
-                parts = [grouped[:, : per_group * d].reshape(heads * d, *t.shape[1:]),
-                         grouped[:, per_group * d: (per_group + 1) * d].reshape(groups * d, *t.shape[1:]),
-                         grouped[:, (per_group + 1) * d:].reshape(groups * d, *t.shape[1:])]
-                if len(set(hf_names)) == 1:  # GPT-2's c_attn: q, k and v side by side
-                    parts, hf_names = [torch.cat(parts)], hf_names[:1]
-            else:
-                parts = [t]
-            for hf_name, part in zip(hf_names, parts):
-                out[hf_name] = (part.t() if rule.transpose else part).contiguous()
-    del h
+    for target in mapping.registry(family, model, prefix).resolved():
+        if target.megatron_param not in tensors:
+            raise ConfigError("missing from the checkpoint", key=target.megatron_param)
+        out.update(target.megatron_to_hf(tensors[target.megatron_param]))
     return out
 
 

@@ -12,22 +12,32 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from bridge_hpc.contracts.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 #: ``model_type`` values this toolkit converts (Megatron Bridge's names for the same families).
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+#: The Mixture-of-Experts families (Megatron Bridge's names), translated and mapped here
+#: (:func:`moe_fields`, :func:`bridge_hpc.training.hf.mapping.registry`); not in :data:`SUPPORTED` until
+#: the ``[model]`` section has megatron-core's MoE fields to take them.
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 #: The rotary families (Llama-shaped: RMSNorm, SwiGLU, rotary positions, no linear biases).
-ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES
+#: The MoE fields a checkpoint's weights (or its router's arithmetic) fix; absent: a dense model.
+MOE_ARCHITECTURE_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                         "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
+                         "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_layer_freq")
 #: Fields a checkpoint's weights fix; a ``[model]`` value that differs is refused.
 ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "kv_channels", "vocab_size", "normalization", "activation_func", "add_bias_linear",
-                     "add_qkv_bias", "qk_layernorm", "position_embedding_type", "share_embeddings_and_output_weights")
+                     "add_qkv_bias", "qk_layernorm", "position_embedding_type",
+                     "share_embeddings_and_output_weights") + MOE_ARCHITECTURE_KEYS
 #: Fields a checkpoint suggests; a ``[model]`` value wins.
 TRAINING_KEYS = ("layernorm_epsilon", "rotary_base", "rope_scaling", "rope_scaling_factor", "hidden_dropout",
-                 "attention_dropout", "init_method_std", "max_position_embeddings", "make_vocab_size_divisible_by")
+                 "attention_dropout", "init_method_std", "max_position_embeddings", "make_vocab_size_divisible_by",
+                 "moe_aux_loss_coeff", "moe_input_jitter_eps")
 #: Llama 3.1's frequency scaling as megatron-core implements it (``RotaryEmbedding._apply_scaling``:
 #: only the factor is a parameter; these are fixed).
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -138,7 +148,8 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
         "ffn_hidden_size": _positive(hf, "intermediate_size", path),
         "kv_channels": head_dim, "vocab_size": _positive(hf, "vocab_size", path),
         "normalization": "RMSNorm", "activation_func": "swiglu", "add_bias_linear": False,
-        "add_qkv_bias": family == "qwen2", "qk_layernorm": family == "qwen3",
+        "add_qkv_bias": family == "qwen2" or (family == "qwen2_moe" and _get(hf, "qkv_bias", bool, path, True)),
+        "qk_layernorm": family in ("qwen3", "qwen3_moe"),
         "position_embedding_type": "rope",
         "share_embeddings_and_output_weights": bool(_get(hf, "tie_word_embeddings", bool, path, False)),
         "layernorm_epsilon": _get(hf, "rms_norm_eps", float, path, 1e-6),
@@ -148,7 +159,67 @@ def model_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
         "make_vocab_size_divisible_by": 1,
     }
     fields.update(_rope(hf, path))
+    if family in MOE_FAMILIES:
+        fields.update(moe_fields(hf, path, fields["num_layers"]))
     return fields
+
+
+def _experts_key(hf: Dict[str, Any]) -> str:
+    """The key a config.json counts the experts with: ``num_experts`` (Qwen's), ``num_local_experts``
+    (Mixtral's, and transformers 5's name for Qwen3-MoE's)."""
+    return "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+
+
+def moe_fields(hf: Dict[str, Any], path: str, num_layers: int) -> Dict[str, Any]:
+    """The ``[model]`` MoE fields (megatron-core's names) of a Qwen3-MoE, Mixtral or Qwen2-MoE
+    ``config.json``, set so that megatron-core's router computes what transformers' does.
+
+    transformers routes by ``softmax`` over all experts, then the top ``num_experts_per_tok``; with
+    ``norm_topk_prob`` (always in Mixtral) the chosen probabilities are divided by their sum, which is
+    the softmax over the chosen logits alone: megatron-core's ``moe_router_pre_softmax = false``
+    (top-k of the logits, then softmax). Without it they stay the full softmax's:
+    ``moe_router_pre_softmax = true``. No scaling factor either way. A layer is an expert layer where
+    ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers`` (Qwen; every layer
+    in Mixtral): ``moe_layer_freq`` is that pattern (megatron-core's list form; 1 when every layer is)."""
+    family = hf["model_type"]
+    experts = _positive(hf, _experts_key(hf), path)
+    topk = _positive(hf, "num_experts_per_tok", path)
+    if topk > experts:
+        raise ConfigError(f"is {topk}, more than the {experts} experts", path=path, key="num_experts_per_tok")
+    if family == "mixtral":
+        ffn, renormalized, pattern = _positive(hf, "intermediate_size", path), True, [1] * num_layers
+    else:
+        ffn = _positive(hf, "moe_intermediate_size", path)
+        renormalized = _get(hf, "norm_topk_prob", bool, path, False)
+        step = _positive(hf, "decoder_sparse_step", path, 1)
+        dense = _get(hf, "mlp_only_layers", list, path, [])
+        for i in dense:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers:
+                raise ConfigError(f"expected layer numbers 0 to {num_layers - 1}, got {i!r}", path=path,
+                                  key="mlp_only_layers")
+        pattern = [0 if i in dense or (i + 1) % step else 1 for i in range(num_layers)]
+    if not any(pattern):
+        raise ConfigError("no layer has experts (decoder_sparse_step and mlp_only_layers leave none)", path=path,
+                          key="mlp_only_layers")
+    shared = _positive(hf, "shared_expert_intermediate_size", path) if family == "qwen2_moe" else None
+    return {"num_moe_experts": experts, "moe_router_topk": topk, "moe_ffn_hidden_size": ffn,
+            "moe_shared_expert_intermediate_size": shared, "moe_shared_expert_gate": shared is not None,
+            "moe_router_pre_softmax": not renormalized, "moe_router_score_function": "softmax",
+            "moe_router_topk_scaling_factor": None, "moe_layer_freq": 1 if all(pattern) else pattern,
+            "moe_aux_loss_coeff": _get(hf, "router_aux_loss_coef", float, path, 0.001),
+            "moe_input_jitter_eps": _get(hf, "router_jitter_noise", float, path, 0.0) or None}
+
+
+def moe_layers(model: Dict[str, Any]) -> List[int]:
+    """The layers (0-based) with experts of a ``[model]`` section: every layer, or those its
+    ``moe_layer_freq`` marks (an int ``n``: layers 0, n, 2n, ... as megatron-core reads it; a list: 1s);
+    none without ``num_moe_experts``."""
+    if not model.get("num_moe_experts"):
+        return []
+    freq, layers = model.get("moe_layer_freq", 1), model["num_layers"]
+    if isinstance(freq, int):
+        return [i for i in range(layers) if i % freq == 0]
+    return [i for i, flag in enumerate(freq) if flag]
 
 
 def _gpt2_fields(hf: Dict[str, Any], path: str) -> Dict[str, Any]:
@@ -194,7 +265,7 @@ def fill_model_section(section: Dict[str, Any], folder: str) -> Tuple[Dict[str, 
     for key in ARCHITECTURE_KEYS:
         if key not in section:
             continue
-        mine, theirs = section[key], fields[key]
+        mine, theirs = section[key], fields.get(key)  # a dense checkpoint has no MoE fields
         if key == "num_query_groups" and theirs is None:
             theirs = fields["num_attention_heads"]
         if key == "kv_channels" and theirs is None:
@@ -207,7 +278,7 @@ def fill_model_section(section: Dict[str, Any], folder: str) -> Tuple[Dict[str, 
     filled = {k: v for k, v in fields.items() if v is not None}
     filled.update(section)
     seq_length = filled.get("seq_length")
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", hf["model_type"] == "mistral") else None
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", hf["model_type"] in ("mistral", "mixtral")) else None
     if isinstance(window, int) and isinstance(seq_length, int) and seq_length > window:
         raise ConfigError(f"{seq_length} exceeds the checkpoint's sliding_window ({window}, {path}): attention over "
                           "a sliding window is not implemented here, so sequences must fit in it", key="model.seq_length")
@@ -223,6 +294,10 @@ def family_of(model: Dict[str, Any]) -> Optional[str]:
 def _family_guess(model: Dict[str, Any]) -> str:
     if model.get("position_embedding_type") == "learned_absolute":
         return "gpt2"
+    if model.get("num_moe_experts"):
+        if model.get("moe_shared_expert_intermediate_size"):
+            return "qwen2_moe"
+        return "qwen3_moe" if model.get("qk_layernorm") else "mixtral"
     if model.get("qk_layernorm"):
         return "qwen3"
     return "qwen2" if model.get("add_qkv_bias") else "llama"
@@ -243,10 +318,37 @@ def misfit(model: Dict[str, Any]) -> Optional[Tuple[str, str]]:
                   "position_embedding_type": "rope"}
         if model.get("rotary_percent", 1.0) != 1.0:
             return "model.rotary_percent", "1.0 (Llama-family rotary embeddings cover the whole head)"
+    if family in MOE_FAMILIES:
+        wanted.update(moe_router_score_function="softmax", moe_router_topk_scaling_factor=None,
+                      moe_shared_expert_gate=family == "qwen2_moe")
+        if family == "mixtral":  # every layer's experts, of the dense size, renormalized top-k
+            wanted.update(moe_router_pre_softmax=False, moe_ffn_hidden_size=model.get("ffn_hidden_size"))
+            if len(moe_layers(model)) != model.get("num_layers"):
+                return "model.moe_layer_freq", "1: experts in every layer (the mixtral family)"
     for key, value in wanted.items():
         if model.get(key) != value:
             return f"model.{key}", f"{value!r} (the {family} family)"
     return None
+
+
+def _moe_config(model: Dict[str, Any], family: str, config: Dict[str, Any]) -> Dict[str, Any]:
+    """The MoE keys of an exported ``config.json`` (:func:`moe_fields` the other way); ``config``: what
+    it holds so far (the expert count keeps the key the starting folder used, else ``num_experts``,
+    which transformers 4 and 5 both read for Qwen)."""
+    out: Dict[str, Any] = {"num_experts_per_tok": model["moe_router_topk"],
+                           "router_aux_loss_coef": model.get("moe_aux_loss_coeff", 0.0)}
+    if family == "mixtral":
+        out.update(num_local_experts=model["num_moe_experts"], router_jitter_noise=model.get("moe_input_jitter_eps") or 0.0)
+        return out
+    with_experts = set(moe_layers(model))
+    out.update({"num_local_experts" if "num_local_experts" in config else "num_experts": model["num_moe_experts"]})
+    out.update(moe_intermediate_size=model["moe_ffn_hidden_size"],
+               norm_topk_prob=not model["moe_router_pre_softmax"], decoder_sparse_step=1,
+               mlp_only_layers=[i for i in range(model["num_layers"]) if i not in with_experts])
+    if family == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=model["moe_shared_expert_intermediate_size"],
+                   qkv_bias=bool(model.get("add_qkv_bias")))
+    return out
 
 
 def hf_config(model: Dict[str, Any], base: Optional[Dict[str, Any]], dtype: str,
@@ -274,7 +376,8 @@ def hf_config(model: Dict[str, Any], base: Optional[Dict[str, Any]], dtype: str,
         out.setdefault("n_ctx", model["max_position_embeddings"])
     else:
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}[family]
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM"}[family]
         head_dim = model.get("kv_channels") or model["hidden_size"] // model["num_attention_heads"]
         rope: Dict[str, Any] = {"rope_theta": float(model["rotary_base"]), "rope_type": "default"}
         if model.get("rope_scaling"):
@@ -290,10 +393,12 @@ def hf_config(model: Dict[str, Any], base: Optional[Dict[str, Any]], dtype: str,
                    tie_word_embeddings=model["share_embeddings_and_output_weights"],
                    attention_dropout=model["attention_dropout"], initializer_range=model["init_method_std"],
                    rope_parameters=rope)
-        if family in ("llama", "qwen3"):
+        if family in ("llama", "qwen3", "qwen3_moe"):
             out.update(attention_bias=False)
         if family == "llama":
             out.update(mlp_bias=False)
+        if family in MOE_FAMILIES:
+            out.update(_moe_config(model, family, out))
     if base is None:
         out.update({f"{name}_token_id": (special_tokens or {}).get(name) for name in ("bos", "eos", "pad")})
     for key, value in list(out.items()):

@@ -1,33 +1,32 @@
-"""Which Hugging Face tensors make each megatron-core parameter, and how (torch-free).
+"""Which Hugging Face tensors make each megatron-core parameter: each family's mappings (torch-free).
 
-Megatron Bridge's param mappings, for the families here, as data: each :class:`Rule` names one
-megatron-core parameter (its name in the local layer spec, layer ``{i}`` counted over the whole model),
-the Hugging Face tensors it is made of and its kind:
+As Megatron Bridge writes each model's bridge, a family here is a list of mappings
+(:mod:`.param_mapping`: one class per kind, each holding both directions) in one
+:class:`~bridge_hpc.training.hf.mapping_registry.MegatronMappingRegistry` (:func:`registry`), built from
+the ``[model]`` fields: the sizes fix the shapes the login node checks a folder's headers against
+(:func:`check_tensors`), the ranks' loader looks each of its parameters up in it, and the export
+inverts it.
 
-- ``copy``: the same tensor on every tensor-parallel rank (norms, the row-parallel layers' biases,
-  learned positions, Qwen3's per-head q/k norms);
-- ``column`` / ``row``: split over the tensor-parallel ranks along the output (dim 0) / input (dim 1)
-  dimension of megatron's ``[out, in]`` weight;
-- ``vocab``: the embedding or untied output layer, rows padded with zeros to the padded vocabulary and
-  split by rows;
-- ``qkv``: megatron's fused ``linear_qkv``: per query group, that group's query heads, then its key
-  head, then its value head (``[q_g0.., k_g0, v_g0, q_g1.., ...]``); a rank holds whole groups;
-- ``gated``: the gated MLP's ``linear_fc1`` = ``[gate; up]``, each rank holding its gate rows and then
-  its up rows.
-
-GPT-2's Conv1D weights are stored ``[in, out]`` (``transpose``), and its ``c_attn`` holds q, k and v
-side by side along ``out`` (offsets instead of three tensors). Transformer Engine's layers keep the
-layer norms inside the next linear layer (``linear_qkv.layer_norm_weight``); megatron-core's sharded
-checkpoints use those names for the local layers too: :func:`canonical` maps them to the local names.
+Transformer Engine's layers keep the layer norms inside the next linear layer
+(``linear_qkv.layer_norm_weight``); megatron-core's sharded checkpoints use those names for the local
+layers too: :func:`canonical` maps them to the local names the mappings use.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from bridge_hpc.contracts.errors import ConfigError
+from bridge_hpc.training.hf import families
+from bridge_hpc.training.hf.mapping_registry import MegatronMappingRegistry
+from bridge_hpc.training.hf.param_mapping import (
+    AutoMapping,
+    ConcatenatedQKVMapping,
+    ExpertMapping,
+    GatedMLPMapping,
+    QKVMapping,
+)
 
 #: Transformer Engine's (and megatron-core's sharded checkpoints') names -> the local spec's.
 _TE_ALIASES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -35,19 +34,11 @@ _TE_ALIASES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.w
                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
                "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+#: The local spec's MoE experts (megatron-core's SequentialMLP): ``<EXPERTS><e>.linear_fc1.weight``.
+EXPERTS = "mlp.experts.local_experts."
+_EXPERT = re.compile(re.escape(EXPERTS) + r"(\d+)\.(.+)")
 #: Tensors a Hugging Face file may hold that are no weights (buffers older transformers saved).
 _IGNORED = re.compile(r".*(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One megatron parameter (``{i}``: the global layer number) from Hugging Face tensors ``hf`` (each
-    with the row offset its part starts at, in megatron's ``[out, in]`` orientation)."""
-
-    megatron: str
-    kind: str
-    hf: Tuple[Tuple[str, int], ...]
-    transpose: bool = False
 
 
 def canonical(name: str) -> str:
@@ -67,106 +58,107 @@ def gpt2_prefix(names) -> str:
     return "transformer." if any(n.startswith("transformer.") for n in names) else ""
 
 
-def rules(family: str, model: Dict[str, Any], prefix: str = "") -> List[Rule]:
-    """Every parameter of the model (``model``: the ``[model]`` fields, finalized) for ``family``; layer
-    rules hold ``{i}``. ``prefix``: GPT-2's (:func:`gpt2_prefix`)."""
-    tied = model["share_embeddings_and_output_weights"]
-    if family == "gpt2":
-        p, h = prefix, model["hidden_size"]
-        out = [Rule("embedding.word_embeddings.weight", "vocab", ((f"{p}wte.weight", 0),)),
-               Rule("embedding.position_embeddings.weight", "copy", ((f"{p}wpe.weight", 0),)),
-               Rule("decoder.final_layernorm.weight", "copy", ((f"{p}ln_f.weight", 0),)),
-               Rule("decoder.final_layernorm.bias", "copy", ((f"{p}ln_f.bias", 0),))]
-        layer = f"{p}h.{{i}}."
-        for norm, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-            out += [Rule(f"decoder.layers.{{i}}.{norm}.{w}", "copy", ((f"{layer}{theirs}.{w}", 0),))
-                    for w in ("weight", "bias")]
-        qkv = lambda w: tuple((f"{layer}attn.c_attn.{w}", k * h) for k in range(3))  # noqa: E731
-        out += [Rule("decoder.layers.{i}.self_attention.linear_qkv.weight", "qkv", qkv("weight"), transpose=True),
-                Rule("decoder.layers.{i}.self_attention.linear_qkv.bias", "qkv", qkv("bias")),
-                Rule("decoder.layers.{i}.self_attention.linear_proj.weight", "row",
-                     ((f"{layer}attn.c_proj.weight", 0),), transpose=True),
-                Rule("decoder.layers.{i}.self_attention.linear_proj.bias", "copy", ((f"{layer}attn.c_proj.bias", 0),)),
-                Rule("decoder.layers.{i}.mlp.linear_fc1.weight", "column", ((f"{layer}mlp.c_fc.weight", 0),),
-                     transpose=True),
-                Rule("decoder.layers.{i}.mlp.linear_fc1.bias", "column", ((f"{layer}mlp.c_fc.bias", 0),)),
-                Rule("decoder.layers.{i}.mlp.linear_fc2.weight", "row", ((f"{layer}mlp.c_proj.weight", 0),),
-                     transpose=True),
-                Rule("decoder.layers.{i}.mlp.linear_fc2.bias", "copy", ((f"{layer}mlp.c_proj.bias", 0),))]
-        if not tied:
-            out.append(Rule("output_layer.weight", "vocab", (("lm_head.weight", 0),)))
-        return out
-    layer = "model.layers.{i}."
-    out = [Rule("embedding.word_embeddings.weight", "vocab", (("model.embed_tokens.weight", 0),)),
-           Rule("decoder.final_layernorm.weight", "copy", (("model.norm.weight", 0),)),
-           Rule("decoder.layers.{i}.input_layernorm.weight", "copy", ((f"{layer}input_layernorm.weight", 0),)),
-           Rule("decoder.layers.{i}.pre_mlp_layernorm.weight", "copy", ((f"{layer}post_attention_layernorm.weight", 0),)),
-           Rule("decoder.layers.{i}.self_attention.linear_qkv.weight", "qkv",
-                tuple((f"{layer}self_attn.{x}_proj.weight", 0) for x in "qkv")),
-           Rule("decoder.layers.{i}.self_attention.linear_proj.weight", "row", ((f"{layer}self_attn.o_proj.weight", 0),)),
-           Rule("decoder.layers.{i}.mlp.linear_fc1.weight", "gated",
-                ((f"{layer}mlp.gate_proj.weight", 0), (f"{layer}mlp.up_proj.weight", 0))),
-           Rule("decoder.layers.{i}.mlp.linear_fc2.weight", "row", ((f"{layer}mlp.down_proj.weight", 0),))]
+def registry(family: str, model: Dict[str, Any], prefix: str = "") -> MegatronMappingRegistry:
+    """Every parameter of the model (``model``: the ``[model]`` fields, finalized) for ``family``, as
+    its registry. ``prefix``: GPT-2's (:func:`gpt2_prefix`)."""
+    mappings = _gpt2(model, prefix) if family == "gpt2" else _llama(family, model)
+    if not model["share_embeddings_and_output_weights"]:
+        mappings.append(AutoMapping("output_layer.weight", "lm_head.weight", (model["vocab_size"], model["hidden_size"])))
+    return MegatronMappingRegistry(*mappings, num_layers=model["num_layers"])
+
+
+def _gpt2(model: Dict[str, Any], p: str) -> list:
+    """GPT-2: LayerNorms with biases, learned positions, biased linear layers; its Conv1D weights are
+    stored ``[in, out]`` (transposed), and ``c_attn`` holds q, k and v one after the other."""
+    h, ffn, heads = model["hidden_size"], model["ffn_hidden_size"], model["num_attention_heads"]
+    layer, meg = f"{p}h.{{i}}.", "decoder.layers.{i}."
+    out = [AutoMapping("embedding.word_embeddings.weight", f"{p}wte.weight", (model["vocab_size"], h)),
+           AutoMapping("embedding.position_embeddings.weight", f"{p}wpe.weight", (model["max_position_embeddings"], h)),
+           AutoMapping("decoder.final_layernorm.weight", f"{p}ln_f.weight", (h,)),
+           AutoMapping("decoder.final_layernorm.bias", f"{p}ln_f.bias", (h,))]
+    for norm, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+        out += [AutoMapping(f"{meg}{norm}.{w}", f"{layer}{theirs}.{w}", (h,)) for w in ("weight", "bias")]
+    return out + [
+        ConcatenatedQKVMapping(f"{meg}self_attention.linear_qkv.weight", f"{layer}attn.c_attn.weight", heads, heads,
+                               h // heads, hidden=h, transpose=True),
+        ConcatenatedQKVMapping(f"{meg}self_attention.linear_qkv.bias", f"{layer}attn.c_attn.bias", heads, heads,
+                               h // heads),
+        AutoMapping(f"{meg}self_attention.linear_proj.weight", f"{layer}attn.c_proj.weight", (h, h), transpose=True),
+        AutoMapping(f"{meg}self_attention.linear_proj.bias", f"{layer}attn.c_proj.bias", (h,)),
+        AutoMapping(f"{meg}mlp.linear_fc1.weight", f"{layer}mlp.c_fc.weight", (ffn, h), transpose=True),
+        AutoMapping(f"{meg}mlp.linear_fc1.bias", f"{layer}mlp.c_fc.bias", (ffn,)),
+        AutoMapping(f"{meg}mlp.linear_fc2.weight", f"{layer}mlp.c_proj.weight", (h, ffn), transpose=True),
+        AutoMapping(f"{meg}mlp.linear_fc2.bias", f"{layer}mlp.c_proj.bias", (h,))]
+
+
+#: Where an MoE family keeps a layer's router and experts: ``(block, gate, up, down)`` names.
+_MOE_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+              "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+              "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def _llama(family: str, model: Dict[str, Any]) -> list:
+    """The rotary families (Llama, Mistral, Qwen2, Qwen3 and their MoE kin): RMSNorm, separate q/k/v
+    (biased in Qwen2, per-head q/k norms in Qwen3), SwiGLU from ``gate_proj`` and ``up_proj``; in an
+    MoE model's expert layers (:func:`_experts`) a router and experts instead of that MLP."""
+    h, ffn, d = model["hidden_size"], model["ffn_hidden_size"], head_dim(model)
+    heads = model["num_attention_heads"]
+    groups = model.get("num_query_groups") or heads
+    layer, meg = "model.layers.{i}.", "decoder.layers.{i}."
+    attn = {x: f"{layer}self_attn.{x}_proj.weight" for x in "qkv"}
+    out = [AutoMapping("embedding.word_embeddings.weight", "model.embed_tokens.weight", (model["vocab_size"], h)),
+           AutoMapping("decoder.final_layernorm.weight", "model.norm.weight", (h,)),
+           AutoMapping(f"{meg}input_layernorm.weight", f"{layer}input_layernorm.weight", (h,)),
+           AutoMapping(f"{meg}pre_mlp_layernorm.weight", f"{layer}post_attention_layernorm.weight", (h,)),
+           QKVMapping(f"{meg}self_attention.linear_qkv.weight", **attn, heads=heads, groups=groups, head_dim=d, hidden=h),
+           AutoMapping(f"{meg}self_attention.linear_proj.weight", f"{layer}self_attn.o_proj.weight", (h, heads * d))]
+    with_experts = families.moe_layers(model)
+    # the layers with the dense MLP: None for every layer (a dense model), () for none (Mixtral)
+    dense = tuple(i for i in range(model["num_layers"]) if i not in with_experts) if with_experts else None
+    if dense != ():
+        out += [GatedMLPMapping(f"{meg}mlp.linear_fc1.weight", f"{layer}mlp.gate_proj.weight",
+                                f"{layer}mlp.up_proj.weight", (2 * ffn, h), layers=dense),
+                AutoMapping(f"{meg}mlp.linear_fc2.weight", f"{layer}mlp.down_proj.weight", (h, ffn), layers=dense)]
+    if with_experts:
+        out += _experts(family, model, tuple(with_experts))
     if model.get("add_qkv_bias"):
-        out.append(Rule("decoder.layers.{i}.self_attention.linear_qkv.bias", "qkv",
-                        tuple((f"{layer}self_attn.{x}_proj.bias", 0) for x in "qkv")))
+        out.append(QKVMapping(f"{meg}self_attention.linear_qkv.bias", heads=heads, groups=groups, head_dim=d,
+                              **{x: f"{layer}self_attn.{x}_proj.bias" for x in "qkv"}))
     if model.get("qk_layernorm"):
-        out += [Rule(f"decoder.layers.{{i}}.self_attention.{x}_layernorm.weight", "copy",
-                     ((f"{layer}self_attn.{x}_norm.weight", 0),)) for x in "qk"]
-    if not tied:
-        out.append(Rule("output_layer.weight", "vocab", (("lm_head.weight", 0),)))
+        out += [AutoMapping(f"{meg}self_attention.{x}_layernorm.weight", f"{layer}self_attn.{x}_norm.weight", (d,))
+                for x in "qk"]
     return out
 
 
-def layer_rules(all_rules: List[Rule]) -> Tuple[Dict[str, Rule], Dict[str, Rule]]:
-    """``(rules of the layers by their name after "decoder.layers.{i}.", the other rules by name)``."""
-    layers = {r.megatron[len("decoder.layers.{i}."):]: r for r in all_rules if "{i}" in r.megatron}
-    others = {r.megatron: r for r in all_rules if "{i}" not in r.megatron}
-    return layers, others
+def _experts(family: str, model: Dict[str, Any], layers: Tuple[int, ...]) -> list:
+    """An MoE layer's router (``[experts, hidden]``, whole on every rank), each expert's gated fc1 and
+    fc2 (:class:`ExpertMapping`, the expert counted over the layer) and, in Qwen2-MoE, the shared expert
+    and its sigmoid gate (``shared_expert_gate``, ``[1, hidden]``; megatron-core's
+    ``moe_shared_expert_gate``)."""
+    h, n, ffn = model["hidden_size"], model["num_moe_experts"], model["moe_ffn_hidden_size"]
+    block, gate, up, down = _MOE_NAMES[family]
+    layer, meg = f"model.layers.{{i}}.{block}.", "decoder.layers.{i}.mlp."
+    expert = f"{layer}experts.{{e}}."
+    out = [AutoMapping(f"{meg}router.weight", f"{layer}gate.weight", (n, h), layers=layers),
+           ExpertMapping(GatedMLPMapping(f"{meg}experts.local_experts.{{e}}.linear_fc1.weight", f"{expert}{gate}.weight",
+                                         f"{expert}{up}.weight", (2 * ffn, h), layers=layers, num_experts=n)),
+           ExpertMapping(AutoMapping(f"{meg}experts.local_experts.{{e}}.linear_fc2.weight", f"{expert}{down}.weight",
+                                     (h, ffn), layers=layers, num_experts=n))]
+    shared = model.get("moe_shared_expert_intermediate_size")
+    if shared:
+        out += [GatedMLPMapping(f"{meg}shared_experts.linear_fc1.weight", f"{layer}shared_expert.gate_proj.weight",
+                                f"{layer}shared_expert.up_proj.weight", (2 * shared, h), layers=layers),
+                AutoMapping(f"{meg}shared_experts.linear_fc2.weight", f"{layer}shared_expert.down_proj.weight",
+                            (h, shared), layers=layers)]
+    if model.get("moe_shared_expert_gate"):
+        out.append(AutoMapping(f"{meg}shared_experts.gate_weight", f"{layer}shared_expert_gate.weight", (1, h),
+                               layers=layers))
+    return out
 
 
 def hf_shapes(family: str, model: Dict[str, Any], prefix: str = "") -> Dict[str, Tuple[int, ...]]:
     """The shape of every Hugging Face tensor the model is made of (``model``: finalized fields)."""
-    h, heads, d = model["hidden_size"], model["num_attention_heads"], head_dim(model)
-    groups, ffn, vocab = model.get("num_query_groups") or heads, model["ffn_hidden_size"], model["vocab_size"]
-    shapes: Dict[str, Tuple[int, ...]] = {}
-
-    def out_size(rule: Rule, name: str, part: int) -> int:
-        if rule.kind == "qkv":
-            if rule.transpose or family == "gpt2":
-                return 3 * h
-            return (heads if part == 0 else groups) * d
-        if rule.kind == "gated" or rule.megatron.endswith("linear_fc1.weight") or rule.megatron.endswith("linear_fc1.bias"):
-            return ffn
-        if rule.megatron.endswith("linear_proj.weight") or rule.megatron.endswith("linear_fc2.weight"):
-            return h
-        return h
-
-    for rule in rules(family, model, prefix):
-        for i in range(model["num_layers"]) if "{i}" in rule.megatron else [None]:
-            for part, (template, _) in enumerate(rule.hf):
-                name = template.format(i=i) if i is not None else template
-                meg = rule.megatron
-                if rule.kind == "vocab":
-                    shape: Tuple[int, ...] = (vocab, h)
-                elif meg.endswith("position_embeddings.weight"):
-                    shape = (model["max_position_embeddings"], h)
-                elif meg.endswith("q_layernorm.weight") or meg.endswith("k_layernorm.weight"):
-                    shape = (d,)
-                elif meg.endswith("linear_proj.weight"):
-                    shape = (h, heads * d)
-                elif meg.endswith("linear_fc2.weight"):
-                    shape = (h, ffn)
-                elif meg.endswith(".bias") and rule.kind != "copy":
-                    shape = (out_size(rule, name, part),)
-                elif meg.endswith(".weight") and rule.kind in ("qkv", "gated", "column"):
-                    shape = (out_size(rule, name, part), h)
-                else:  # norms and the row-parallel layers' biases
-                    shape = (h,)
-                if rule.transpose:
-                    shape = tuple(reversed(shape))
-                shapes[name] = shape
-    return shapes
+    return {name: shape for m in registry(family, model, prefix).resolved() for name, shape in m.hf_shapes().items()}
 
 
 def check_tensors(tensors: Dict[str, Any], family: str, model: Dict[str, Any], folder: str) -> None:
@@ -200,6 +192,12 @@ def layer_number(name: str) -> Optional[Tuple[int, str]]:
     return (int(match.group(1)), match.group(2)) if match else None
 
 
+def local_expert(rest: str) -> Optional[Tuple[int, str]]:
+    """``(expert index, rest of the name)`` for a layer's ``mlp.experts.local_experts.<k>.<rest>``, else None."""
+    match = _EXPERT.fullmatch(rest)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
 def check_folder(folder: str, model: Dict[str, Any]):
     """Everything about the Hugging Face folder ``folder`` that its config and headers tell, for the model
     ``model`` (finalized ``[model]`` fields); returns its :class:`SafetensorsFolder`. ConfigError naming
@@ -207,7 +205,6 @@ def check_folder(folder: str, model: Dict[str, Any]):
     read the same headers again)."""
     import os
 
-    from bridge_hpc.training.hf import families
     from bridge_hpc.training.hf.safetensors_files import SafetensorsFolder
 
     hf = families.read_config(folder)
@@ -224,7 +221,6 @@ def checked_model_config(folder: str):
     import os
 
     from bridge_hpc.training.config import GPTModelConfig
-    from bridge_hpc.training.hf import families
 
     hf = families.read_config(folder)
     fields = families.model_fields(hf, os.path.join(folder, families.CONFIG_FILE))
