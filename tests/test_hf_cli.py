@@ -12,11 +12,14 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from bridge_test_helpers import MINIMAL_TRAINING_TOML
-from hf_models import make_hf_model
+from bridge_test_helpers import MINIMAL_TRAINING_TOML, single_rank_world
+from hf_models import MOE_FAMILIES, VOCAB, batch, hf_logits, make_hf_folders, make_hf_model, model_config, safetensors_in
+
+from bridge_hpc.training.hf import families
 
 HF = [sys.executable, "-m", "bridge_hpc.cli.hf"]
 
@@ -490,3 +493,65 @@ def test_an_exported_toolkit_gpt_names_its_own_special_tokens_inside_its_vocabul
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(loaded, name)
         assert value is None or 0 <= value < loaded.vocab_size, (name, value, loaded.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def moe_folders(tmp_path_factory):
+    return make_hf_folders(tmp_path_factory.mktemp("moe"), MOE_FAMILIES)
+
+
+@pytest.fixture
+def world():
+    yield from single_rank_world()
+
+
+def _refused(source, tmp_path, words):
+    before = set(os.listdir(tmp_path))
+    proc = subprocess.run(HF + ["import", str(source), str(tmp_path / "out")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and all(w in lines[0] for w in words), proc.stderr[-2000:]
+    assert set(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_folders_import_with_transformers_logits_and_export_bitwise_and_misfits_are_refused(
+        moe_folders, world, tmp_path, family):
+    """Qwen3-MoE, Mixtral, Qwen2-MoE through ``bridge-hf``: the imported checkpoint in the toolkit's
+    model (``[model] hf_config``'s fields) gives transformers' logits, its export is the original's
+    tensors bitwise; a config.json counting other experts than the tensors hold, and an expert's
+    missing tensor, are one line naming the file and the key, exit 2, nothing written."""
+    from bridge_hpc.models.hf.export import read_checkpoint
+    from bridge_hpc.training.engine.model import gpt_model_provider
+
+    source = moe_folders[family]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    for args in (["import", source, str(ckpt)], ["export", str(ckpt), str(out)]):
+        proc = subprocess.run(HF + args, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    before, after = safetensors_in(source), safetensors_in(str(out))
+    assert sorted(before) == sorted(after)
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    _, _, tensors = read_checkpoint(str(ckpt))
+    model = gpt_model_provider(model_config(source)).eval()
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and all("_extra_state" in k for k in missing)
+    b = batch()
+    with torch.no_grad():
+        ours = model(b["tokens"], b["position_ids"], None)[..., :VOCAB]
+    theirs = hf_logits(source, b["tokens"])
+    assert (ours - theirs).abs().max().item() <= 1e-4 and torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    counted = _variant(Path(source), bad, "counted")
+    config = json.loads((counted / "config.json").read_text())
+    _edit_config(counted, **{families._experts_key(config): 3})
+    _refused(counted, bad, [f"{counted / 'model.safetensors'}: key '", ".gate.weight'",
+                            "has shape [4, 64], expected [3, 64]"])
+    shutil.rmtree(counted)
+    gone = next(k for k in before if ".experts.2." in k and k.startswith("model.layers.2."))
+    missing_one = _variant(Path(source), bad, "missing")
+    _rename_tensor(missing_one, gone, gone.replace(".experts.", ".expertz."))
+    _refused(missing_one, bad, [f"key '{gone}': missing"])

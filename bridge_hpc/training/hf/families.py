@@ -18,11 +18,11 @@ from bridge_hpc.contracts.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 #: ``model_type`` values this toolkit converts (Megatron Bridge's names for the same families).
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-#: The Mixture-of-Experts families (Megatron Bridge's names), translated and mapped here
-#: (:func:`moe_fields`, :func:`bridge_hpc.training.hf.mapping.registry`); not in :data:`SUPPORTED` until
-#: the ``[model]`` section has megatron-core's MoE fields to take them.
+#: The Mixture-of-Experts families (Megatron Bridge's names): :func:`moe_fields` translates their
+#: routing into megatron-core's MoE fields on ``[model]``, :func:`bridge_hpc.training.hf.mapping.registry`
+#: maps their experts' tensors.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2") + MOE_FAMILIES
 #: The rotary families (Llama-shaped: RMSNorm, SwiGLU, rotary positions, no linear biases).
 ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES
 #: The MoE fields a checkpoint's weights (or its router's arithmetic) fix; absent: a dense model.
