@@ -1,7 +1,6 @@
 """The Mixture-of-Experts families' mappings and config translation (Qwen3-MoE, Mixtral, Qwen2-MoE), on
-CPU, against tiny random folders saved by transformers and a megatron-core MoE GPT built here from the
-translated fields (the toolkit's ``[model]`` has no MoE fields yet, so ``bridge-hf`` does not take these
-families: see bridge_hpc.training.hf.families.MOE_FAMILIES).
+CPU, against tiny random folders saved by transformers and the toolkit's MoE GPT of the translated fields
+(``bridge-hf`` itself on these families: tests/test_hf_cli.py).
 
 The folder's headers fit the family's registry exactly; HF -> megatron -> HF is bitwise; the registry's
 megatron names and shapes are those of megatron-core's local layer spec; megatron-core's router with
@@ -10,7 +9,6 @@ global ones; a folder whose expert count or tensors do not fit is refused naming
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from types import SimpleNamespace
@@ -18,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from bridge_test_helpers import single_rank_world
-from hf_models import MOE_FAMILIES, SEQ, VOCAB, batch, hf_logits, make_hf_folders, safetensors_in
+from hf_models import MOE_FAMILIES, VOCAB, batch, hf_logits, make_hf_folders, model_config, safetensors_in
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.hf import families, mapping
@@ -119,46 +117,24 @@ def test_a_folder_that_does_not_fit_is_refused_naming_the_file_and_the_key(folde
     assert (err.value.path, err.value.key) == (str(damaged), gone)
 
 
-def _megatron_moe_model(fields: dict):
-    """megatron-core's GPT of the translated fields: the toolkit's dense model config, its MoE fields
-    added, the local layer spec per layer (experts where ``moe_layer_freq`` says) with the toolkit's
-    CPU attention and rotary embedding, as the toolkit builds its dense models."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+def _megatron_moe_model(folder: str, **changes):
+    """The toolkit's model of ``[model] hf_config = folder`` (``changes`` set over the finalized config,
+    past the checkpoint's own refusal of them), as ``gpt_model_provider`` builds it: megatron-core's MoE
+    layers where ``moe_layer_freq`` says, with its CPU router and dispatcher."""
+    from bridge_hpc.training.engine.model import gpt_model_provider
 
-    from bridge_hpc.training.config import GPTModelConfig
-    from bridge_hpc.training.engine.model import HostRotaryEmbedding, SDPACoreAttention, transformer_config
-
-    moe = {k: v for k, v in fields.items() if k.startswith("moe_") or k == "num_moe_experts"}
-    dense = {k: v for k, v in fields.items() if k not in moe and v is not None}
-    cfg = GPTModelConfig(**dense, seq_length=SEQ)
-    cfg.finalize()
-    config = dataclasses.replace(transformer_config(cfg), **moe)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
-                     max_sequence_length=cfg.max_position_embeddings,
-                     share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
-                     position_embedding_type="rope", rotary_base=cfg.rotary_base).eval()
-    model.rotary_pos_emb.__class__ = HostRotaryEmbedding
-    return model
+    cfg = model_config(folder)
+    for key, value in changes.items():
+        setattr(cfg, key, value)
+    return gpt_model_provider(cfg).eval()
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_megatron_cores_moe_model_has_the_registrys_parameters_and_transformers_logits(folders, family, world,
-                                                                                     monkeypatch):
-    """(megatron-core 0.16.1's router moves its weight to ``torch.cuda.current_device()`` in every
-    forward, made the CPU here for want of a GPU, and its gating reads ``te_general_gemm``, a name
-    defined only where Transformer Engine imports: None here, its fallback.)"""
-    from megatron.core.transformer.moe import moe_utils
-
+def test_megatron_cores_moe_model_has_the_registrys_parameters_and_transformers_logits(folders, family, world):
     from bridge_hpc.training.hf.load import copy_weights
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
     folder, fields = folders[family], _fields(folders[family])
-    model = _megatron_moe_model(fields)
+    model = _megatron_moe_model(folder)
     params = {k: tuple(v.shape) for k, v in model.state_dict().items() if "_extra_state" not in k}
     resolved = mapping.registry(family, fields).resolved()
     assert params == {m.megatron_param: m.shape for m in resolved}
@@ -170,7 +146,7 @@ def test_megatron_cores_moe_model_has_the_registrys_parameters_and_transformers_
     assert (ours - theirs).abs().max().item() <= TOLERANCE
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     if family == "qwen2_moe":  # the routing semantics matter: the other pre-softmax misses by far
-        model = _megatron_moe_model({**fields, "moe_router_pre_softmax": False})
+        model = _megatron_moe_model(folder, moe_router_pre_softmax=False)
         copy_weights(SafetensorsFolder(folder), family, fields, [model])
         with torch.no_grad():
             wrong = model(b["tokens"], b["position_ids"], None)[..., :VOCAB]
