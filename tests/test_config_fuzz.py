@@ -58,6 +58,7 @@ BASES = [
     ("gpt-126m-h100", "configs/gpt-126m-h100.toml"),
     ("gpt-8x4096-h100-fp8", "configs/gpt-8x4096-h100-fp8.toml"),
     ("tiny", "tests/data/tiny.toml"),
+    ("local-tiny-moe", "configs/local-tiny-moe.toml"),
 ]
 
 #: Where the loader checks one key against another, an error may name the other one.
@@ -85,6 +86,19 @@ RELATED = {
     "train.train_iters": {"scheduler.lr_warmup_iters", "scheduler.lr_decay_iters"},
     "checkpoint.save_interval": {"checkpoint.save"},
     "ft.enable_ft_package": set(),
+    # Mixture-of-Experts: the fields are checked against each other, the layers and the world
+    "model.num_moe_experts": {"model.moe_router_topk", "model.expert_model_parallel_size",
+                              "model.moe_router_num_groups"},
+    "model.moe_router_topk": {"model.num_moe_experts"},
+    "model.add_bias_linear": {"model.moe_shared_expert_intermediate_size"},
+    "model.num_layers": {"model.moe_layer_freq"},
+    "model.ffn_hidden_size": {"model.expert_tensor_parallel_size"},
+    "model.moe_ffn_hidden_size": {"model.expert_tensor_parallel_size"},
+    "model.moe_shared_expert_intermediate_size": {"model.moe_shared_expert_gate"},
+    "model.tensor_model_parallel_size": {"model.expert_tensor_parallel_size", "model.expert_model_parallel_size"},
+    "model.transformer_impl": {"model.moe_grouped_gemm", "model.moe_permute_fusion", "model.moe_router_fusion"},
+    "slurm.ntasks_per_node": {"model.expert_model_parallel_size", "model.tensor_model_parallel_size"},
+    "slurm.nodes": {"model.expert_model_parallel_size", "model.tensor_model_parallel_size"},
 }
 
 

@@ -180,9 +180,9 @@ def test_a_run_moves_between_the_layouts_and_back(tmp_path):
     straight = tiny_job(tmp_path / "straight")
     run_one_gpu_rank(straight, *TE, timeout_s=RUN_TIMEOUT_S)
     moved = tiny_job(tmp_path / "moved")
-    run_one_gpu_rank(moved, *TE, "train.train_iters=20", timeout_s=RUN_TIMEOUT_S)
+    run_one_gpu_rank(moved, *TE, "train.exit_interval=20", timeout_s=RUN_TIMEOUT_S)
     local = ('model.transformer_impl="local"',) + TE[1:]
-    out = run_one_gpu_rank(moved, *local, "train.train_iters=30", timeout_s=RUN_TIMEOUT_S)
+    out = run_one_gpu_rank(moved, *local, "train.exit_interval=30", timeout_s=RUN_TIMEOUT_S)
     assert "loaded checkpoint" in out, out[-4000:]
     out = run_one_gpu_rank(moved, *TE, timeout_s=RUN_TIMEOUT_S)
     assert "loaded checkpoint" in out and ABSENT in out, out[-4000:]

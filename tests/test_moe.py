@@ -8,6 +8,7 @@ torchrun; the run started in one go is the reference of the resumed ones.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -234,10 +235,18 @@ def test_aux_losses_in_metrics_tensorboard_log_and_report(straight):
     assert "active parameters" in report.stdout
 
 
-def test_ep2_stop_and_resume_is_bit_exact(straight, tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """The same run stopped at step 8 (its checkpoint), for the resumes below to copy."""
+    run_dir = tmp_path_factory.mktemp("moe-stopped") / "run"
     out = _torchrun(run_dir, "train.exit_interval=8")
     assert "exiting at iteration 8" in out
+    return run_dir
+
+
+def test_ep2_stop_and_resume_is_bit_exact(straight, stopped, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped, run_dir)
     out = _torchrun(run_dir)
     assert "loaded checkpoint" in out
     got, want = _metrics(run_dir), _metrics(straight)
@@ -247,11 +256,11 @@ def test_ep2_stop_and_resume_is_bit_exact(straight, tmp_path):
             assert got[step][key] == want[step][key], (step, key)
 
 
-def test_ep2_checkpoint_resumes_at_ep1_within_tolerance(straight, tmp_path):
+def test_ep2_checkpoint_resumes_at_ep1_within_tolerance(straight, stopped, tmp_path):
     """The experts are saved under their global numbers, so an EP2 checkpoint loads with EP1 (each rank
     then holds all 8 experts) and training goes on where it was."""
     run_dir = tmp_path / "run"
-    _torchrun(run_dir, "train.exit_interval=8")
+    shutil.copytree(stopped, run_dir)
     out = _torchrun(run_dir, "model.expert_model_parallel_size=1")
     assert "loaded checkpoint" in out
     got, want = _metrics(run_dir), _metrics(straight)

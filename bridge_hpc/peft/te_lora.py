@@ -61,7 +61,7 @@ class TEFusedLoRALinear(LoRALinear):
             branch.append(norm)
             branch.append(te.ops.Quantize(forward=True, backward=False))
         branch.append(te.ops.MakeExtraOutput(in_place=True))  # the fork: the adapter's input
-        bias = base.bias if isinstance(base.bias, torch.Tensor) and base.bias.numel() else None
+        bias = None if _returns_bias(base) else _bias(base)  # (a bias the layer returns is added by its caller)
         linear = te.ops.Linear(in_features, out_features, bias=bias is not None, device="meta",
                                dtype=base.weight.dtype, accumulate_into_main_grad=into_main_grad)
         linear.weight = base.weight
@@ -104,4 +104,14 @@ class TEFusedLoRALinear(LoRALinear):
         output, adapter_x = main(x)
         with te.fp8_autocast(enabled=False):
             output = lora(adapter_x, output)
-        return output, None
+        return output, _bias(self.to_wrap) if _returns_bias(self.to_wrap) else None
+
+
+def _bias(base) -> Optional[torch.Tensor]:
+    return base.bias if isinstance(base.bias, torch.Tensor) and base.bias.numel() else None
+
+
+def _returns_bias(base) -> bool:
+    """megatron-core's TE linears built with ``skip_bias_add`` return their bias beside the output (the
+    MLP's fused bias-activation and the bias-dropout-add take it): the fused module does the same."""
+    return bool(getattr(base, "te_return_bias", False))

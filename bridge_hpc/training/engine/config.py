@@ -587,6 +587,9 @@ class GPTModelConfig(LowPrecisionFields, MoEFields):
                    f"\"full_iteration\" over Transformer Engine's layers runs from model.hidden_size "
                    f"{TE_GRAPH_MIN_HIDDEN} up (it ran at 1024-4096 and crashed with an illegal memory access at "
                    f"hidden size 64 on an H200); this model's is {self.hidden_size}")
+            _check(not self.is_moe, "model.cuda_graph_impl",
+                   "\"full_iteration\" cannot capture an MoE model's step: its dropless dispatch sizes the "
+                   "experts' work on the host from each step's routing")
             _check(tp == pp == cp == 1, "model.cuda_graph_impl",
                    "\"full_iteration\" runs with data parallelism only: model.tensor_model_parallel_size, "
                    f"pipeline_model_parallel_size and context_parallel_size must be 1, got {tp}, {pp} and {cp}")

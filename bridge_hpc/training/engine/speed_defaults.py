@@ -68,6 +68,8 @@ NO_GPUS = "the job asks for no GPUs ([slurm] gpus_per_node = 0)"
 NO_CUDA = "this rank has no CUDA"
 NO_TRITON = "this rank's torch has no triton"
 NO_TE = "this rank has no transformer_engine package"
+MOE_NOT_MEASURED = ("an MoE model: Transformer Engine's layers have not been measured against the local ones for "
+                    "MoE yet")
 PEFT_ON_TE = ("adapters on Transformer Engine's layers have not trained through on a GPU yet (tests/test_gpu_te.py): "
               "the local layers, whose fused LoRA has")
 FP8_GRAPH = ("FP8 steps are not captured: Transformer Engine's FP8 scaling state needs TE's own graph capture "
@@ -150,6 +152,8 @@ def refusal(choice: Choice, cfg: ConfigContainer, world_size: int) -> Optional[s
             return None
         if cfg.peft is not None:
             return PEFT_ON_TE
+        if getattr(cfg.model, "num_moe_experts", None) is not None:
+            return MOE_NOT_MEASURED
         return layers_measured_faster(cfg.model)
     if why is not None or choice != CUDA_GRAPH:
         if choice == ASYNC_SAVE and why is None and cfg.checkpoint.save_interval is None:

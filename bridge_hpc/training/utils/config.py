@@ -14,6 +14,12 @@ from bridge_hpc.contracts.errors import MissingPackageError
 from bridge_hpc.contracts.schema import check as _check
 
 
+#: Why the routing-trace fields are refused: MoE models train here, but their routers' decisions are not
+#: recorded (no trace writer yet); a run that asked for a trace would silently have none.
+_NO_ROUTING_TRACE = ("bridge_hpc trains MoE models but does not record routing traces yet: a run asking for one "
+                     "would end without it")
+
+
 @dataclass
 class LoggerConfig:
     """Console, metrics-file, TensorBoard, W&B, MLflow and Comet logging: every field of Megatron
@@ -32,7 +38,7 @@ class LoggerConfig:
     ``comet_project`` is (see :mod:`bridge_hpc.training.utils.log_backends`): each gets every series
     TensorBoard gets, and a requeued or restarted job continues the same run.
 
-    A field this trainer cannot act on (MoE routing traces: it builds dense GPTs; energy counters; a
+    A field this trainer cannot act on (MoE routing traces: not recorded yet; energy counters; a
     timing level above 0, whose timers it has not) accepts only its default and is refused by name
     otherwise.
     """
@@ -121,11 +127,11 @@ class LoggerConfig:
             ("log_max_attention_logit", "megatron-core records it only for its MoE/MLA QK-clip attention, which "
                                         "bridge_hpc's GPTs do not use"),
             ("log_energy", "there is no energy counter reader in bridge_hpc"),
-            ("moe_routing_trace_path", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
-            ("moe_routing_trace_max_training_iters", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
-            ("moe_routing_trace_capture_logits", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
-            ("moe_routing_trace_capture_hidden_states", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
-            ("moe_routing_trace_dump_weights", "bridge_hpc builds dense GPTs: there is no MoE router to trace"),
+            ("moe_routing_trace_path", _NO_ROUTING_TRACE),
+            ("moe_routing_trace_max_training_iters", _NO_ROUTING_TRACE),
+            ("moe_routing_trace_capture_logits", _NO_ROUTING_TRACE),
+            ("moe_routing_trace_capture_hidden_states", _NO_ROUTING_TRACE),
+            ("moe_routing_trace_dump_weights", _NO_ROUTING_TRACE),
         ):
             _check(not getattr(self, name), f"logger.{name}", f"must be left at its default: {why}")
         # (an empty run or experiment name of a backend that is on gets Bridge's words, below)

@@ -1,0 +1,57 @@
+"""Mixture-of-Experts on one GPU, on both layer implementations; skipped without CUDA (and the TE
+cases without transformer_engine).
+
+Each run is a real 1-rank torchrun job of configs/local-tiny-moe.toml's MoE GPT (8 experts, top-2, a
+shared expert; EP1 on one GPU) with megatron-core's DDP, optimizer and sharded checkpoints. An exit at
+step 6 and the resumed run reproduce the losses of a run in one go bit for bit, the auxiliary losses
+included; the TE case also runs the experts as one grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from bridge_test_helpers import ROOT, run_one_gpu_rank
+
+from bridge_hpc.training.engine.metrics import read_metrics
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+HAS_TE = importlib.util.find_spec("transformer_engine") is not None
+ITERS = 12
+LAYERS = {
+    "local": ("model.transformer_impl=\"local\"",),
+    "te-grouped-gemm": ("model.transformer_impl=\"transformer_engine\"", "model.moe_grouped_gemm=true",
+                        "model.moe_token_dispatcher_type=\"alltoall\""),
+}
+
+
+def _run(folder, layers, *extra: str) -> dict:
+    job = os.path.join(folder, "job.toml")
+    if not os.path.exists(job):
+        os.makedirs(folder, exist_ok=True)
+        text = (ROOT / "configs" / "local-tiny-moe.toml").read_text()  # without the CPU cluster's profile
+        with open(job, "w", encoding="utf-8") as f:
+            f.write(text.replace('extends = "clusters/local.toml"\n', ""))
+    run_one_gpu_rank(job, "job.run_dir=\"run\"", "slurm.gpus_per_node=1", f"train.train_iters={ITERS}", "model.expert_model_parallel_size=1",
+                     "checkpoint.save_interval=6", "train.eval_interval=6", "model.hidden_dropout=0.0",
+                     "model.attention_dropout=0.0", "model.deterministic_mode=true", *LAYERS[layers], *extra)
+    return read_metrics(os.path.join(folder, "run", "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("layers", list(LAYERS))
+def test_moe_trains_and_resumes_bit_exactly_on_gpu(layers, tmp_path):
+    if layers.startswith("te") and not HAS_TE:
+        pytest.skip("needs transformer_engine")
+    straight = _run(str(tmp_path / "straight"), layers)
+    assert sorted(straight) == list(range(1, ITERS + 1))
+    assert all(r["load_balancing_loss"] > 0 and r["z_loss"] > 0 for r in straight.values())
+    assert straight[ITERS]["loss"] < straight[1]["loss"]
+    _run(str(tmp_path / "resumed"), layers, "train.exit_interval=6")
+    resumed = _run(str(tmp_path / "resumed"), layers)
+    for step in straight:
+        for key in ("loss", "load_balancing_loss", "z_loss"):
+            assert resumed[step][key] == straight[step][key], (layers, step, key)
