@@ -36,7 +36,8 @@ def _run(folder, layers, *extra: str) -> dict:
         text = (ROOT / "configs" / "local-tiny-moe.toml").read_text()  # without the CPU cluster's profile
         with open(job, "w", encoding="utf-8") as f:
             f.write(text.replace('extends = "clusters/local.toml"\n', ""))
-    run_one_gpu_rank(job, "job.run_dir=\"run\"", "slurm.gpus_per_node=1", f"train.train_iters={ITERS}", "model.expert_model_parallel_size=1",
+    run_one_gpu_rank(job, "job.run_dir=\"run\"", "slurm.gpus_per_node=1", f"train.train_iters={ITERS}",
+                     "model.expert_model_parallel_size=1",
                      "checkpoint.save_interval=6", "train.eval_interval=6", "model.hidden_dropout=0.0",
                      "model.attention_dropout=0.0", "model.deterministic_mode=true", *LAYERS[layers], *extra)
     return read_metrics(os.path.join(folder, "run", "metrics.jsonl"))

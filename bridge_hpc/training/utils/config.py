@@ -13,7 +13,6 @@ from typing import Dict, Iterator, List, Literal, Optional
 from bridge_hpc.contracts.errors import MissingPackageError
 from bridge_hpc.contracts.schema import check as _check
 
-
 #: Why the routing-trace fields are refused: MoE models train here, but their routers' decisions are not
 #: recorded (no trace writer yet); a run that asked for a trace would silently have none.
 _NO_ROUTING_TRACE = ("bridge_hpc trains MoE models but does not record routing traces yet: a run asking for one "
