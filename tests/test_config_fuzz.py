@@ -97,8 +97,8 @@ RELATED = {
     "model.moe_shared_expert_intermediate_size": {"model.moe_shared_expert_gate"},
     "model.tensor_model_parallel_size": {"model.expert_tensor_parallel_size", "model.expert_model_parallel_size"},
     "model.transformer_impl": {"model.moe_grouped_gemm", "model.moe_permute_fusion", "model.moe_router_fusion"},
-    "slurm.ntasks_per_node": {"model.expert_model_parallel_size", "model.tensor_model_parallel_size"},
-    "slurm.nodes": {"model.expert_model_parallel_size", "model.tensor_model_parallel_size"},
+    "slurm.ntasks_per_node": {"model.expert_model_parallel_size"},
+    "slurm.nodes": {"model.expert_model_parallel_size"},
 }
 
 

@@ -492,7 +492,7 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         try:
             low_precision.check_before_queue(container_cfg, slurm.gpus_per_node > 0, cluster.gpu_model)
             container_cfg.model.check_moe_kernels(slurm.gpus_per_node > 0)
-            container_cfg.get_data_parallel_size(slurm.nodes * slurm.ntasks_per_node)  # the parallel sizes tile the job
+            container_cfg.model.check_expert_world(slurm.nodes * slurm.ntasks_per_node)  # the experts tile the job
         except ConfigError as err:
             raise where.error(err.key, err.message) from None
     if container_cfg is not None:  # the prior of save_interval = "auto": the cluster's, over this job's nodes

@@ -123,7 +123,7 @@ def forward_backward(forward_step_func: Callable, data_iterator, model: List[tor
     """
     chunk = model[0]
     store: List[Any] = []
-    if is_moe(_unwrapped(chunk).config) and not forward_only:
+    if is_moe(getattr(_unwrapped(chunk), "config", None)) and not forward_only:
         moe.set_aux_loss_scale(optimizer, num_microbatches, comm_device())
     for each in model:  # Transformer Engine's FP8 layers re-quantize their weights at a step's first micro-batch
         inner = _unwrapped(each)
