@@ -139,11 +139,15 @@ def check_restarted_once_and_exact(job: Job, reference: Path) -> None:
     assert len(runs) == 2 and [r.restart_count for r in runs] == [0, 1]
     restart = runs[0].last(RESTART)
     assert restart is not None and restart.fields["Cause"] == "fault"
+    # from the failed run's last progress mark, or its start when the fault came before its first step
     lost = restart.number("Lost seconds")
-    assert lost is not None and 0 < lost < 120
+    assert lost is not None and 0 < lost < 120, story
     saved = [int(e.fields["Iteration"]) for e in runs[0].of("Saved checkpoint")]
     loaded = runs[1].last("Loaded checkpoint")
-    assert saved and loaded is not None and int(loaded.fields["Iteration"]) == saved[-1]  # the last checkpoint
+    if saved:  # the last checkpoint
+        assert loaded is not None and int(loaded.fields["Iteration"]) == saved[-1], story
+    else:  # ft's delay counts from set-up: on a loaded machine the fault can come before the first save
+        assert loaded is None and job.run_dir.name != "killed", story  # killed after step 40's save
     assert runs[1].last("Ending job").fields["Reason"] == "done"
 
     report = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.report", str(job.run_dir), "--json"],

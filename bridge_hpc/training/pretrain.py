@@ -261,6 +261,7 @@ def _setup_and_train(state: GlobalState, forward_step_func: Callable, checkpoint
         age_s = None if process_age_s is None else time.time() - started_at
         state.progress.starting_job(restart_count=restart_count, startup_s=age_s, device=device)
     state.restart_count = restart_count
+    ft.mark_progress()  # after the restart's lost time was read: this run's own time counts from here
     if not parallel_state.model_parallel_is_initialized():
         parallel.initialize(cfg)
     # Megatron's seeds: each pipeline stage its own stream (its layers differ), the same on the

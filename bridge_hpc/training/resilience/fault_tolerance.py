@@ -295,8 +295,7 @@ class FaultTolerance:
         if self.progress_mark_interval_s > 0:
             now = time.time()
             if now - self._last_mark >= self.progress_mark_interval_s:
-                self._last_mark = now
-                self._write_progress_mark(now)
+                self.mark_progress(now)
 
     def heartbeat(self) -> None:
         """An extra sign of life for long phases outside a step (e.g. evaluation in heartbeat mode);
@@ -499,9 +498,18 @@ class FaultTolerance:
     def _mark_path(self) -> Optional[str]:
         return run_folder.checkpoint_file(self.checkpoint_dir, run_folder.FT_PROGRESS_MARK) if self.checkpoint_dir else None
 
+    def mark_progress(self, now: Optional[float] = None) -> None:
+        """Rank 0 records ``now`` as this run's latest progress in ``<checkpoint_dir>/ft_progress_mark``.
+        The loop calls it once its set-up has read the previous mark (:meth:`seconds_lost_before_restart`),
+        so that a run that fails before its first step is charged the time from its start, never 0 s,
+        and :meth:`step_end` refreshes it every ``progress_mark_interval_s``."""
+        now = time.time() if now is None else now
+        self._last_mark = now
+        self._write_progress_mark(now)
+
     def _write_progress_mark(self, now: float) -> None:
         path = self._mark_path()
-        if path and self.rank == 0:
+        if path and self.mode is not None and self.rank == 0:  # under ft_launcher only
             try:
                 _atomic_write(path, f"{now:.3f}\n", fsync=False)
             except OSError:
@@ -509,7 +517,8 @@ class FaultTolerance:
 
     def seconds_lost_before_restart(self, now: Optional[float] = None) -> Optional[float]:
         """For an in-job restart (:attr:`restart_count` > 0): seconds from the previous run's last
-        progress mark (<= ``progress_mark_interval_s`` before its last step) to ``now``; the loop passes
+        progress mark (<= ``progress_mark_interval_s`` before its last step, or its set-up if it finished
+        no step: :meth:`mark_progress`) to ``now``; the loop passes
         it to ``ProgressLog.restart(cause, lost_s)``. None on a first run or when unknown."""
         path = self._mark_path()
         if self.restart_count <= 0 or not path:
