@@ -95,7 +95,7 @@ def test_toml_section_selects_the_class_and_python_configs_are_checked_alike():
     ({"type": "lora", "target_modules": ["*.layers.7.*"]}, "peft.target_modules", "no linear layer of the 4-layer"),
     ({"type": "lora", "exclude_modules": ["linear_qkv"]}, "peft.exclude_modules", "target_modules = []"),
     ({"type": "lora", "target_modules": [], "exclude_modules": ["*"]}, "peft.exclude_modules", "excludes every"),
-    ({"type": "lora", "normalize_moe_lora": True}, "peft.normalize_moe_lora", "no MoE"),
+    ({"type": "lora", "normalize_moe_lora": True}, "peft.normalize_moe_lora", "not built"),
     ({"type": "lora", "lora_dtype": "bf16"}, "peft.lora_dtype", "base layer's parameter dtype"),
 ])
 def test_bad_peft_values_are_refused_by_name(peft, key, words):

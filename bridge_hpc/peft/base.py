@@ -33,25 +33,42 @@ def _chunks(model) -> list:
     return out
 
 
-def _child_name(parent, name: str, child) -> str:
+def _child_name(parent, name: str, child, index_offset: int = 0) -> str:
     """The name a child has in the full model: a transformer layer counts over the whole model
-    (megatron-core's 1-based ``layer_number``), not within this pipeline stage's list."""
+    (megatron-core's 1-based ``layer_number``), not within this pipeline stage's list, and a local expert
+    over all experts (``index_offset``: the first global index this expert-parallel rank holds)."""
     layer_number = getattr(child, "layer_number", None)
-    if type(parent).__name__ == "ModuleList" and name.isdigit() and isinstance(layer_number, int):
-        return str(layer_number - 1)
+    if type(parent).__name__ == "ModuleList" and name.isdigit():
+        if isinstance(layer_number, int):
+            return str(layer_number - 1)
+        return str(int(name) + index_offset)
     return name
 
 
-def walk(module, func: Transform, prefix: Optional[str] = None) -> Any:
+def _expert_offset(module, name: str) -> int:
+    """For megatron-core's ``SequentialMLP.local_experts``: the global index of this rank's first expert
+    (expert-parallel rank x experts per rank), else 0."""
+    local = getattr(module, "num_local_experts", None)
+    if name != "local_experts" or not isinstance(local, int):
+        return 0
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank() * local
+
+
+def walk(module, func: Transform, prefix: Optional[str] = None, index_offset: int = 0) -> Any:
     """Apply ``func(child, name, prefix)`` to every module below ``module``, depth first (parents before
-    their children), putting what it returns in the child's place; a replaced child is not walked into."""
+    their children), putting what it returns in the child's place; a replaced child is not walked into.
+    ``prefix`` is the full name of ``module`` in the whole model, whatever the layout: layers counted over
+    the pipeline stages, experts over the expert-parallel ranks (so that an adapter seeded by its name
+    starts the same at EP1 and EP2)."""
     for name, child in list(module.named_children()):
         new = func(child, name, prefix)
         if new is not child:
             setattr(module, name, new) if not name.isdigit() else module.__setitem__(int(name), new)
             continue
-        full = _child_name(module, name, child)
-        walk(child, func, f"{prefix}.{full}" if prefix else full)
+        full = _child_name(module, name, child, index_offset)
+        walk(child, func, f"{prefix}.{full}" if prefix else full, _expert_offset(module, name))
     return module
 
 
@@ -134,13 +151,26 @@ def check_low_rank_fields(peft, section: str) -> None:
 INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
 
 
-def adapter_candidates(num_layers: int) -> List[Tuple[str, str]]:
+def adapter_candidates(num_layers: int, model: Any = None) -> List[Tuple[str, str]]:
     """``(name, full name)`` of every linear layer of this toolkit's GPT (megatron-core's layer spec) that
     adapters can wrap, for a model of ``num_layers`` layers: what ``target_modules`` is matched against
-    before any model is built."""
-    parents = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp",
-               "linear_fc2": "mlp"}
-    return [(name, f"decoder.layers.{i}.{parent}.{name}") for i in range(num_layers) for name, parent in parents.items()]
+    before any model is built. ``model`` (the model config), where it is a Mixture-of-Experts one: its MoE
+    layers hold, in place of the MLP, each expert's two linear layers
+    (``mlp.experts.local_experts.<global expert>.linear_fc1``) and the shared expert's
+    (``mlp.shared_experts.linear_fc1``), as megatron-core names them (Bridge's LoRA targets them by the same
+    names: ``linear_fc1`` adapts every expert)."""
+    pattern = model.moe_layer_pattern() if getattr(model, "is_moe", False) else [0] * num_layers
+    experts = getattr(model, "num_moe_experts", None) or 0
+    shared = bool(getattr(model, "moe_shared_expert_intermediate_size", None))
+    out = []
+    for i in range(num_layers):
+        out += [(name, f"decoder.layers.{i}.self_attention.{name}") for name in ("linear_qkv", "linear_proj")]
+        if not (i < len(pattern) and pattern[i]):
+            out += [(name, f"decoder.layers.{i}.mlp.{name}") for name in ("linear_fc1", "linear_fc2")]
+            continue
+        mlps = [f"experts.local_experts.{e}" for e in range(experts)] + (["shared_experts"] if shared else [])
+        out += [(name, f"decoder.layers.{i}.mlp.{mlp}.{name}") for mlp in mlps for name in ("linear_fc1", "linear_fc2")]
+    return out
 
 
 def apply_peft(peft: PEFT, chunks: list, seed: int, base_folder: Optional[str]) -> list:

@@ -34,12 +34,13 @@ def peft_type(peft: PEFT) -> str:
     return next((name for name, cls in PEFT_TYPES.items() if type(peft) is cls), type(peft).__name__.lower())
 
 
-def check_peft(peft: Any, num_layers: int, hidden_size: Optional[int] = None) -> None:
+def check_peft(peft: Any, num_layers: int, hidden_size: Optional[int] = None, model: Any = None) -> None:
     """Check ``ConfigContainer.peft`` on its own and against a GPT of ``num_layers`` layers of width
     ``hidden_size``: a PEFT instance, its fields (``peft.<field>``), an adapter rank ``dim`` of at most
     ``hidden_size`` (each adapted layer is ``hidden_size`` wide on one side, so ``B A`` has at most that
     rank: a larger ``dim`` only adds parameters), and every ``target_modules`` entry matching at least one
-    layer (a typo would otherwise train nothing there), named as Bridge does."""
+    layer (a typo would otherwise train nothing there), named as Bridge does; ``model`` (the model config)
+    adds a Mixture-of-Experts model's expert layers to those (:func:`adapter_candidates`)."""
     if not isinstance(peft, PEFT):
         raise ConfigError(f"expected a bridge_hpc.peft PEFT (e.g. bridge_hpc.peft.lora.LoRA), got {type(peft).__name__}",
                           key="peft")
@@ -51,10 +52,16 @@ def check_peft(peft: Any, num_layers: int, hidden_size: Optional[int] = None) ->
                           "rank; a larger dim only adds parameters)", key="peft.dim")
     unmatched = getattr(peft, "unmatched_targets", None)
     if unmatched is not None:
-        candidates = adapter_candidates(num_layers)
+        candidates = adapter_candidates(num_layers, model)
         if not peft.target_modules and not any(peft.match(name, full) for name, full in candidates):
             raise ConfigError(f"excludes every linear layer of the {num_layers}-layer GPT: there would be nothing to "
                               "train", key="peft.exclude_modules")
+        experts = [full for name, full in candidates if ".local_experts." in full and peft.match(name, full)]
+        if experts and getattr(model, "moe_grouped_gemm", False):
+            raise ConfigError(f"is true, and peft.target_modules adapts the experts' layers ({experts[0]}, ...): adapters "
+                              "wrap each expert's own linear layers, which the grouped GEMM replaces; set "
+                              "model.moe_grouped_gemm = false, or target the attention and shared-expert layers only",
+                              key="model.moe_grouped_gemm")
         missing = unmatched(candidates)
         if missing:
             raise ConfigError(f"no linear layer of the {num_layers}-layer GPT matches {', '.join(map(repr, missing))} "

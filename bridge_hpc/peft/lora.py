@@ -18,8 +18,9 @@ from bridge_hpc.peft.module_matcher import ModuleMatcher, _default_targets
 
 #: The fields of Bridge's LoRA that need what this toolkit's dense GPTs do not have.
 REFUSED_FIELDS = {
-    "a2a_experimental": "bridge_hpc builds dense GPTs: there are no MoE experts to exchange",
-    "normalize_moe_lora": "bridge_hpc builds dense GPTs: there are no MoE expert layers",
+    "a2a_experimental": "the experts' adapters run inside megatron-core's expert layers, after its token "
+                        "dispatcher: Bridge's experimental all-to-all of adapter inputs is not built",
+    "normalize_moe_lora": "not built: an expert's adapter has the rank peft.dim, as every other adapter",
     "lora_dtype": "adapters take their base layer's parameter dtype (model.bf16 / fp16 / fp32)",
 }
 

@@ -119,8 +119,12 @@ class ParallelLinearAdapter(MegatronModule):
         self.dim, self.alpha, self.dropout_position = dim, alpha, dropout_position
         in_features, out_features, self.input_is_parallel = base_sizes(base)
         self.gated = _is_gated_fc1(base, full_name.rsplit(".", 1)[-1])
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        # An expert's layers are split over the expert tensor-parallel group (``expert_tensor_parallel_size``),
+        # which the base layer holds as its ``tp_group``; the adapter is split over the same.
+        group = getattr(base, "tp_group", None)
+        tp_size = group.size() if group is not None else parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = group.rank() if group is not None else parallel_state.get_tensor_model_parallel_rank()
+        is_expert = bool(getattr(base, "is_expert", False))
         generator = torch.Generator().manual_seed((seed + zlib.crc32(full_name.encode())) % (2 ** 63))
         a_full = _init_full((dim, in_features), lora_A_init_method, generator)
         b_full = _init_full((out_features, dim), lora_B_init_method, generator)
@@ -129,7 +133,8 @@ class ParallelLinearAdapter(MegatronModule):
         sequence_parallel = bool(base.config.sequence_parallel)
         if self.input_is_parallel:
             self.linear_in = RowParallelLinear(in_features, dim, config=base.config, init_method=_no_init, bias=False,
-                                               input_is_parallel=True, skip_bias_add=True, **tp_group)
+                                               input_is_parallel=True, skip_bias_add=True, is_expert=is_expert,
+                                               **tp_group)
             part = in_features // tp_size
             a_local = a_full[:, tp_rank * part:(tp_rank + 1) * part]
             self.linear_out = ReplicatedLinear(b_full.to(device=device, dtype=dtype), sequence_parallel)
@@ -138,9 +143,16 @@ class ParallelLinearAdapter(MegatronModule):
         else:
             self.linear_in = ReplicatedLinear(a_full.to(device=device, dtype=dtype), sequence_parallel)
             self.linear_out = ColumnParallelLinear(dim, out_features, config=base.config, init_method=_no_init,
-                                                   bias=False, gather_output=False, skip_bias_add=True, **tp_group)
+                                                   bias=False, gather_output=False, skip_bias_add=True,
+                                                   is_expert=is_expert, **tp_group)
             with torch.no_grad():
                 self.linear_out.weight.copy_(_rows_of_rank(b_full, tp_rank, tp_size, self.gated))
+        if hasattr(base.weight, "allreduce"):
+            # megatron-core's DDP reduces the gradients of a parameter marked ``allreduce = False`` (an expert's,
+            # under expert parallelism) over the expert-data-parallel group only: the ranks that hold the same
+            # expert. The adapter of an expert is that expert's too.
+            for param in self.parameters():
+                param.allreduce = base.weight.allreduce
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -446,7 +446,7 @@ class ConfigContainer:
             section.finalize()
         self._move_deprecated_validation_fields()
         if self.peft is not None:
-            check_peft(self.peft, self.model.num_layers, self.model.hidden_size)
+            check_peft(self.peft, self.model.num_layers, self.model.hidden_size, self.model)
             _check(bool(self.checkpoint.pretrained_checkpoint), "checkpoint.pretrained_checkpoint",
                    "must be set with [peft]: the adapters train on the base model read from it at every start "
                    "(a PEFT checkpoint holds the adapters only)")
