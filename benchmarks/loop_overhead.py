@@ -282,8 +282,9 @@ def bridge_worker(cfg, clock: StepClock, sections: Optional[Dict[str, List[float
     else:
         clock.inner = forward_step
         pretrain(cfg, clock)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    if dist.is_initialized():  # pretrain ends the process group it brought up itself (Bridge's rule)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
     if _world()[0] != 0:
         return []
     with open(cfg.logger.metrics_file, encoding="utf-8") as f:

@@ -43,6 +43,7 @@ TINY_MOE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=
     ({"moe_router_enable_expert_bias": True}, "model.moe_router_enable_expert_bias"),
     ({"moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": True}, "model.moe_shared_expert_gate"),
     ({"add_bias_linear": True}, "model.moe_shared_expert_intermediate_size"),
+    ({"add_bias_linear": True, "moe_shared_expert_intermediate_size": None}, "model.add_bias_linear"),
     ({"moe_grouped_gemm": True}, "model.moe_grouped_gemm"),
     ({"moe_permute_fusion": True}, "model.moe_permute_fusion"),
     ({"moe_shared_expert_overlap": True}, "model.moe_shared_expert_overlap"),

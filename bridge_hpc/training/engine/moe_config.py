@@ -169,6 +169,14 @@ class MoEFields:
             refuse("moe_router_pre_softmax", "orders softmax before the top-k: needs "
                                              "model.moe_router_score_function = \"softmax\"")
         ep = self.expert_model_parallel_size
+        etp = self.expert_tensor_parallel_size or getattr(self, "tensor_model_parallel_size", 1)
+        if getattr(self, "add_bias_linear", False) and not self.moe_grouped_gemm and ep == 1 and etp == 1:
+            # Seen with megatron-core 0.16: "Output 0 of _ReduceFromModelParallelRegion is a view and is being
+            # modified inplace" at the first step (mlp.py adds the bias in place to the reduce's identity).
+            refuse("add_bias_linear", "is true, and megatron-core's local experts (SequentialMLP) at expert-parallel "
+                                      "and expert tensor-parallel size 1 add their bias in place to a tensor autograd "
+                                      "forbids changing: set it false, as Bridge's MoE models do (or "
+                                      "expert_model_parallel_size above 1)")
         if experts % ep:
             refuse("expert_model_parallel_size", f"must divide model.num_moe_experts ({experts}): each of the {ep} "
                                                  "ranks holds the same number of experts")
