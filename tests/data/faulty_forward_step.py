@@ -18,6 +18,9 @@ the job (``SLURM_RESTART_COUNT``) and the first worker group of that run (``TORC
   being reached however fast the machine is).
 * ``TEST_HOLD = "<step>:<file>"``: every rank, in every run, waits at that step until the file exists
   (a test's gate: it acts while the job is known to be running mid-way, then lets it go on).
+* ``TEST_HOLD_FOR_SIGNAL = "<step>"``: every rank, in the job's first run, waits at that step until its
+  stop-signal recorder has a signal (a test's gate: it signals the job while it is known to be mid-run,
+  and that step ends, and the ranks stop after it, only once the signal is in, however late it comes).
 * ``TEST_SAVE_DELAY = "<seconds>"``: every checkpoint save takes this much longer (a slow file
   system: a save longer than the FT step timeout, which must not be taken for a hang). The rank's
   ``checkpointing.save_checkpoint`` is wrapped when this module is imported.
@@ -94,6 +97,11 @@ def forward_step(state, data_iterator, model):
     hold = os.environ.get("TEST_HOLD")
     if hold and step == int(hold.split(":", 1)[0]):
         while not os.path.exists(hold.split(":", 1)[1]):
+            time.sleep(0.05)
+    hold_for_signal = os.environ.get("TEST_HOLD_FOR_SIGNAL")
+    if hold_for_signal and _this_run("0") and step == int(hold_for_signal):
+        print(f"TEST HOLD FOR SIGNAL rank {rank} step {step} at {time.time():.3f}", flush=True)
+        while state.signal_handler is None or state.signal_handler.received is None:
             time.sleep(0.05)
     output, loss_func = gpt_forward_step(state, data_iterator, model)
     for fault in filter(None, os.environ.get("TEST_BAD_LOSS", "").split(",")):
