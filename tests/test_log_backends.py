@@ -169,6 +169,8 @@ if end == "hang":
     time.sleep(2.0)  # W&B writes its file every second
     print("committed", saved, flush=True)
     time.sleep(600)
+if m.backends is not None:  # what the backends hold is checked, not their close deadline: a loaded machine
+    m.backends.close(timeout=240)  # once took over the 20 s to end Comet's offline archive (left truncated)
 state.close()
 print("closed", flush=True)
 """
