@@ -121,7 +121,7 @@ def straight(tmp_path_factory) -> str:
 
 
 #: Kills of the run below, each at a random instant of a save's write (each costs a start of 2 ranks).
-KILLS = 6
+KILLS = 3
 
 
 def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straight, tmp_path):
