@@ -170,11 +170,11 @@ def overrides(run_dir: Path, train_iters: int, extra: Sequence[str] = ()) -> Lis
     return base + list(extra)
 
 
-def reference_run(run_dir: Path, train_iters: int, config: Path = CONFIG) -> Path:
-    """The uninterrupted run: torchrun, 2 ranks, same config."""
+def reference_run(run_dir: Path, train_iters: int, config: Path = CONFIG, extra: Sequence[str] = ()) -> Path:
+    """The uninterrupted run: torchrun, 2 ranks, same config (``extra``: more ``--set`` items, which win)."""
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
             "-m", "bridge_hpc.rank", str(config)]
-    for item in overrides(run_dir, train_iters):
+    for item in overrides(run_dir, train_iters, extra):
         args += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("SLURM_JOB_ID", None)

@@ -21,9 +21,10 @@ from bridge_test_helpers import (
     FAULTY_FORWARD_STEP,
     ROOT,
     drive,
-    free_port,
     job_story,
     log_text,
+    overrides,
+    reference_run,
     submit_cli,
     wait_running_past,
 )
@@ -36,20 +37,8 @@ pytestmark = [pytest.mark.slurm]
 MOE_JOB = ROOT / "configs" / "local-tiny-moe.toml"
 ITERS = 16
 HOLD_AT = 6  # the gate: every rank waits in the step after this one until the signal is in
-SETS = [f"train.train_iters={ITERS}", "checkpoint.save_interval=8", "checkpoint.most_recent_k=-1",
+SETS = ["checkpoint.save_interval=8", "checkpoint.most_recent_k=-1",
         "train.eval_interval=8", "logger.log_interval=4", f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'"]
-
-
-def _torchrun(run_dir, *overrides: str) -> str:
-    """The job's ranks under torchrun (no Slurm: nothing stops them)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", str(MOE_JOB), "--set", f"job.run_dir={run_dir}"]
-    for item in [*SETS, *overrides]:
-        cmd += ["--set", item]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(env, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout + proc.stderr
 
 
 def _metrics(run_dir):
@@ -65,13 +54,13 @@ class Job:
 def job(slurm_cluster, tmp_path_factory):
     base = tmp_path_factory.mktemp("moe")
     run_dir = base / "job"
-    args = [str(MOE_JOB), "--set", f"job.run_dir={run_dir}", "--set", f"env.TEST_HOLD_FOR_SIGNAL='{HOLD_AT}'"]
-    for item in SETS:
+    args = [str(MOE_JOB), "--set", f"env.TEST_HOLD_FOR_SIGNAL='{HOLD_AT}'"]
+    for item in overrides(run_dir, ITERS, SETS):
         args += ["--set", item]
     proc = submit_cli(*args, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = proc.stdout.split()[2]
-    _torchrun(base / "reference")  # while the job queues and reaches its gate
+    reference_run(base / "reference", ITERS, MOE_JOB, SETS)  # while the job queues and reaches its gate
 
     wait_running_past(job_id, run_dir, HOLD_AT)  # logged steps are done ones: the ranks now wait at the gate
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
@@ -116,9 +105,11 @@ def test_ep2_checkpoint_resumes_at_ep1_within_tolerance(job, tmp_path):
     """The experts are saved under their global numbers, so the preemption's EP2 checkpoint loads with EP1
     (each rank then holds all 8 experts) and training goes on where it was."""
     loaded = HOLD_AT + 1
-    out = _torchrun(tmp_path / "run", "model.expert_model_parallel_size=1",
-                    f"checkpoint.load={job.run_dir / 'checkpoints'}", f"checkpoint.ckpt_step={loaded}")
-    assert "loaded checkpoint" in out
+    reference_run(tmp_path / "run", ITERS, MOE_JOB, [*SETS, "model.expert_model_parallel_size=1",
+                                                    f"checkpoint.load={job.run_dir / 'checkpoints'}",
+                                                    f"checkpoint.ckpt_step={loaded}"])
+    runs = parse_progress(str(tmp_path / "run" / "checkpoints" / "progress.txt"))
+    assert runs[0].last("Loaded checkpoint").fields["Iteration"] == str(loaded)
     got, want = _metrics(tmp_path / "run"), _metrics(job.reference)
     assert sorted(got) == list(range(loaded + 1, ITERS + 1))
     # The first step after the load computes the same loss up to the order of the experts' sums (a
