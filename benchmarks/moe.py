@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(ROOT))
 
 from indexed_vs_mock import TINY  # noqa: E402
-from loop_overhead import GPT_370M, ON_GPU, PLAIN, job_toml, mock_section  # noqa: E402
+from loop_overhead import GPT_370M, ON_GPU, PLAIN, job_toml, mock_section, speed_overrides  # noqa: E402
 from te import H200_BF16_PEAK, LOCAL, TE, device_name, git_head, launch, te_available, te_version  # noqa: E402
 
 SHAPE = dict(GPT_370M, num_layers=16, micro_batch_size=4)
@@ -51,7 +51,9 @@ ROWS = {
     "bridge-local": ("bridge", [ON_GPU, LOCAL]),
     "bare-local": ("bare", [PLAIN, LOCAL]),
     "bridge-te": ("bridge", [ON_GPU, TE, GROUPED]),
-    "bare-te": ("bare", [PLAIN, TE, GROUPED]),
+    # A job that asks for no GPUs cannot ask for the grouped GEMM (a GPU kernel): this bare loop's job asks
+    # for one and turns off what the loader would choose for it, so that it runs megatron-core's defaults.
+    "bare-te": ("bare", [ON_GPU, TE, GROUPED, *speed_overrides(False, False, False)]),
 }
 #: Each bridge row's bare loop of the same layers.
 BARE_OF = {"bridge-local": "bare-local", "bridge-te": "bare-te"}
@@ -95,7 +97,8 @@ def benchmark(args: argparse.Namespace, rows: List[str], tmp: Path) -> Dict[str,
         if "status" not in run:
             print(f"[moe] {n}/{len(rows)} {row}: started ({time.perf_counter() - started:.0f} s in)",
                   file=sys.stderr, flush=True)
-            run.update(launch(kind, args.device, job, overrides, None, args.warmup, tmp / f"{row}.json", args.timeout))
+            run.update(launch(kind, args.device, job, overrides, None, args.warmup, tmp / f"{row}.json", args.timeout,
+                              args.kernels / f"{row}.kernels.txt" if args.kernels else None))
         end = (f"{run['tokens_per_s']:,.0f} tokens/s, MFU {run.get('mfu', 0):.1%}" if run["status"] == "ok"
                else f"{run['status']}: {run['reason']}")
         print(f"[moe] {n}/{len(rows)} {row}: {end}", file=sys.stderr, flush=True)
@@ -156,6 +159,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=240, help="seconds a run may take, launch included (default 240)")
     p.add_argument("--tiny", action="store_true", help="a tiny MoE GPT: checks the script")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--kernels", type=Path, metavar="DIR",
+                   help="profile each run's first steps after the warm-up (te.py's --kernels): DIR/<row>.kernels.txt")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "moe.json")
     args = p.parse_args(argv)
     if args.device is None:

@@ -13,8 +13,9 @@ So three shapes, from launch-bound to matmul-bound, each with these rows:
 - **bridge-te**: the same with ``model.transformer_impl = "transformer_engine"``. Nothing else is set:
   the loader keeps the fast path (megatron-core's fusions, the toolkit's Triton cross entropy, which
   is all ``model.fused_kernels`` does on TE's layers, the CUDA graph, the fused Adam step);
-- **bridge-te-fp8-delayed** / **-tensorwise**: plus ``mixed_precision.fp8 = "hybrid"`` and
-  ``mixed_precision.fp8_recipe = "delayed"`` / ``"tensorwise"`` (E4M3 forward, E5M2 backward), with
+- **bridge-te-fp8-delayed** / **-tensorwise**: plus Bridge's ``bf16_with_fp8_delayed_scaling_mixed`` /
+  ``bf16_with_fp8_current_scaling_mixed`` fields in ``[mixed_precision]`` (bf16, ``fp8 = "hybrid"``: E4M3
+  forward, E5M2 backward; delayed scaling from a 1024-step amax history) without their FP8 weights, with
   what the loader keeps of the fast path for FP8 (the JSON's ``fast_path``; the table says whether the
   steps replayed a CUDA graph);
 - **bare-te**: megatron-core's bare loop of ``loop_overhead.py`` (its ``bare`` worker: GPTModel,
@@ -74,13 +75,21 @@ SHAPES = {"370m": GPT_370M,
 TE = 'model.transformer_impl="transformer_engine"'
 #: bridge-local pins the local layers: the loader may take TE's layers by default where they measured faster.
 LOCAL = 'model.transformer_impl="local"'
-FP8 = 'mixed_precision.fp8="hybrid"'
+#: FP8 on bf16, as Bridge's ``bf16_with_fp8_*_mixed`` recipes set it: ``[mixed_precision]`` writes every
+#: precision field of the model, so FP8 alone would leave the model in fp32 (``bf16`` defaults to false
+#: there), whose attention runs unfused in fp32 (the 0.13x FP8 figures of 2026-12-02 were that). The
+#: recipes' FP8 weights (``fp8_param_gather``) are left out: they need the distributed optimizer, which
+#: the bf16 row does not run.
+FP8 = ['mixed_precision.bf16=true', 'mixed_precision.params_dtype="bfloat16"',
+       'mixed_precision.pipeline_dtype="bfloat16"', 'mixed_precision.fp8="hybrid"']
 #: Row -> (loop_overhead.py's worker, the job's --set items, the bare loop's TransformerConfig fp8_recipe).
 ROWS = {
     "bridge-local": ("bridge", [ON_GPU, LOCAL], None),
     "bridge-te": ("bridge", [ON_GPU, TE], None),
-    "bridge-te-fp8-delayed": ("bridge", [ON_GPU, TE, FP8, 'mixed_precision.fp8_recipe="delayed"'], None),
-    "bridge-te-fp8-tensorwise": ("bridge", [ON_GPU, TE, FP8, 'mixed_precision.fp8_recipe="tensorwise"'], None),
+    "bridge-te-fp8-delayed": ("bridge", [ON_GPU, TE, *FP8, 'mixed_precision.fp8_recipe="delayed"',
+                                         "mixed_precision.fp8_amax_history_len=1024",
+                                         'mixed_precision.fp8_amax_compute_algo="max"'], None),
+    "bridge-te-fp8-tensorwise": ("bridge", [ON_GPU, TE, *FP8, 'mixed_precision.fp8_recipe="tensorwise"'], None),
     "bare-te": ("bare", [PLAIN, TE], None),
     "bare-te-fp8": ("bare", [PLAIN, TE], "delayed"),
 }
@@ -116,7 +125,7 @@ def worker(args: argparse.Namespace) -> int:
 
         engine_model.transformer_config = fp8_config
     return worker_main(argparse.Namespace(worker=args.worker, device=args.device, job=args.job, set=args.set,
-                                          warmup=args.warmup, out=args.out, kernels=False, profile=False,
+                                          warmup=args.warmup, out=args.out, kernels=args.kernel_window, profile=False,
                                           sections=False))
 
 
@@ -171,13 +180,17 @@ def te_version() -> Optional[str]:
 
 
 def launch(kind: str, device: str, job: Path, overrides: List[str], bare_fp8: Optional[str], warmup: int,
-           out: Path, timeout: float) -> Dict[str, Any]:
-    """One torchrun of this file in worker mode, in its own process group (ended on timeout)."""
+           out: Path, timeout: float, kernels: Optional[Path] = None) -> Dict[str, Any]:
+    """One torchrun of this file in worker mode, in its own process group (ended on timeout). With
+    ``kernels`` (a file), loop_overhead.py's torch.profiler window runs after the warm-up and its tables
+    (operators and kernels by device and by host time) are copied there; that run's speed is not comparable."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            str(Path(__file__).resolve()), "--worker", kind, "--device", device, "--job", str(job),
            "--warmup", str(warmup), "--out", str(out)] + [f"--set={item}" for item in overrides]
     if bare_fp8:
         cmd += ["--bare-fp8", bare_fp8]
+    if kernels is not None:
+        cmd.append("--kernel-window")
     env = dict(os.environ, PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     if device == "cpu":
@@ -208,6 +221,11 @@ def launch(kind: str, device: str, job: Path, overrides: List[str], bare_fp8: Op
         run["fast_path_on_rank"] = lines[-1]
     if timed_out:
         return dict(run, status="failed", reason=f"timed out after {timeout:.0f} s (last: {error_line(stderr)})")
+    table = Path(f"{out}.kernels.txt")
+    if kernels is not None and table.exists():
+        kernels.parent.mkdir(parents=True, exist_ok=True)
+        kernels.write_text(table.read_text())
+        run["kernels"] = str(kernels)
     if proc.returncode != 0 or not out.exists():
         return dict(run, status="failed", reason=error_line(stderr), stderr_tail=stderr[-4000:])
     if run["graph"] is None and "model.cuda_graph_impl" not in run.get("fast_path_on_rank", "").split("; not chosen")[0]:
@@ -274,7 +292,7 @@ def benchmark(args: argparse.Namespace, shapes: List[str], rows: List[str], tmp:
                 print(f"[te] {n}/{total} {name}: started ({time.perf_counter() - started:.0f} s in)",
                       file=sys.stderr, flush=True)
                 run.update(launch(kind, device, job, overrides, bare_fp8, args.warmup, tmp / f"{name}.json",
-                                  args.timeout))
+                                  args.timeout, args.kernels / f"{name}.kernels.txt" if args.kernels else None))
             if run["status"] == "ok":
                 end = f"{run['tokens_per_s']:,.0f} tokens/s" + (f", MFU {run['mfu']:.1%}" if "mfu" in run else "")
             else:
@@ -366,13 +384,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a tiny GPT for every shape: checks the script")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "te.json")
+    p.add_argument("--kernels", type=Path, metavar="DIR",
+                   help="profile each run's first steps after the warm-up (torch.profiler; the top operators and "
+                        "kernels by device and host time, DIR/<shape>-<row>.kernels.txt): its figures then include "
+                        "the profiler's cost")
     # Worker mode (internal: one rank, started by torchrun from launch).
     p.add_argument("--worker", choices=("bare", "bridge"), help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--bare-fp8", help=argparse.SUPPRESS)
+    p.add_argument("--kernel-window", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+
     if args.device is None:
         import torch
 

@@ -12,7 +12,8 @@ Usage: ``python scripts/run_tests.py [pytest arguments...]`` (``make test`` pass
 of either run is printed as it comes, after ``[slurm]`` or ``[rest] ``, and once a minute a line says how
 many tests each has finished (pytest's quiet output completes a line per 72 tests); the exit status is the first
 failing run's (a part with no test collected counts as passed when the other ran tests). Ctrl-C or
-SIGTERM is passed on to both runs, which are waited for.
+SIGTERM is passed on to both runs, which are waited for. At the end, each part's failed tests (pytest's
+``FAILED``/``ERROR`` summary lines) are printed again, so that the last lines of a log name them all.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ NO_TESTS_COLLECTED = 5
 
 #: the characters pytest's quiet progress writes, one per test (passed, failed, error, skipped, xfail, xpass)
 RESULT_CHARS = frozenset(".FEsxX")
+#: the starts of pytest's short summary lines for a failed test; a log's tail shows only the last lines,
+#: so they are printed again at the end, whichever part they came from
+SUMMARY_STARTS = ("FAILED ", "ERROR ")
 #: how often a line says how many tests each part has finished (pytest writes a line per 72 tests)
 PROGRESS_EVERY_S = 60.0
 
@@ -74,6 +78,8 @@ class Part:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.progress = ProgressCount()
         self.seconds = None
+        #: pytest's short summary lines (``FAILED ...``, ``ERROR ...``), printed again once both parts end
+        self.failures: List[str] = []
 
     def relay(self, lock: threading.Lock) -> None:
         """Each complete line, after the part's name."""
@@ -87,7 +93,10 @@ class Part:
             *lines, pending = pending.split(b"\n")
             with lock:
                 for line in lines:
-                    sys.stdout.write(self.prefix + line.decode(errors="replace") + "\n")
+                    text = line.decode(errors="replace")
+                    if text.startswith(SUMMARY_STARTS):
+                        self.failures.append(text)
+                    sys.stdout.write(self.prefix + text + "\n")
                 sys.stdout.flush()
         if pending:
             with lock:
@@ -132,6 +141,9 @@ def main(argv: List[str]) -> int:
         time.sleep(0.5)
     for relay in relays:
         relay.join()
+    for part in parts:
+        for failure in part.failures:
+            print(f"run_tests: {part.name} part: {failure}")
     for part in parts:
         print(f"run_tests: {part.name} part exit status {part.proc.returncode} after {part.seconds / 60:.1f} min")
     status = overall_status([part.proc.returncode for part in parts])

@@ -491,10 +491,26 @@ def run_gloo_ranks(fn: Callable, *args, nprocs: int = 2, timeout: float = GLOO_R
 # -- one rank of a job file on this machine's GPU (tests/test_gpu_*) ---------------------------------
 
 
+#: ``pytest --layers=...`` (tests/conftest.py) puts the layer implementation here for the GPU tests' ranks.
+LAYERS_ENV = "BRIDGE_TEST_LAYERS"
+
+
+def with_test_layers(overrides) -> list:
+    """``overrides`` after ``model.transformer_impl`` = ``pytest --layers``'s choice, so that every GPU
+    test's rank runs on those layers (a rank uses the GPU wherever there is one); a test that names the
+    layers itself keeps its own."""
+    overrides = list(overrides)
+    layers = os.environ.get(LAYERS_ENV)
+    if not layers or any(item.startswith("model.transformer_impl=") for item in overrides):
+        return overrides
+    return [f'model.transformer_impl="{layers}"'] + overrides
+
+
 def set_args(job: str, overrides) -> list:
-    """The rank entry's arguments: the job file, then ``--set KEY=VALUE`` for each override."""
+    """The rank entry's arguments: the job file, then ``--set KEY=VALUE`` for each override
+    (:func:`with_test_layers`' first)."""
     args = [job]
-    for item in overrides:
+    for item in with_test_layers(overrides):
         args += ["--set", item]
     return args
 

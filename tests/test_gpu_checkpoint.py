@@ -38,6 +38,7 @@ from bridge_test_helpers import (
     direct_rank_env,
     free_port,
     kill_tree,
+    set_args,
     tiny_checkpoints,
     tiny_job,
     tiny_run_dir,
@@ -70,10 +71,8 @@ _STARTED = re.compile(r"started asynchronous checkpoint save of iteration (\d+) 
 
 def _cmd(job: str, *overrides: str) -> List[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", job]
-    for item in overrides:
-        cmd += ["--set", item]
-    return cmd
+           "-m", "bridge_hpc.rank"]
+    return cmd + set_args(job, overrides)
 
 
 def _run(job: str, *overrides: str, env: Optional[dict] = None) -> str:
@@ -152,9 +151,7 @@ def _start_rank(job: str, *overrides: str) -> subprocess.Popen:
     """The job's one rank started directly, as srun starts a job step's task: a signal reaches the
     rank itself, not a launcher."""
     env = direct_rank_env()
-    cmd = [sys.executable, "-m", "bridge_hpc.rank", job]
-    for item in overrides:
-        cmd += ["--set", item]
+    cmd = [sys.executable, "-m", "bridge_hpc.rank", *set_args(job, overrides)]
     return subprocess.Popen(cmd, cwd=os.path.dirname(job), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

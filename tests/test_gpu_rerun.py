@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from bridge_test_helpers import with_test_layers
 from test_rerun import FAULTY, _config
 
 from bridge_hpc.contracts import run_folder
@@ -49,9 +50,9 @@ def test_a_nan_stops_one_gpu_run_with_the_step_before_saved(one_rank, tmp_path, 
     from bridge_hpc.training.pretrain import pretrain
 
     monkeypatch.setenv("TEST_BAD_LOSS", "nan:4:0")
-    cfg = _config(tmp_path, f"job.run_dir={tmp_path / 'gpu'}", "train.train_iters=6", "train.global_batch_size=4",
-                  "train.eval_interval=0", "checkpoint.save_interval=100", "logger.log_progress=true",
-                  'rerun_state_machine.rerun_mode="validate_results"')
+    cfg = _config(tmp_path, *with_test_layers([
+        f"job.run_dir={tmp_path / 'gpu'}", "train.train_iters=6", "train.global_batch_size=4", "train.eval_interval=0",
+        "checkpoint.save_interval=100", "logger.log_progress=true", 'rerun_state_machine.rerun_mode="validate_results"']))
     pretrain(cfg, load_forward_step(f"{FAULTY}:forward_step"))
     assert run_folder.tracked_iteration(cfg.checkpoint.save) == 3
     (run,) = parse_progress(os.path.join(cfg.checkpoint.save, "progress.txt"))

@@ -47,11 +47,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.
                                 reason="needs a CUDA GPU and Transformer Engine")
 
 TE = ('model.transformer_impl="transformer_engine"', "slurm.gpus_per_node=1", "model.bf16=true", "optimizer.bf16=true")
+#: FP8 on bf16, as Bridge's ``bf16_with_fp8_*`` recipes: ``[mixed_precision]`` writes the model's
+#: precision fields, and its ``bf16`` defaults to false (FP8 alone trains the rest in fp32).
+BF16_FP8 = ("mixed_precision.bf16=true", 'mixed_precision.params_dtype="bfloat16"', 'mixed_precision.fp8="hybrid"')
 PRECISIONS = {
     "bf16": (),
-    "fp8-delayed": ('mixed_precision.fp8="hybrid"', 'mixed_precision.fp8_recipe="delayed"',
-                    "mixed_precision.fp8_amax_history_len=16", 'mixed_precision.fp8_amax_compute_algo="max"'),
-    "fp8-tensorwise": ('mixed_precision.fp8="hybrid"', 'mixed_precision.fp8_recipe="tensorwise"'),
+    "fp8-delayed": BF16_FP8 + ('mixed_precision.fp8_recipe="delayed"', "mixed_precision.fp8_amax_history_len=16",
+                               'mixed_precision.fp8_amax_compute_algo="max"'),
+    "fp8-tensorwise": BF16_FP8 + ('mixed_precision.fp8_recipe="tensorwise"',),
 }
 #: The forward step with a gate (tests/data/faulty_forward_step.py's TEST_HOLD): Bridge's GPT step.
 HELD_STEP = 12

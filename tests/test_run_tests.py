@@ -57,3 +57,23 @@ def test_the_progress_count_reads_results_at_line_starts_until_the_summary():
                   "=== short test summary info ===\n", "FAILED tests/test_a.py::test_b\n", "...\n"]:
         count.feed(piece)
     assert (count.finished, count.failed) == (11, 2)  # not the "F" after words, nothing after the summary
+
+
+def test_each_parts_failures_are_named_again_at_the_end(tmp_path):
+    """A CI log shows its last lines only: the failed tests of both parts are among them."""
+    (tmp_path / "conftest.py").write_text(
+        "def pytest_addoption(parser):\n    parser.addoption('--part')\n\n"
+        "def pytest_collection_modifyitems(config, items):\n"
+        "    items[:] = [i for i in items if config.getoption('--part') in i.name]\n")
+    (tmp_path / "test_parts.py").write_text(
+        "def test_slurm_fails():\n    assert False\n\n"
+        "def test_rest_fails():\n    assert False\n\n"
+        "def test_rest_passes():\n    pass\n")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_tests.py"), "-q", "-p", "no:cacheprovider",
+                           "test_parts.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"})
+    assert done.returncode == 1, done.stdout[-2000:]
+    tail = done.stdout.splitlines()[-5:]
+    assert tail[0] == "run_tests: slurm part: FAILED test_parts.py::test_slurm_fails - assert False", tail
+    assert tail[1] == "run_tests: rest part: FAILED test_parts.py::test_rest_fails - assert False", tail
+    assert tail[2].startswith("run_tests: slurm part exit status 1"), tail

@@ -112,6 +112,27 @@ def test_deterministic_mode_trains_the_same_on_cpu(straight, tmp_path):
     assert "exiting at iteration 40" in out
 
 
+def test_deterministic_mode_sets_what_the_user_left_unset(monkeypatch):
+    """The variables deterministic kernels read (cuBLAS, NCCL, Transformer Engine's attention, which
+    megatron-core refuses to build in deterministic mode without ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``),
+    set where unset; a value the user chose is kept."""
+    import torch
+
+    from bridge_hpc.training.pretrain import enable_deterministic_mode
+
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        enable_deterministic_mode()
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert (os.environ["CUBLAS_WORKSPACE_CONFIG"], os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"],
+            os.environ["NCCL_ALGO"]) == (":4096:8", "0", "Tree")
+
+
 #: The rank entry point, then the stop signals of the job arriving just after it returns: Slurm's
 #: time-limit warning can land while a rank that has finished tears down.
 LATE_SIGNAL_RANK = """

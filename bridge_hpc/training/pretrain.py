@@ -492,8 +492,10 @@ def disable_jit_fuser() -> None:
 
 
 #: What ``model.deterministic_mode`` sets where the environment does not already say: cuBLAS's
-#: fixed workspace (its reductions in one order) and one NCCL algorithm (Megatron requires one).
-DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+#: fixed workspace (its reductions in one order), one NCCL algorithm (Megatron requires one) and
+#: Transformer Engine's deterministic attention (megatron-core refuses to build TE's attention in
+#: deterministic mode without ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``; seen on an H200, 2026-12-03).
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 
 
 def enable_deterministic_mode() -> None:
