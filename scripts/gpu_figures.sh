@@ -5,7 +5,8 @@
 #   bash scripts/gpu_figures.sh OUTDIR [STEP ...]
 #
 # STEPs, in this order by default: tests checkpoint preemption loop graph optimizer data; and, not in the
-# default list: preemption-new-node (the same with the checkpoints out of the page cache at each
+# default list: tests-te (the GPU tests again, every rank on Transformer Engine's layers: needs TE),
+# preemption-new-node (the same with the checkpoints out of the page cache at each
 # restart), kernels (where a step's device time goes: loop_overhead.py --kernels, the bare and the
 # bridge loop), peft (benchmarks/peft.py: LoRA against full fine-tuning), hf (benchmarks/hf_import.py
 # --gpu: a fine-tune's start from a Hugging Face folder against a megatron-core checkpoint) and, on a
@@ -13,7 +14,7 @@
 # log (and its benchmark's JSON) into OUTDIR and has its own time limit, so that one step that hangs
 # does not take the others with it; the last lines of each log are printed as it ends.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu_figures.sh OUTDIR [tests|checkpoint|preemption|preemption-new-node|loop|graph|optimizer|data|peft|hf|parallel|kernels ...]}
+out=${1:?usage: bash scripts/gpu_figures.sh OUTDIR [tests|tests-te|checkpoint|preemption|preemption-new-node|loop|graph|optimizer|data|peft|hf|parallel|kernels ...]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(tests checkpoint preemption loop graph optimizer data)
@@ -35,6 +36,7 @@ run() {  # run NAME SECONDS COMMAND...
 for step in "${steps[@]}"; do
     case $step in
         tests) run tests 900 python -m pytest -q -p no:warnings tests/test_gpu_*.py ;;
+        tests-te) run tests-te 900 python -m pytest -q -p no:warnings --layers=transformer_engine tests/test_gpu_*.py ;;
         checkpoint) run checkpoint 900 python benchmarks/checkpoint.py --device cuda --out "$out/checkpoint.json" ;;
         preemption) run preemption 900 python benchmarks/preemption.py --device cuda --json "$out/preemption.json" ;;
         preemption-new-node) run preemption-new-node 900 python benchmarks/preemption.py --device cuda --new-node \

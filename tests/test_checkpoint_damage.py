@@ -125,15 +125,11 @@ def tracker(text: str):
     return damage
 
 
-#: (case, damage, iteration resumed from, file whose damage is reported (None: nothing damaged))
+#: (case, damage, iteration resumed from, file whose damage is reported (None: nothing damaged)): a real
+#: 2-rank run each, one per way the newest checkpoint is found wanting (the manifest's sizes, a missing
+#: manifest, a load that fails on every rank or on one, the tracker file's own damage).
 CASES = [
     ("truncated-shard", truncate("__1_0.distcp", 12), 2, "__1_0.distcp"),
-    ("deleted-shard", delete("__0_0.distcp"), 2, "__0_0.distcp"),
-    ("deleted-metadata", delete(".metadata"), 2, ".metadata"),
-    ("truncated-train-state", truncate("train_state.pt"), 2, "train_state.pt"),
-    ("deleted-train-state", delete("train_state.pt"), 2, "train_state.pt"),
-    ("deleted-rank-file", delete("rank_00001.pt"), 2, "rank_00001.pt"),
-    ("truncated-rank-file", truncate("rank_00000.pt"), 2, "rank_00000.pt"),
     ("deleted-manifest", delete(MANIFEST_FILE), 2, MANIFEST_FILE),
     ("garbled-shard", garble("__1_0.distcp"), 2, "load failed"),
     ("garbled-rank-file-of-rank-1", garble("rank_00001.pt"), 2, "load failed on rank 1"),
@@ -141,6 +137,27 @@ CASES = [
     ("tracker-names-a-missing-iteration", tracker("8\n"), 4, None),
     ("tracker-names-an-older-complete-one", tracker("2\n"), 2, None),
 ]
+#: The other files of a checkpoint, damaged the same ways: the manifest check that the runs above go
+#: through names each, and the newest complete checkpoint is then the older one (checked without a run:
+#: what a run does with the verdict is the first case's).
+VERIFIED_CASES = [
+    ("deleted-shard", delete("__0_0.distcp"), "__0_0.distcp"),
+    ("deleted-metadata", delete(".metadata"), ".metadata"),
+    ("truncated-train-state", truncate("train_state.pt"), "train_state.pt"),
+    ("deleted-train-state", delete("train_state.pt"), "train_state.pt"),
+    ("deleted-rank-file", delete("rank_00001.pt"), "rank_00001.pt"),
+    ("truncated-rank-file", truncate("rank_00000.pt"), "rank_00000.pt"),
+]
+
+
+@pytest.mark.parametrize("damage,reported", [case[1:] for case in VERIFIED_CASES], ids=[c[0] for c in VERIFIED_CASES])
+def test_each_damaged_file_is_named_and_the_older_checkpoint_is_the_latest(base, tmp_path, damage, reported):
+    ckpts = str(tmp_path / "ckpts")
+    shutil.copytree(base, ckpts)
+    damage(ckpts)
+    verdict = verify_checkpoint(iteration_dir(ckpts, 4), world_size=2)
+    assert verdict is not None and verdict.startswith(f"iter_0000004/{reported}"), verdict
+    assert checkpointing.find_latest_checkpoint(ckpts, world_size=2) == iteration_dir(ckpts, 2)
 
 
 @pytest.mark.parametrize("damage,resumed_at,reported", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
