@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import toml
 
@@ -489,6 +489,49 @@ def run_gloo_ranks(fn: Callable, *args, nprocs: int = 2, timeout: float = GLOO_R
 
 
 # -- one rank of a job file on this machine's GPU (tests/test_gpu_*) ---------------------------------
+
+
+#: One interpreter running a CLI's ``main`` on several argument lists, as its console script does
+#: (``sys.exit(main(argv))``), each with its own working folder, stdout and stderr (an exception that
+#: escapes ``main`` prints its traceback there, as the interpreter would, with status 1).
+_CLI_CASES_DRIVER = r"""
+import contextlib, importlib, io, json, os, sys, traceback
+main = importlib.import_module(sys.argv[1]).main
+results = []
+for case in json.loads(sys.stdin.read()):
+    os.chdir(case["cwd"])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(case["argv"])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) or exc.code is None else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append({"returncode": code or 0, "stdout": out.getvalue(), "stderr": err.getvalue()})
+with open(sys.argv[2], "w") as f:
+    json.dump(results, f)
+"""
+
+
+def run_cli_cases(module: str, cases: Sequence[Tuple[Sequence[str], Path]], timeout: float = 600) -> List[
+        subprocess.CompletedProcess]:
+    """``python -m module ARGV`` for each ``(argv, cwd)`` of ``cases``, in one fresh interpreter rather than
+    one each (the CLIs import torch and megatron-core: seconds a start): for the bad-input tests, whose
+    every case ends at its check. Each result as :func:`subprocess.run` gives it."""
+    import tempfile
+
+    payload = json.dumps([{"argv": [str(a) for a in argv], "cwd": str(cwd)} for argv, cwd in cases])
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "results.json")
+        proc = subprocess.run([sys.executable, "-c", _CLI_CASES_DRIVER, module, results], input=payload,
+                              capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0 and os.path.exists(results), proc.stdout[-2000:] + proc.stderr[-4000:]
+        with open(results) as f:
+            done = json.load(f)
+    return [subprocess.CompletedProcess([module, *argv], r["returncode"], r["stdout"], r["stderr"])
+            for (argv, _), r in zip(cases, done)]
 
 
 #: ``pytest --layers=...`` (tests/conftest.py) puts the layer implementation here for the GPU tests' ranks.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bridge_test_helpers import MINIMAL_TRAINING_TOML, single_rank_world
+from bridge_test_helpers import MINIMAL_TRAINING_TOML, run_cli_cases, single_rank_world
 from hf_models import MOE_FAMILIES, VOCAB, batch, hf_logits, make_hf_folders, make_hf_model, model_config, safetensors_in
 
 from bridge_hpc.training.hf import families
@@ -118,19 +118,30 @@ BAD = {
 }
 
 
+@pytest.fixture(scope="module")
+def bad_imports(good, tmp_path_factory):
+    """Every :data:`BAD` case's import in one interpreter (:func:`run_cli_cases`), each in its own folder:
+    case -> (the result, the folder's names before the import, after it)."""
+    cases, folders = [], {}
+    for case in sorted(BAD):
+        folder = tmp_path_factory.mktemp("bad")
+        source = BAD[case][0](good, folder)
+        folders[case] = (folder, set(os.listdir(folder)))
+        cases.append((["import", str(source), str(folder / "out")], folder))
+    results = run_cli_cases("bridge_hpc.cli.hf", cases)
+    return {case: (result, folders[case][1], set(os.listdir(folders[case][0])))
+            for case, result in zip(sorted(BAD), results)}
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_import_input_is_one_line_and_exit_2_with_nothing_written(good, tmp_path, case):
-    make, words = BAD[case]
-    source = make(good, tmp_path)
-    before = set(os.listdir(tmp_path))
-    out = tmp_path / "out"
-    proc = subprocess.run(HF + ["import", str(source), str(out)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+def test_bad_import_input_is_one_line_and_exit_2_with_nothing_written(bad_imports, case):
+    proc, before, after = bad_imports[case]
+    words = BAD[case][1]
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and words in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    assert set(os.listdir(tmp_path)) == before  # no OUT, no temporary folder, no pwned
+    assert after == before  # no OUT, no temporary folder, no pwned
 
 
 @pytest.mark.parametrize("value, words", [
