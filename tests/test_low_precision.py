@@ -139,9 +139,27 @@ def test_an_fp8_job_on_te_layers_is_accepted_with_its_fields_in_resolved_toml(jo
     assert "FP8 steps are not captured" in cfg.training.fast_path.line()
 
 
+def test_a_mixed_precision_table_that_turns_a_bf16_model_to_fp32_is_said_before_the_queue(job):
+    """Bridge's rule, kept: ``[mixed_precision]`` writes bf16 = false (its default) over ``model.bf16``; a
+    table of FP8 fields alone trains in fp32, and bridge-submit says so in one warning line."""
+    fp8 = ('mixed_precision.fp8="hybrid"', 'mixed_precision.fp8_recipe="delayed"')
+    done = _submit(job, *GPU, *fp8)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "over model.bf16 = true" in warnings[0] and "fp32 with FP8" in warnings[0], warnings
+    cfg = load_job_config(job, [*GPU, *fp8], cwd=job.parent).training
+    model = dataclasses.replace(cfg.model)
+    cfg.mixed_precision.setup(model)  # what the ranks do: the warning's claim
+    assert (model.bf16, model.fp8) == (False, "hybrid")
+    for kept in (("mixed_precision.bf16=true",), ()):  # bf16 said, or no FP8 table at all
+        done = _submit(job, *GPU, *(fp8 + kept if kept else ()))
+        assert done.returncode == 0 and "warning:" not in done.stderr, done.stderr[-3000:]
+
+
 def test_the_example_fp8_job_is_accepted_and_mxfp8_is_refused_on_its_h100_profile(tmp_path):
     example = ROOT / "configs" / "gpt-8x4096-h100-fp8.toml"
-    assert submit_cli(str(example), "--dry-run", cwd=tmp_path).returncode == 0
+    done = submit_cli(str(example), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0 and "warning:" not in done.stderr, done.stderr[-3000:]  # bf16 with FP8
     done = submit_cli(str(example), "--dry-run", "--set", 'mixed_precision.fp8_recipe="mxfp8"', cwd=tmp_path)
     assert done.returncode == EXIT_BAD_INPUT and "mixed_precision.fp8_recipe" in done.stderr
 

@@ -12,6 +12,7 @@ from typing import List, Optional, TextIO
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
 from bridge_hpc.jobfile.jobconfig import JobConfig, check_secrets_present, dump_resolved, load_job_config
 from bridge_hpc.launch.render import render_script
+from bridge_hpc.training.engine import low_precision
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = load_job_config(args.config, args.overrides)
+    overridden = low_precision.precision_overridden(cfg.training) if cfg.training is not None else None
+    if overridden:
+        print(f"warning: {overridden}", file=sys.stderr)
     if args.verify_data:
         verify_data(cfg)
     if args.dry_run:

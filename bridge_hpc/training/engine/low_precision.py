@@ -185,6 +185,24 @@ def check_container(cfg: Any, gpus: Optional[bool] = None) -> None:
                           key="ddp.keep_fp8_transpose_cache")
 
 
+def precision_overridden(cfg: Any) -> Optional[str]:
+    """The precision a ``[mixed_precision]`` table takes away, said before the queue, or None.
+
+    Bridge's rule: the section writes *every* precision field it shares with the model
+    (:meth:`~bridge_hpc.training.mixed_precision.MixedPrecisionConfig.setup`), its ``bf16`` and ``fp16``
+    included, which default to false. So a table that sets FP8 alone (``fp8 = "hybrid"``) turns a
+    ``model.bf16 = true`` job to fp32, where FP8 runs beside fp32 attention (found so on an H200: the
+    FP8 steps took 8x the bf16 ones). A recipe name or a table that says ``bf16`` keeps what it says."""
+    mp, m = getattr(cfg, "mixed_precision", None), cfg.model
+    if mp is None or isinstance(mp, str) or not (m.bf16 or m.fp16) or mp.bf16 or mp.fp16:
+        return None
+    was = "model.bf16" if m.bf16 else "model.fp16"
+    with_fp8 = " with FP8 matrix multiplies" if getattr(mp, "fp8", None) else ""
+    return (f"[mixed_precision] sets bf16 and fp16 false (their defaults there), over {was} = true: the model "
+            f"trains in fp32{with_fp8}; set mixed_precision.bf16 = true, or name Bridge's recipe "
+            "(mixed_precision = \"bf16_with_fp8_delayed_scaling_mixed\", ...)")
+
+
 def check_before_queue(cfg: Any, gpus: bool, gpu_model: Optional[str]) -> None:
     """bridge-submit's checks of FP8/FP4, before anything is queued: Bridge's ``[mixed_precision]``
     written into a copy of the sections as the ranks will write it, then :func:`check_container`, then
