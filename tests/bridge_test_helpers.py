@@ -171,15 +171,17 @@ def overrides(run_dir: Path, train_iters: int, extra: Sequence[str] = ()) -> Lis
 
 
 def reference_run(run_dir: Path, train_iters: int, config: Path = CONFIG, extra: Sequence[str] = ()) -> Path:
-    """The uninterrupted run: torchrun, 2 ranks, same config (``extra``: more ``--set`` items, which win)."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-            "-m", "bridge_hpc.rank", str(config)]
+    """The uninterrupted run: 2 ranks on this machine (:func:`warm_ranks.run_ranks`, as torchrun starts
+    them), same config (``extra``: more ``--set`` items, which win)."""
+    from warm_ranks import run_ranks
+
+    args = [str(config)]
     for item in overrides(run_dir, train_iters, extra):
         args += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("SLURM_JOB_ID", None)
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = run_ranks(args, cwd=os.getcwd(), env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run_dir
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 import types
 
 import pytest
 import torch
 from bridge_test_helpers import TINY, free_port, single_rank_world, tiny_checkpoints, tiny_job
+from warm_ranks import run_job
 
 from bridge_hpc.contracts.errors import ConfigError, MissingPackageError
 from bridge_hpc.training import config as C
@@ -164,14 +164,8 @@ def test_ckpt_step_with_load_passes_as_in_bridge():
 
 
 def _train(job: str, *overrides: str, env=None) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", job, "--set", "train.eval_interval=0"]
-    for item in overrides:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, cwd=os.path.dirname(job), capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout + proc.stderr
+    return run_job(job, ["train.eval_interval=0", *overrides], cwd=os.path.dirname(job),
+                   env={**os.environ, **(env or {})}).output
 
 
 def test_ckpt_step_loads_that_iteration_in_the_first_run_and_a_requeue_resumes_from_the_newest(tmp_path):

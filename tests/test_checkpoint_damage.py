@@ -1,11 +1,12 @@
 """A damaged newest checkpoint, a full disk during a save, and the checkpoint folder's lock.
 
-Every run is a real 2-rank torchrun job over gloo on the tiny GPT of tests/data/tiny.toml, with real
-checkpoints. A straight 6-step run gives the reference losses; a "base" run stops at iteration 4 with
-checkpoints at 2 and 4. Each damage case copies the base checkpoints, damages them, resumes once to
-iteration 6, and checks that it resumed from the right checkpoint, that its losses from there equal
-the straight run's bit for bit, that nothing was deleted (a damaged folder is set aside as
-``*.damaged``), and that no run hangs (each has a timeout).
+Every run is a real 2-rank job over gloo on the tiny GPT of tests/data/tiny.toml (its ranks started as
+torchrun starts them, from a warm interpreter: tests/warm_ranks.py), with real checkpoints. A straight
+6-step run gives the reference losses; a "base" run stops at iteration 4 with checkpoints at 2 and 4.
+Each damage case copies the base checkpoints, damages them, resumes once to iteration 6, and checks that
+it resumed from the right checkpoint, that its losses from there equal the straight run's bit for bit,
+that nothing was deleted (a damaged folder is set aside as ``*.damaged``), and that no run hangs (each
+has a timeout).
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from typing import Callable, Optional
 
 import pytest
-from bridge_test_helpers import descendants, free_port, tiny_checkpoints, tiny_job, tiny_run_dir
+from bridge_test_helpers import tiny_checkpoints, tiny_job, tiny_run_dir
+from warm_ranks import run_ranks
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.progress_log import parse_events
@@ -47,28 +46,15 @@ class Result:
 
 
 def _run(job: str, *overrides: str, timeout: float = RUN_TIMEOUT_S) -> Result:
-    """torchrun with 2 ranks in its own session; on timeout the session is killed and the test fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", job]
+    """2 ranks of ``job`` on this machine (:func:`warm_ranks.run_ranks`, as torchrun starts them); a run
+    still going after ``timeout`` is killed and fails the test."""
+    args = [job]
     for item in overrides:
-        cmd += ["--set", item]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=os.path.dirname(job), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        workers = descendants(proc.pid)  # torchrun starts each worker in a session of its own
-        os.killpg(proc.pid, signal.SIGKILL)
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        stdout, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"the run hung (killed after {timeout} s):\n{stdout[-3000:]}\n{stderr[-5000:]}")
-    return Result(proc.returncode, stdout, stderr, time.monotonic() - start)
-
+        args += ["--set", item]
+    done = run_ranks(args, cwd=os.path.dirname(job), timeout=timeout)
+    if -9 in done.returncodes:
+        pytest.fail(f"the run hung (killed after {timeout} s):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return Result(done.returncode, done.stdout, done.stderr, done.seconds)
 
 
 def _ok(result: Result) -> Result:

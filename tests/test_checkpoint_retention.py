@@ -4,23 +4,17 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
-from bridge_test_helpers import free_port, tiny_checkpoints, tiny_job
+from bridge_test_helpers import tiny_checkpoints, tiny_job
+from warm_ranks import run_job
 
 from bridge_hpc.training.checkpoint.checkpointing import complete_iterations
 from bridge_hpc.training.config import CheckpointConfig
 
 
 def _run(job: str, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", job, "--set", "train.eval_interval=0"]
-    for item in overrides:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, cwd=os.path.dirname(job), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_job(job, ["train.eval_interval=0", *overrides], cwd=os.path.dirname(job))
 
 
 @pytest.mark.parametrize("most_recent_k, kept", [(-1, [20, 40]), (2, [20, 35, 40])])

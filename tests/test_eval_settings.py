@@ -5,12 +5,12 @@ and ``eval_micro_batch_size`` (the batches evaluation reads), ``validation.start
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from bridge_test_helpers import free_port, tiny_job, tiny_run_dir
+from bridge_test_helpers import tiny_job, tiny_run_dir
+from warm_ranks import run_job
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.metrics_file import VALIDATION_LOSS
@@ -18,13 +18,8 @@ from bridge_hpc.training.engine.metrics import read_metrics
 
 
 def _run(job: str, *overrides: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", job, "--set", "train.train_iters=20", "--set", "checkpoint.save_interval=20"]
-    for item in overrides:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, cwd=os.path.dirname(job), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
+    return run_job(job, ["train.train_iters=20", "checkpoint.save_interval=20", *overrides],
+                   cwd=os.path.dirname(job)).stdout
 
 
 def _validation_losses(job: str) -> dict:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from bridge_test_helpers import assert_bitwise_equal, free_port, model_params
+from bridge_test_helpers import assert_bitwise_equal, model_params
+from warm_ranks import run_job
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import (
@@ -87,14 +88,9 @@ def _qa(n: int, offset: int = 0) -> list:
     return out
 
 
-def _torchrun(job: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", str(job)]
-    for item in overrides:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, cwd=job.parent, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
+def _torchrun(job: Path, *overrides: str):
+    """2 ranks of ``job`` (tests/warm_ranks.py, as torchrun starts them); fails unless both exit 0."""
+    return run_job(job, overrides, cwd=job.parent)
 
 
 # ---------------------------------------------------------------------------------------------

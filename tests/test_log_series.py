@@ -7,24 +7,17 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-from bridge_test_helpers import free_port, tiny_job, tiny_run_dir
+from bridge_test_helpers import tiny_job, tiny_run_dir
+from warm_ranks import run_job
 
 from bridge_hpc.training.engine.metrics import MetricsLogger, RunStart, read_metrics
 
 
 def _run(job: str, *overrides: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", job, "--set", "train.train_iters=10", "--set", "logger.log_interval=5",
-           "--set", "train.eval_interval=5", "--set", 'logger.tensorboard_dir="tb"']
-    for item in overrides:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, cwd=os.path.dirname(job), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
+    return run_job(job, ["train.train_iters=10", "logger.log_interval=5", "train.eval_interval=5",
+                         'logger.tensorboard_dir="tb"', *overrides], cwd=os.path.dirname(job)).stdout
 
 
 def _tensorboard(job: str) -> dict:

@@ -33,6 +33,7 @@ from bridge_test_helpers import (
     submit_cli,
     wait_running_past,
 )
+from warm_ranks import run_job
 
 from bridge_hpc.contracts.progress_log import parse_progress
 
@@ -42,16 +43,11 @@ STEP = f"{ROOT / 'tests' / 'data' / 'peft_forward_step.py'}:forward_step"
 ITERS = 40
 
 
-def _torchrun(cwd: Path, config: Path, *sets: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", str(config)]
-    for item in sets:
-        cmd += ["--set", item]
+def _torchrun(cwd: Path, config: Path, *sets: str):
+    """2 ranks of ``config`` (tests/warm_ranks.py, as torchrun starts them); fails unless both exit 0."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("SLURM_JOB_ID", None)
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+    return run_job(config, sets, cwd=cwd, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")

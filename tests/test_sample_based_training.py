@@ -4,11 +4,11 @@ counted in iterations, bit for bit, and it resumes bit-exactly after a stop (2 C
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
-from bridge_test_helpers import TINY, assert_bitwise_equal, free_port, model_params, tiny_run_dir
+from bridge_test_helpers import TINY, assert_bitwise_equal, model_params, tiny_run_dir
+from warm_ranks import run_job
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.engine.metrics import read_metrics
@@ -32,13 +32,7 @@ def _job(directory, by_samples: bool) -> str:
 
 
 def _run(job: str, *overrides: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", job]
-    for item in overrides:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, cwd=os.path.dirname(job), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
+    return run_job(job, overrides, cwd=os.path.dirname(job)).stdout
 
 
 def test_a_run_counted_in_samples_equals_the_run_counted_in_iterations_and_resumes_exactly(tmp_path):

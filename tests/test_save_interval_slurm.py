@@ -40,7 +40,6 @@ from bridge_test_helpers import (
     CONFIG,
     FAULTY_FORWARD_STEP,
     ROOT,
-    free_port,
     job_story,
     log_text,
     losses,
@@ -50,6 +49,7 @@ from bridge_test_helpers import (
     steps_done,
     submit_cli,
 )
+from warm_ranks import run_job
 
 from bridge_hpc.contracts.progress_log import ENDING_JOB, FIRST_STEP, SAVED_CHECKPOINT, read_progress
 from bridge_hpc.contracts.save_interval import SAVE_INTERVAL_EVENT
@@ -104,15 +104,10 @@ def _kill_ranks(job_id: str) -> None:
 def killed_twice(slurm_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("auto_interval")
     run_dir, straight = tmp / "run", tmp / "straight"
-    # the straight run first, alone on the 2 cores: torchrun, the same job, no sleep, no kill
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-            "-m", "bridge_hpc.rank", str(CONFIG), "--set", f"job.run_dir={straight}"]
-    for item in SETTINGS:
-        args += ["--set", item]
+    # the straight run first, alone on the 2 cores: 2 ranks as torchrun starts them, the same job, no sleep, no kill
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("SLURM_JOB_ID", None)
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_job(CONFIG, [f"job.run_dir={straight}", *SETTINGS], cwd=os.getcwd(), env=env, timeout=900)
 
     cli = [str(CONFIG), "--set", f"job.run_dir={run_dir}"]
     for item in SETTINGS + SLEEP:

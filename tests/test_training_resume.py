@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 from bridge_test_helpers import assert_bitwise_equal, free_port, model_params, tiny_job, tiny_run_dir
+from warm_ranks import run_job
 
 from bridge_hpc.contracts.progress_log import FIRST_STEP, STARTUP_PHASES, parse_events
 from bridge_hpc.training.checkpoint.checkpointing import TRACKER, find_latest_checkpoint
@@ -33,9 +34,7 @@ def _torchrun(job: str, *overrides: str) -> list:
 
 
 def _run(job: str, *overrides: str) -> str:
-    proc = subprocess.run(_torchrun(job, *overrides), cwd=os.path.dirname(str(job)), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
+    return run_job(job, overrides, cwd=os.path.dirname(str(job))).stdout
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,139 @@
+"""The ranks of a job on this machine, started from a warm interpreter instead of torchrun.
+
+Most of a tiny CPU run is its start-up: torchrun, then each rank, imports torch and megatron-core
+(seconds of CPU a process) before a few milliseconds of steps. :func:`run_ranks` starts the ranks as
+children of a multiprocessing *forkserver* that imported those packages once (``PRELOAD``): each child
+is a fork of that clean, single-threaded server, gets the rank's environment as torchrun gives it
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, and
+``OMP_NUM_THREADS=1`` as torchrun sets for several ranks a node), its working folder and its own output
+file, and runs ``bridge_hpc.rank.main(argv)``, the entry point the batch script and torchrun start. What
+the rank does from there is the real thing: its job file, torch.distributed over gloo, checkpoints.
+
+For the runs a test only waits for; a test that signals its ranks or watches torchrun keep torchrun.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+#: What the server imports once: the packages every rank imports (megatron-core's models and
+#: optimizer, torch.distributed's checkpointing), none of the toolkit's own modules (those read the
+#: rank's environment as they are imported, and are quick).
+PRELOAD = ["torch", "torch.distributed.checkpoint", "megatron.core", "megatron.core.models.gpt",
+           "megatron.core.optimizer", "megatron.core.dist_checkpointing"]
+
+_context: Optional[multiprocessing.context.BaseContext] = None
+
+
+def _forkserver():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def _rank(env: Dict[str, str], cwd: str, argv: List[str], stdout: str, stderr: str) -> None:
+    """One rank in a forked child: its environment, folder and output files, then the entry point; the
+    process ends with the entry point's status (the entry point itself leaves through ``os._exit``)."""
+    for path, target in ((stdout, 1), (stderr, 2)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # as the variable does in a fresh process
+    from bridge_hpc import rank
+
+    status = rank.main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status or 0)
+
+
+class Ranks:
+    """What :func:`run_ranks` gives back, as :func:`subprocess.run` gives a torchrun's: the first failing
+    rank's status (else 0), the ranks' stdout and stderr one after another; and each rank's status and
+    the seconds the run took."""
+
+    def __init__(self, returncodes: List[int], stdouts: List[str], stderrs: List[str], seconds: float):
+        self.returncodes = returncodes
+        self.returncode = next((code for code in returncodes if code != 0), 0)
+        self.stdout = "".join(stdouts)
+        self.stderr = "".join(stderrs)
+        self.seconds = seconds
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_ranks(argv: Sequence[str], cwd: str, nprocs: int = 2, env: Optional[Dict[str, str]] = None,
+              timeout: float = 300, port: Optional[int] = None) -> Ranks:
+    """``python -m bridge_hpc.rank ARGV`` as ``nprocs`` ranks of one job on this machine, from the warm
+    server, in ``cwd``; waits for all of them. Ranks still running after ``timeout`` are killed by their
+    PIDs, with the processes they started, and the result says so (status -9)."""
+    from bridge_test_helpers import descendants, free_port
+
+    context = _forkserver()
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    port = port or free_port()
+    logs = tempfile.mkdtemp(prefix="warm-ranks-")
+    files = [(os.path.join(logs, f"rank{r}.out"), os.path.join(logs, f"rank{r}.err")) for r in range(nprocs)]
+    processes = []
+    start = time.monotonic()
+    try:
+        for r in range(nprocs):
+            rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r),
+                            LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            process = context.Process(target=_rank, args=(rank_env, str(cwd), [str(a) for a in argv], *files[r]))
+            process.start()
+            processes.append(process)
+        deadline = start + timeout
+        for process in processes:
+            process.join(max(deadline - time.monotonic(), 0))
+    finally:
+        for process in processes:
+            if process.is_alive():
+                for pid in [*descendants(process.pid), process.pid]:
+                    try:
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
+                        pass
+                process.join()
+    outputs = []
+    for out, err in files:
+        texts = []
+        for path in (out, err):
+            try:
+                with open(path, errors="replace") as f:
+                    texts.append(f.read())
+            except FileNotFoundError:
+                texts.append("")
+        outputs.append(texts)
+    shutil.rmtree(logs, ignore_errors=True)
+    return Ranks([process.exitcode for process in processes], [o for o, _ in outputs], [e for _, e in outputs],
+                 time.monotonic() - start)
+
+
+def run_job(config, overrides: Sequence[str], cwd, nprocs: int = 2, env: Optional[Dict[str, str]] = None,
+            timeout: float = 300) -> Ranks:
+    """:func:`run_ranks` of ``python -m bridge_hpc.rank CONFIG --set ITEM ...``; fails the test with the
+    output's tail unless every rank exits 0."""
+    argv = [str(config)]
+    for item in overrides:
+        argv += ["--set", item]
+    done = run_ranks(argv, cwd=str(cwd), nprocs=nprocs, env=env, timeout=timeout)
+    assert done.returncode == 0, (f"ranks {done.returncodes}" + (" (killed: timed out)" if -9 in done.returncodes
+                                                                  else "") + "\n" + done.stdout[-3000:] + done.stderr[-6000:])
+    return done
