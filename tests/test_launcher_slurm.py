@@ -211,22 +211,25 @@ def test_a_run_folder_in_use_refuses_a_second_job(slurm_cluster, tmp_path: Path)
 
 
 CRASHER = """#!/bin/bash
-# Stands in for the interpreter of the ranks: a rank that dies on the cancel's SIGTERM with a failure
-# status instead of stopping cleanly (a crash in its handler, a container runtime killing it).
+# Stands in for the interpreter of the ranks: a rank that leaves on the cancel's SIGTERM with the given
+# status instead of checkpointing: 1, a failure (a crash in its handler, a container runtime killing it),
+# or 0, as if it had finished.
 [ "$1 $2 $3" = "-u -m bridge_hpc.rank" ] || exec {python} "$@"
 # the trap first, then the word that it started: a SIGTERM after the word meets the trap, on any load
-trap 'exit 1' TERM
+trap 'exit {status}' TERM
 echo started > "$BRIDGE_RUN_DIR/rank.$SLURM_PROCID"
 sleep 600 &
 wait
 """
 
 
-def test_a_cancel_is_final_even_when_the_ranks_fail_on_it(slurm_cluster, tmp_path: Path):
-    """Plain scancel while ranks that fail on SIGTERM run: the batch script's retry-on-failure path
-    must not requeue a job the user cancelled (it asks Slurm why the job stops, as the ranks do)."""
+@pytest.mark.parametrize("rank_status", [1, 0], ids=["ranks-fail", "ranks-exit-0"])
+def test_a_cancel_is_final_even_when_the_ranks_fail_on_it(slurm_cluster, tmp_path: Path, rank_status):
+    """Plain scancel while ranks that leave on SIGTERM without a checkpoint run: the batch script's
+    retry-on-failure path must not requeue a job the user cancelled (it asks Slurm why the job stops, as
+    the ranks do), and ranks that exit 0 on it do not make the cancel a "done"."""
     crasher = tmp_path / "crasher"
-    crasher.write_text(CRASHER.format(python=sys.executable))
+    crasher.write_text(CRASHER.format(python=sys.executable, status=rank_status))
     crasher.chmod(0o755)
     make_job(tmp_path, job={"name": f"cancel-{uuid.uuid4().hex[:8]}", "python": str(crasher)},
              slurm={"retries_without_progress": 5})
@@ -248,6 +251,7 @@ def test_a_cancel_is_final_even_when_the_ranks_fail_on_it(slurm_cluster, tmp_pat
         assert runs and all(r == "CANCELLED" for r in runs), runs
         log = (run_dir / "logs" / f"{job_id}_0_log.out").read_text()
         assert "not requeueing" in log and "cancelled" in log and f"requeueing {job_id} (restart" not in log, log
+        assert "bridge_hpc: done" not in log, log
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
 
