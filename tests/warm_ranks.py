@@ -9,7 +9,7 @@ is a fork of that clean, single-threaded server, gets the rank's environment as 
 file, and runs ``bridge_hpc.rank.main(argv)``, the entry point the batch script and torchrun start. What
 the rank does from there is the real thing: its job file, torch.distributed over gloo, checkpoints.
 
-For the runs a test only waits for; a test that signals its ranks or watches torchrun keep torchrun.
+For the runs a test only waits for: a test that signals its ranks or watches torchrun keeps torchrun.
 """
 
 from __future__ import annotations
