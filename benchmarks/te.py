@@ -80,8 +80,15 @@ LOCAL = 'model.transformer_impl="local"'
 #: there), whose attention runs unfused in fp32 (the 0.13x FP8 figures of 2026-12-02 were that). The
 #: recipes' FP8 weights (``fp8_param_gather``) are left out: they need the distributed optimizer, which
 #: the bf16 row does not run.
-FP8 = ['mixed_precision.bf16=true', 'mixed_precision.params_dtype="bfloat16"',
-       'mixed_precision.pipeline_dtype="bfloat16"', 'mixed_precision.fp8="hybrid"']
+def _recipe_sets(name: str) -> List[str]:
+    """A mixed-precision recipe's fields (:func:`bridge_hpc.training.mixed_precision.recipe_fields`, the
+    table a job file's ``mixed_precision = NAME`` becomes) as ``--set`` items."""
+    from bridge_hpc.training.mixed_precision import recipe_fields
+
+    return [f"mixed_precision.{k}={json.dumps(v)}" for k, v in recipe_fields(name).items()]
+
+
+FP8 = _recipe_sets("bf16_mixed") + ['mixed_precision.fp8="hybrid"']
 #: Row -> (loop_overhead.py's worker, the job's --set items, the bare loop's TransformerConfig fp8_recipe).
 ROWS = {
     "bridge-local": ("bridge", [ON_GPU, LOCAL], None),
