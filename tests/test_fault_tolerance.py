@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
-from bridge_test_helpers import free_port
+from bridge_test_helpers import free_port, signal_tree
 
 from bridge_hpc.launch import ft_launch
 from bridge_hpc.launch.ft_launch import FTLaunchTimeouts, ft_launcher_argv, shell_join
@@ -41,13 +41,9 @@ def worker_env(**extra) -> Dict[str, str]:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """Stop a process we started (own session) and anything left in its process group."""
-    if proc.poll() is None:
-        proc.kill()
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group id is the PID of the process we started
-    except (ProcessLookupError, PermissionError):
-        pass
+    """Stop a process we started and every process below it, by PID (a launcher puts each rank in a
+    session of its own, so its process group would miss them)."""
+    signal_tree(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
 
 

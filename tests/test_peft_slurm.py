@@ -30,6 +30,7 @@ from bridge_test_helpers import (
     job_story,
     losses,
     model_params,
+    signal_tree,
     submit_cli,
     wait_running_past,
 )
@@ -168,7 +169,7 @@ def test_lora_restarted_in_the_job_after_a_killed_rank_resumes_exactly(workdir):
         log, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own group: the launcher and the ranks it started
+            signal_tree(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started, by PID
             proc.wait()
     assert proc.returncode == 0, log[-5000:]
     assert "SIMULATED FAULT rank_killed rank 1" in log, log[-5000:]

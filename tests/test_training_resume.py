@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from bridge_test_helpers import assert_bitwise_equal, free_port, model_params, tiny_job, tiny_run_dir
+from bridge_test_helpers import assert_bitwise_equal, free_port, model_params, signal_tree, tiny_job, tiny_run_dir
 from warm_ranks import run_job
 
 from bridge_hpc.contracts.progress_log import FIRST_STEP, STARTUP_PHASES, parse_events
@@ -193,7 +193,7 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
         else:
             pytest.fail("no checkpoint appeared")
         time.sleep(rng.uniform(0.0, 0.5))
-        os.killpg(proc.pid, signal.SIGKILL)
+        signal_tree(proc.pid, signal.SIGKILL)  # torchrun and its ranks (each in a session of its own)
         proc.wait()
 
         latest = find_latest_checkpoint(ckpts)
