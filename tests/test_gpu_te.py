@@ -20,6 +20,7 @@ Run: ``python -m pytest -q tests/test_gpu_te.py`` (a few minutes on an H200).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -42,14 +43,17 @@ from hf_models import make_hf_model, safetensors_in
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.training.engine.metrics import read_metrics
+from bridge_hpc.training.mixed_precision import recipe_fields
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
                                 reason="needs a CUDA GPU and Transformer Engine")
 
 TE = ('model.transformer_impl="transformer_engine"', "slurm.gpus_per_node=1", "model.bf16=true", "optimizer.bf16=true")
 #: FP8 on bf16, as Bridge's ``bf16_with_fp8_*`` recipes: ``[mixed_precision]`` writes the model's
-#: precision fields, and its ``bf16`` defaults to false (FP8 alone trains the rest in fp32).
-BF16_FP8 = ("mixed_precision.bf16=true", 'mixed_precision.params_dtype="bfloat16"', 'mixed_precision.fp8="hybrid"')
+#: precision fields, and its ``bf16`` defaults to false (FP8 alone trains the rest in fp32); so the
+#: ``bf16_mixed`` recipe's fields come with it, from the recipe itself.
+BF16_FP8 = tuple(f"mixed_precision.{k}={json.dumps(v)}" for k, v in recipe_fields("bf16_mixed").items()) + (
+    'mixed_precision.fp8="hybrid"',)
 PRECISIONS = {
     "bf16": (),
     "fp8-delayed": BF16_FP8 + ('mixed_precision.fp8_recipe="delayed"', "mixed_precision.fp8_amax_history_len=16",
