@@ -72,3 +72,29 @@ def test_decorated_functions_import_the_compiler_only_when_first_called():
 
 def test_modules_and_non_recursive_disables_go_to_torch_at_once():
     _run(NOT_FUNCTIONS)
+
+
+#: ``bridge-hf import`` in a fresh interpreter: megatron-core imported, torch's compiler not
+#: (``compile_fx``: what ``torch.compile``'s decoration imports; the checkpoint's writing looks dynamo
+#: up itself, through torch's ``get_model_state_dict``).
+HF_IMPORT = textwrap.dedent("""
+    import sys
+    from bridge_hpc.cli import hf
+
+    assert hf.main(["import", *sys.argv[1:]]) == 0
+    assert "megatron.core" in sys.modules, "megatron-core was not imported: nothing was deferred"
+    assert "torch._inductor.compile_fx" not in sys.modules, "the conversion imported torch's compiler"
+    print("ok")
+""")
+
+
+def test_bridge_hf_import_imports_megatron_without_torchs_compiler(tmp_path):
+    """``bridge-hf import`` imports megatron-core inside :func:`compiler_imports.deferred`, as the ranks
+    do: the decorations of megatron-core's fused functions no longer import torch's compiler (about 2 s
+    of CPU of each import on this 2-core machine)."""
+    from hf_models import make_hf_model
+
+    make_hf_model("qwen2", str(tmp_path / "hf"))
+    proc = subprocess.run([sys.executable, "-c", HF_IMPORT, str(tmp_path / "hf"), str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr[-4000:]

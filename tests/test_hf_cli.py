@@ -18,10 +18,12 @@ import pytest
 import torch
 from bridge_test_helpers import MINIMAL_TRAINING_TOML, run_cli_cases, single_rank_world
 from hf_models import MOE_FAMILIES, VOCAB, batch, hf_logits, make_hf_folders, make_hf_model, model_config, safetensors_in
+from warm_ranks import run_module
 
 from bridge_hpc.training.hf import families
 
-HF = [sys.executable, "-m", "bridge_hpc.cli.hf"]
+HF_MODULE = "bridge_hpc.cli.hf"
+HF = [sys.executable, "-m", HF_MODULE]
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +155,8 @@ def test_import_into_layers_this_machine_cannot_build_is_one_line_and_exit_2(goo
     if value == "transformer_engine" and importlib.util.find_spec("transformer_engine") and torch.cuda.is_available():
         pytest.skip("this machine has Transformer Engine on a GPU (tests/test_gpu_te.py imports into its layers)")
     before = set(os.listdir(tmp_path))
-    proc = subprocess.run(HF + ["import", str(good), str(tmp_path / "out"), "--transformer-impl", value], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_module(HF_MODULE, ["import", str(good), str(tmp_path / "out"), "--transformer-impl", value],
+                      cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert words in proc.stderr and len([x for x in proc.stderr.splitlines() if "error:" in x]) == 1, proc.stderr
     assert set(os.listdir(tmp_path)) == before
@@ -163,15 +165,14 @@ def test_import_into_layers_this_machine_cannot_build_is_one_line_and_exit_2(goo
 def test_export_refuses_what_is_no_checkpoint_and_an_existing_out(good, tmp_path):
     for args, words in (([str(good), str(tmp_path / "o")], "holds no complete checkpoint"),
                         ([str(tmp_path), str(good)], "exists already")):
-        proc = subprocess.run(HF + ["export"] + args, capture_output=True, text=True, timeout=120)
+        proc = run_module(HF_MODULE, ["export"] + args, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert words in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "o").exists()
 
 
 def test_import_writes_a_checkpoint_that_submission_takes_and_a_bad_folder_is_refused_at_submission(good, tmp_path):
-    proc = subprocess.run(HF + ["import", str(good), str(tmp_path / "ckpt")], capture_output=True, text=True,
-                          timeout=300)
+    proc = run_module(HF_MODULE, ["import", str(good), str(tmp_path / "ckpt")], timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "[bridge-hf" in proc.stderr and (tmp_path / "ckpt" / "iter_0000000" / "manifest.json").is_file()
     bad = _variant(good, tmp_path, "bad")
@@ -237,7 +238,7 @@ WRITE_PHASE_WAIT_S = 300
 def imported(good, tmp_path_factory):
     """``bridge-hf import`` of the good folder: a toolkit checkpoint folder (iter_0000000 and the tracker)."""
     out = tmp_path_factory.mktemp("imported") / "ckpt"
-    proc = subprocess.run(HF + ["import", str(good), str(out)], capture_output=True, text=True, timeout=300)
+    proc = run_module(HF_MODULE, ["import", str(good), str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 
@@ -288,7 +289,7 @@ def test_an_existing_out_tmp_is_left_alone(good, imported, tmp_path, command, ki
     else:
         (tmp_path / "out.tmp").symlink_to(elsewhere)
     out = tmp_path / "out"
-    proc = subprocess.run(HF + _args(command, good, imported, out), capture_output=True, text=True, timeout=300)
+    proc = run_module(HF_MODULE, _args(command, good, imported, out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert out.is_dir() and not out.is_symlink()
     assert (out / ("iter_0000000" if command == "import" else "config.json")).exists()
@@ -359,7 +360,7 @@ def test_a_full_disk_while_writing_is_one_line_and_leaves_nothing(good, imported
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
     filler.write_bytes(b"\0" * (free - 100 * 1024))  # 100 KiB left: less than either output
     out = small_disk / "out"
-    proc = subprocess.run(HF + _args(command, good, imported, out), capture_output=True, text=True, timeout=300)
+    proc = run_module(HF_MODULE, _args(command, good, imported, out), timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and f"{out}: not written" in lines[0] and "No space left on device" in lines[0], \
@@ -384,8 +385,7 @@ def _run_folder_with(imported, tmp_path, iterations, tracker):
 def test_export_says_the_newest_checkpoint_is_damaged_and_which_one_it_exported(imported, tmp_path):
     root = _run_folder_with(imported, tmp_path, [20, 30], tracker=30)
     os.truncate(root / "iter_0000030" / "__0_0.distcp", 1000)
-    proc = subprocess.run(HF + ["export", str(root), str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=300)
+    proc = run_module(HF_MODULE, ["export", str(root), str(tmp_path / "out")], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1, proc.stderr[-3000:]
@@ -400,8 +400,7 @@ def test_export_of_a_damaged_only_checkpoint_names_the_file(imported, tmp_path, 
     root = _run_folder_with(imported, tmp_path, [10], tracker=10)
     os.truncate(root / "iter_0000010" / "__0_0.distcp", 1000)
     source = root if given == "checkpoints" else root / "iter_0000010"
-    proc = subprocess.run(HF + ["export", str(source), str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=300)
+    proc = run_module(HF_MODULE, ["export", str(source), str(tmp_path / "out")], timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and "iter_0000010/__0_0.distcp: 1000 bytes, manifest says 298896" in lines[0], \
@@ -418,8 +417,7 @@ def test_export_of_a_checkpoint_damaged_at_its_full_size_is_one_line(imported, t
     with open(path, "r+b") as f:
         f.seek(0)
         f.write(b"\xff" * min(4096, path.stat().st_size))
-    proc = subprocess.run(HF + ["export", str(root), str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=300)
+    proc = run_module(HF_MODULE, ["export", str(root), str(tmp_path / "out")], timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = _error_lines(proc.stderr)
     where = path if damaged == ".metadata" else path.parent
@@ -493,8 +491,7 @@ def test_an_exported_toolkit_gpt_names_its_own_special_tokens_inside_its_vocabul
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "exported"
-    proc = subprocess.run(HF + ["export", str(tmp_path / "runs" / "job" / "checkpoints"), str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_module(HF_MODULE, ["export", str(tmp_path / "runs" / "job" / "checkpoints"), str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((out / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, 256, 257), config
@@ -518,8 +515,7 @@ def world():
 
 def _refused(source, tmp_path, words):
     before = set(os.listdir(tmp_path))
-    proc = subprocess.run(HF + ["import", str(source), str(tmp_path / "out")], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_module(HF_MODULE, ["import", str(source), str(tmp_path / "out")], cwd=tmp_path, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     lines = _error_lines(proc.stderr)
     assert len(lines) == 1 and all(w in lines[0] for w in words), proc.stderr[-2000:]
@@ -539,7 +535,7 @@ def test_moe_folders_import_with_transformers_logits_and_export_bitwise_and_misf
     source = moe_folders[family]
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
     for args in (["import", source, str(ckpt)], ["export", str(ckpt), str(out)]):
-        proc = subprocess.run(HF + args, capture_output=True, text=True, timeout=300)
+        proc = run_module(HF_MODULE, args, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
     before, after = safetensors_in(source), safetensors_in(str(out))
     assert sorted(before) == sorted(after)

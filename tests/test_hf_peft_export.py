@@ -12,6 +12,7 @@ import pytest
 import torch
 from bridge_test_helpers import direct_rank_env, single_rank_world
 from hf_models import FINETUNE_JOB, SEQ, VOCAB, batch, make_hf_model, model_config
+from warm_ranks import run_module
 
 PEFT_JOB = FINETUNE_JOB + """[peft]
 type = "{kind}"
@@ -78,8 +79,8 @@ def test_a_peft_run_exports_its_adapters_merged_into_the_base(tmp_path, world, k
     size = len(record.read_bytes())
     for damage in ("{not json", '{"peft": "lora"}'):
         record.write_text(damage.ljust(size))
-        proc = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.hf", "export", str(checkpoints),
-                               str(tmp_path / "exported-damaged")], capture_output=True, text=True, timeout=300)
+        proc = run_module("bridge_hpc.cli.hf", ["export", str(checkpoints), str(tmp_path / "exported-damaged")],
+                          timeout=300)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert str(record) in lines[-1] and lines[-1].startswith("error: "), lines[-1]

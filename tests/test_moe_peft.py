@@ -20,6 +20,7 @@ import pytest
 import torch
 from bridge_test_helpers import direct_rank_env, single_rank_world
 from hf_models import FINETUNE_JOB, SEQ, batch, make_hf_model, model_config, safetensors_in
+from warm_ranks import run_module
 
 from bridge_hpc.training.engine.metrics import read_metrics
 
@@ -92,8 +93,8 @@ def test_export_merges_the_expert_adapters_into_the_base(runs, world, tmp_path):
 
     root, hf = runs
     checkpoints = root / "runs" / "straight" / "checkpoints"
-    subprocess.run([sys.executable, "-m", "bridge_hpc.cli.hf", "export", str(checkpoints), str(tmp_path / "out")],
-                   check=True, capture_output=True, timeout=300)
+    done = run_module("bridge_hpc.cli.hf", ["export", str(checkpoints), str(tmp_path / "out")], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     exported = safetensors_in(str(tmp_path / "out"))
 
     ours = gpt_model_provider(model_config(hf))

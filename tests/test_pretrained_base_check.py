@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from hf_models import make_hf_model
+from warm_ranks import run_module
 
 pytest.importorskip("transformers")
 
@@ -27,8 +28,7 @@ def bases(tmp_path_factory):
     for family in ("llama", "gpt2"):
         hf, ckpt = root / f"{family}-hf", root / f"{family}-ckpt"
         make_hf_model(family, str(hf))
-        done = subprocess.run([sys.executable, "-m", "bridge_hpc.cli.hf", "import", str(hf), str(ckpt)],
-                              capture_output=True, text=True, timeout=300)
+        done = run_module("bridge_hpc.cli.hf", ["import", str(hf), str(ckpt)], timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         out[family] = (hf, ckpt)
     return out

@@ -10,13 +10,21 @@ file, and runs ``bridge_hpc.rank.main(argv)``, the entry point the batch script 
 the rank does from there is the real thing: its job file, torch.distributed over gloo, checkpoints.
 
 For the runs a test only waits for: a test that signals its ranks or watches torchrun keeps torchrun.
+
+:func:`run_module` does the same for a tool: ``python -m MODULE ARGS`` (``bridge-hf``, whose imports
+of torch, megatron-core and safetensors are most of its time), run as ``-m`` runs it (``runpy``, as
+``__main__``), in a child of the same server, with its exit status and output as
+:func:`subprocess.run` gives them.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
+import runpy
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 #: optimizer, torch.distributed's checkpointing), none of the toolkit's own modules (those read the
 #: rank's environment as they are imported, and are quick).
 PRELOAD = ["torch", "torch.distributed.checkpoint", "megatron.core", "megatron.core.models.gpt",
-           "megatron.core.optimizer", "megatron.core.dist_checkpointing"]
+           "megatron.core.optimizer", "megatron.core.dist_checkpointing", "safetensors.torch"]
 
 _context: Optional[multiprocessing.context.BaseContext] = None
 
@@ -39,16 +47,22 @@ def _forkserver():
     return _context
 
 
-def _rank(env: Dict[str, str], cwd: str, argv: List[str], stdout: str, stderr: str) -> None:
-    """One rank in a forked child: its environment, folder and output files, then the entry point; the
-    process ends with the entry point's status (the entry point itself leaves through ``os._exit``)."""
-    for path, target in ((stdout, 1), (stderr, 2)):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _enter(env: Dict[str, str], cwd: str, stdout: str, stderr: str, stdin: str = os.devnull) -> None:
+    """A forked child's process as a fresh one started with them: its standard files, environment and folder."""
+    for path, target, flags in ((stdin, 0, os.O_RDONLY), (stdout, 1, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                (stderr, 2, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        fd = os.open(path, flags, 0o644)
         os.dup2(fd, target)
         os.close(fd)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+
+
+def _rank(env: Dict[str, str], cwd: str, argv: List[str], stdout: str, stderr: str) -> None:
+    """One rank in a forked child: its environment, folder and output files, then the entry point; the
+    process ends with the entry point's status (the entry point itself leaves through ``os._exit``)."""
+    _enter(env, cwd, stdout, stderr)
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # as the variable does in a fresh process
@@ -137,3 +151,61 @@ def run_job(config, overrides: Sequence[str], cwd, nprocs: int = 2, env: Optiona
     assert done.returncode == 0, (f"ranks {done.returncodes}" + (" (killed: timed out)" if -9 in done.returncodes
                                                                   else "") + "\n" + done.stdout[-3000:] + done.stderr[-6000:])
     return done
+
+
+def _module(env: Dict[str, str], cwd: str, module: str, argv: List[str], stdout: str, stderr: str, stdin: str) -> None:
+    """``python -m MODULE ARGV`` in a forked child: ``runpy`` as ``-m`` runs it; the exit status as the
+    interpreter makes it (``SystemExit``'s code, 1 after a traceback or a message), after the exit
+    functions the interpreter would run."""
+    _enter(env, cwd, stdout, stderr, stdin)
+    sys.argv = [module, *argv]
+    status = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as leaving:
+        if leaving.code is None or isinstance(leaving.code, int):
+            status = leaving.code or 0
+        else:
+            print(leaving.code, file=sys.stderr)
+            status = 1
+    except BaseException:  # noqa: BLE001 - as the interpreter: the traceback on stderr, status 1
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def run_module(module: str, args: Sequence[str], cwd=None, env: Optional[Dict[str, str]] = None,
+               timeout: Optional[float] = None, input: Optional[str] = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, "-m", MODULE, *ARGS], cwd=..., env=..., input=..., timeout=...,
+    capture_output=True, text=True)``, from the warm server: the same result (``returncode``, ``stdout``,
+    ``stderr``), or :class:`subprocess.TimeoutExpired` after killing the child and what it started by PID."""
+    from bridge_test_helpers import descendants
+
+    argv = [str(a) for a in args]
+    logs = tempfile.mkdtemp(prefix="warm-module-")
+    out, err, stdin = (os.path.join(logs, name) for name in ("out", "err", "in"))
+    with open(stdin, "w") as f:
+        f.write(input or "")
+    process = _forkserver().Process(target=_module, args=(dict(os.environ if env is None else env),
+                                                          str(cwd or os.getcwd()), module, argv, out, err, stdin))
+    try:
+        process.start()
+        process.join(timeout)
+        if process.is_alive():
+            for pid in [*descendants(process.pid), process.pid]:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            process.join()
+            raise subprocess.TimeoutExpired([sys.executable, "-m", module, *argv], timeout)
+        with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
+            return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], process.exitcode,
+                                               f_out.read(), f_err.read())
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)

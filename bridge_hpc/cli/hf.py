@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 from bridge_hpc.contracts import new_output
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
 from bridge_hpc.contracts.text import has_control_chars, one_line
+from bridge_hpc.training.process import compiler_imports
 
 
 def parser() -> argparse.ArgumentParser:
@@ -95,12 +96,13 @@ def _run(args: argparse.Namespace) -> int:
         from bridge_hpc.training.hf import mapping
 
         mapping.checked_model_config(args.hf_dir)  # before torch: a bad folder is refused at once
-        from bridge_hpc.models.hf.convert import import_folder
+        with compiler_imports.deferred():  # megatron-core's import, as the ranks import it
+            from bridge_hpc.models.hf.convert import import_folder
 
-        summary = import_folder(args.hf_dir, args.out, _progress, transformer_impl=args.transformer_impl)
+            summary = import_folder(args.hf_dir, args.out, _progress, transformer_impl=args.transformer_impl)
     else:
         _check_paths(args.checkpoint, out=args.out)
-        from bridge_hpc.models.hf.export import export
+        from bridge_hpc.models.hf.export import export  # torch and safetensors: no megatron-core
 
         summary = export(args.checkpoint, args.out, args.dtype, _progress)
     if args.json:
