@@ -1,6 +1,7 @@
 """Background checkpoint saves (``checkpoint.async_save = true``) on CPU.
 
-Every run is a real 2-rank torchrun job over gloo on the tiny GPT of tests/data/tiny.toml; the shards
+Every run is a real 2-rank job over gloo (tests/warm_ranks.py's ranks, or torchrun's where a test
+finds a rank's worker under it) on the tiny GPT of tests/data/tiny.toml; the shards
 are written by each rank's persistent checkpoint worker (nvidia-resiliency-ext's AsyncCallsQueue),
 and the checkpoints are the real files that a resume loads. The reference is a straight 40-step run
 with synchronous saves: a save must not change what training computes, so every resumed run must
@@ -41,6 +42,7 @@ from bridge_test_helpers import (
     tiny_run_dir,
     worker_of_rank,
 )
+from warm_ranks import run_job, run_ranks, start_ranks
 
 from bridge_hpc.contracts import run_folder
 from bridge_hpc.contracts.errors import ConfigError
@@ -56,7 +58,15 @@ ASYNC = ("checkpoint.async_save=true", "logger.log_progress=true")
 RUN_TIMEOUT_S = 150
 
 
+def _argv(job: str, *overrides: str) -> List[str]:
+    argv = [job]
+    for item in overrides:
+        argv += ["--set", item]
+    return argv
+
+
 def _start(job: str, *overrides: str, stdout=subprocess.PIPE) -> subprocess.Popen:
+    """torchrun's ranks: a test that looks for a rank's checkpoint worker under torchrun's PID."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "bridge_hpc.rank", job]
     for item in overrides:
@@ -79,9 +89,7 @@ def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S):
 
 
 def _run(job: str, *overrides: str) -> str:
-    status, output = _finish(_start(job, *overrides))
-    assert status == 0, output[-6000:]
-    return output
+    return run_job(job, overrides, cwd=os.path.dirname(job), timeout=RUN_TIMEOUT_S).output
 
 
 
@@ -135,18 +143,20 @@ def test_sigkill_during_async_saves_leaves_the_last_finalized_checkpoint(straigh
     rng = random.Random(20261124)
     last, kills, in_flight = 0, 0, 0
     while kills < KILLS:
-        proc = _start(job, *ASYNC, "checkpoint.save_interval=1", stdout=subprocess.DEVNULL)
+        ranks = start_ranks(_argv(job, *ASYNC, "checkpoint.save_interval=1"), cwd=os.path.dirname(job))
         deadline = time.time() + RUN_TIMEOUT_S
-        while time.time() < deadline and proc.poll() is None and (run_folder.tracked_iteration(ckpts) or 0) <= last:
+        while time.time() < deadline and ranks.poll() is None and (run_folder.tracked_iteration(ckpts) or 0) <= last:
             time.sleep(0.005)
-        while time.time() < deadline and proc.poll() is None and not glob.glob(os.path.join(ckpts, "iter_*.tmp")):
+        while time.time() < deadline and ranks.poll() is None and not glob.glob(os.path.join(ckpts, "iter_*.tmp")):
             time.sleep(0.005)
-        if proc.poll() is not None:  # it ran to the end: the kills are done
-            assert proc.returncode == 0
+        if ranks.poll() is not None:  # it ran to the end: the kills are done
+            done = ranks.wait()
+            assert done.returncode == 0, done.output[-6000:]
             break
         time.sleep(rng.uniform(0.0, 0.1))
         in_flight += bool(glob.glob(os.path.join(ckpts, "iter_*.tmp")))
-        kill_tree(proc)
+        ranks.kill()
+        ranks.wait()
         kills += 1
 
         latest = find_latest_checkpoint(ckpts, world_size=2)
@@ -208,11 +218,11 @@ def test_a_killed_checkpoint_worker_fails_that_save_and_training_goes_on(straigh
 def test_a_full_disk_fails_async_saves_until_the_run_stops(small_disk, tmp_path):
     job = tiny_job(tmp_path / "job")
     ckpts = os.path.join(small_disk, "checkpoints")
-    start = time.monotonic()
-    status, output = _finish(_start(job, *ASYNC, f'checkpoint.save="{ckpts}"', "checkpoint.save_interval=2",
-                                    "checkpoint.most_recent_k=-1", "checkpoint.async_save_max_failures=2"))
-    assert status != 0, output[-4000:]
-    assert time.monotonic() - start < 90
+    done = run_ranks(_argv(job, *ASYNC, f'checkpoint.save="{ckpts}"', "checkpoint.save_interval=2",
+                           "checkpoint.most_recent_k=-1", "checkpoint.async_save_max_failures=2"),
+                     cwd=os.path.dirname(job), timeout=RUN_TIMEOUT_S)
+    status, output = done.returncode, done.output
+    assert status != 0 and -9 not in done.returncodes, output[-4000:]  # stopped by itself, not killed at the timeout
 
     # Each failure is reported with its cause; the second in a row stops the run with one clear line.
     failures = _failed_saves(ckpts)

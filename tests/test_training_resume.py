@@ -16,21 +16,13 @@ import time
 
 import pytest
 import torch
-from bridge_test_helpers import assert_bitwise_equal, free_port, model_params, signal_tree, tiny_job, tiny_run_dir
-from warm_ranks import run_job
+from bridge_test_helpers import assert_bitwise_equal, free_port, model_params, tiny_job, tiny_run_dir
+from warm_ranks import run_job, start_ranks
 
 from bridge_hpc.contracts.progress_log import FIRST_STEP, STARTUP_PHASES, parse_events
 from bridge_hpc.training.checkpoint.checkpointing import TRACKER, find_latest_checkpoint
 from bridge_hpc.training.engine.metrics import read_metrics
 from bridge_hpc.training.process.startup import parse_phases
-
-
-def _torchrun(job: str, *overrides: str) -> list:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "bridge_hpc.rank", job]
-    for item in overrides:
-        cmd += ["--set", item]
-    return cmd
 
 
 def _run(job: str, *overrides: str) -> str:
@@ -180,8 +172,7 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
     rng = random.Random(7)
     last = 0
     for _attempt in range(4):
-        proc = subprocess.Popen(_torchrun(job, "checkpoint.save_interval=1"), cwd=os.path.dirname(str(job)),
-                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ranks = start_ranks([str(job), "--set", "checkpoint.save_interval=1"], cwd=os.path.dirname(str(job)))
         deadline = time.time() + 120
         while time.time() < deadline:  # wait for this attempt's first own checkpoint
             try:
@@ -193,8 +184,8 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
         else:
             pytest.fail("no checkpoint appeared")
         time.sleep(rng.uniform(0.0, 0.5))
-        signal_tree(proc.pid, signal.SIGKILL)  # torchrun and its ranks (each in a session of its own)
-        proc.wait()
+        ranks.kill()  # both ranks and what they started, at once
+        ranks.wait()
 
         latest = find_latest_checkpoint(ckpts)
         assert latest is not None

@@ -91,12 +91,70 @@ class Ranks:
         return self.stdout + self.stderr
 
 
-def run_ranks(argv: Sequence[str], cwd: str, nprocs: int = 2, env: Optional[Dict[str, str]] = None,
-              timeout: float = 300, port: Optional[int] = None) -> Ranks:
+class StartedRanks:
+    """The ranks :func:`start_ranks` started, as a :class:`subprocess.Popen` of torchrun is used: their
+    PIDs, whether they are done, a wait, a kill."""
+
+    def __init__(self, processes: list, files: List[tuple], logs: str, start: float):
+        self.processes = processes
+        self._files = files
+        self._logs = logs
+        self._start = start
+
+    @property
+    def pids(self) -> List[int]:
+        return [process.pid for process in self.processes]
+
+    def poll(self) -> Optional[int]:
+        """None while a rank runs, else the first failing rank's status (0 if none failed)."""
+        if any(process.is_alive() for process in self.processes):
+            return None
+        return next((p.exitcode for p in self.processes if p.exitcode != 0), 0)
+
+    def kill(self) -> None:
+        """SIGKILL every rank and every process below them (checkpoint workers and theirs) by PID, all
+        found first, as a node's loss ends a job; then reap the ranks."""
+        from bridge_test_helpers import descendants
+
+        targets = [pid for process in self.processes for pid in (process.pid, *descendants(process.pid))]
+        for pid in targets:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        for process in self.processes:
+            process.join()
+
+    def wait(self, timeout: float = 300) -> Ranks:
+        """Waits for every rank; ranks still running after ``timeout`` are killed (status -9). The
+        ranks' outputs, read once they ended."""
+        deadline = self._start + timeout
+        try:
+            for process in self.processes:
+                process.join(max(deadline - time.monotonic(), 0))
+        finally:
+            if any(process.is_alive() for process in self.processes):
+                self.kill()
+        outputs = []
+        for out, err in self._files:
+            texts = []
+            for path in (out, err):
+                try:
+                    with open(path, errors="replace") as f:
+                        texts.append(f.read())
+                except FileNotFoundError:
+                    texts.append("")
+            outputs.append(texts)
+        shutil.rmtree(self._logs, ignore_errors=True)
+        return Ranks([process.exitcode for process in self.processes], [o for o, _ in outputs],
+                     [e for _, e in outputs], time.monotonic() - self._start)
+
+
+def start_ranks(argv: Sequence[str], cwd: str, nprocs: int = 2, env: Optional[Dict[str, str]] = None,
+                port: Optional[int] = None) -> StartedRanks:
     """``python -m bridge_hpc.rank ARGV`` as ``nprocs`` ranks of one job on this machine, from the warm
-    server, in ``cwd``; waits for all of them. Ranks still running after ``timeout`` are killed by their
-    PIDs, with the processes they started, and the result says so (status -9)."""
-    from bridge_test_helpers import descendants, free_port
+    server, in ``cwd``; returns at once."""
+    from bridge_test_helpers import free_port
 
     context = _forkserver()
     base = dict(os.environ if env is None else env)
@@ -104,40 +162,25 @@ def run_ranks(argv: Sequence[str], cwd: str, nprocs: int = 2, env: Optional[Dict
     port = port or free_port()
     logs = tempfile.mkdtemp(prefix="warm-ranks-")
     files = [(os.path.join(logs, f"rank{r}.out"), os.path.join(logs, f"rank{r}.err")) for r in range(nprocs)]
-    processes = []
-    start = time.monotonic()
+    started = StartedRanks([], files, logs, time.monotonic())
     try:
         for r in range(nprocs):
             rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r),
                             LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             process = context.Process(target=_rank, args=(rank_env, str(cwd), [str(a) for a in argv], *files[r]))
             process.start()
-            processes.append(process)
-        deadline = start + timeout
-        for process in processes:
-            process.join(max(deadline - time.monotonic(), 0))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                for pid in [*descendants(process.pid), process.pid]:
-                    try:
-                        os.kill(pid, 9)
-                    except ProcessLookupError:
-                        pass
-                process.join()
-    outputs = []
-    for out, err in files:
-        texts = []
-        for path in (out, err):
-            try:
-                with open(path, errors="replace") as f:
-                    texts.append(f.read())
-            except FileNotFoundError:
-                texts.append("")
-        outputs.append(texts)
-    shutil.rmtree(logs, ignore_errors=True)
-    return Ranks([process.exitcode for process in processes], [o for o, _ in outputs], [e for _, e in outputs],
-                 time.monotonic() - start)
+            started.processes.append(process)
+    except BaseException:
+        started.kill()
+        raise
+    return started
+
+
+def run_ranks(argv: Sequence[str], cwd: str, nprocs: int = 2, env: Optional[Dict[str, str]] = None,
+              timeout: float = 300, port: Optional[int] = None) -> Ranks:
+    """:func:`start_ranks`, then waits for all of them. Ranks still running after ``timeout`` are killed
+    by their PIDs, with the processes they started, and the result says so (status -9)."""
+    return start_ranks(argv, cwd, nprocs, env, port).wait(timeout)
 
 
 def run_job(config, overrides: Sequence[str], cwd, nprocs: int = 2, env: Optional[Dict[str, str]] = None,
