@@ -455,39 +455,20 @@ def direct_rank_env(rank: int = 0, world_size: int = 1, port: Optional[int] = No
 GLOO_RANKS_TIMEOUT_S = 300.0
 
 
-def _rank_then_exit(rank: int, fn: Callable, *args) -> None:
-    """A spawned rank: ``fn(rank, *args)``, then out through ``os._exit`` as the toolkit's ranks
-    leave (``run._leave``). A rank that had returned normally once hung in the interpreter's teardown
-    after ``destroy_process_group`` (a futex, CI of 2026-11-26), and the test waited forever. A rank
-    still running shortly before :func:`run_gloo_ranks` kills it writes its threads' stacks to stderr
-    (the test's captured output), so that a hang shows where it is."""
-    import faulthandler
-
-    faulthandler.dump_traceback_later(max(GLOO_RANKS_TIMEOUT_S - 15, 1), exit=False)
-    fn(rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def run_gloo_ranks(fn: Callable, *args, nprocs: int = 2, timeout: float = GLOO_RANKS_TIMEOUT_S) -> None:
-    """``fn(rank, *args)`` in ``nprocs`` spawned processes (the test's own gloo world); a rank that
-    fails fails the test with its traceback, and ranks still running after ``timeout`` are killed
-    (by their PIDs) and fail it."""
-    import torch.multiprocessing as torch_mp
+    """``fn(rank, *args)`` in ``nprocs`` processes (the test's own gloo world), forked from
+    tests/warm_ranks.py's warm server; a rank that fails fails the test with its traceback, and ranks
+    still running after ``timeout`` are killed (by their PIDs) and fail it with their stacks. Each leaves
+    through ``os._exit``, as the toolkit's ranks leave (``run._leave``): a rank that had returned
+    normally once hung in the interpreter's teardown after ``destroy_process_group`` (a futex, CI of
+    2026-11-26), and the test waited forever."""
+    from warm_ranks import run_functions
 
-    context = torch_mp.start_processes(_rank_then_exit, args=(fn, *args), nprocs=nprocs, start_method="spawn",
-                                       join=False)
-    deadline = time.time() + timeout
-    try:
-        while not context.join(timeout=1):
-            if time.time() > deadline:
-                raise AssertionError(f"the {nprocs} gloo ranks did not end in {timeout:.0f} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    done = run_functions(fn, args, nprocs, timeout)
+    if -9 in done.returncodes:
+        raise AssertionError(f"the {nprocs} gloo ranks did not end in {timeout:.0f} s:\n{done.stderr[-8000:]}")
+    failed = [(rank, code) for rank, code in enumerate(done.returncodes) if code != 0]
+    assert not failed, f"ranks failed (rank, status): {failed}\n{done.stdout[-2000:]}{done.stderr[-8000:]}"
 
 
 # -- one rank of a job file on this machine's GPU (tests/test_gpu_*) ---------------------------------

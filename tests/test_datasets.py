@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import string
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -25,7 +24,8 @@ from typing import Dict, List
 
 import pytest
 import torch
-from bridge_test_helpers import free_port, single_rank_world
+from bridge_test_helpers import single_rank_world
+from warm_ranks import run_ranks
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import ConfigContainer, GPTDatasetConfig, MockGPTDatasetConfig, TokenizerConfig
@@ -238,13 +238,8 @@ def _two_rank_main(workdir: str) -> None:
 
 def test_two_ranks_resume_from_consumed_samples_bitwise(tmp_path, corpus):
     (tmp_path / "dataset.json").write_text(json.dumps({"data_path": _blend(corpus), "split": "8,1,1"}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           __file__, str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent),
-         os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    done = run_ranks([str(tmp_path)], cwd=str(tmp_path), script=os.path.abspath(__file__), timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     per_rank = [torch.load(tmp_path / f"batches_{r}.pt", weights_only=False) for r in (0, 1)]
     for got in per_rank:
         assert got["consumed"] == STOP_AT * 4

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from warm_ranks import run_ranks
 
 from bridge_hpc.training.config import DistributedInitConfig
 
@@ -131,12 +132,9 @@ sys.exit(3)
 
 
 def test_replicas_whose_weights_differ_stop_the_run_naming_the_parameters(tmp_path):
-    import subprocess
-
     script = tmp_path / "hash.py"
     script.write_text(WEIGHT_HASH_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", str(script)], capture_output=True, text=True, timeout=120)
+    proc = run_ranks([], cwd=str(tmp_path), script=str(script), timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for rank in (0, 1):  # every rank stops, so none waits in the next collective
         assert f"rank {rank}: at iteration 10 the data-parallel replicas' weights differ (1 parameters, e.g. 0:bias)" \

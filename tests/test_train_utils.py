@@ -12,13 +12,13 @@ import logging
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from bridge_test_helpers import TINY, free_port, single_rank_world
+from bridge_test_helpers import TINY, single_rank_world
+from warm_ranks import run_ranks
 
 from bridge_hpc.training.config import GPTModelConfig, ProfilingConfig, TrainingConfig
 from bridge_hpc.training.state import GlobalState, TrainState
@@ -310,14 +310,8 @@ def test_training_log_reports_on_log_steps(single_rank, tmp_path, capsys):
 def two_ranks(tmp_path_factory):
     """What :func:`_two_rank_worker` found on each of two gloo ranks (one torchrun for the tests below)."""
     out = tmp_path_factory.mktemp("two_ranks")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-         os.path.abspath(__file__), str(out)],
-        capture_output=True, text=True, timeout=240, env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    done = run_ranks([str(out)], cwd=str(out), script=os.path.abspath(__file__), timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return [json.loads((out / f"rank_{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -10,13 +10,13 @@ import inspect
 import json
 import os
 import shutil
-import subprocess
 import sys
 from functools import partial
 
 import pytest
 import torch
 from bridge_test_helpers import TINY, free_port, single_rank_world
+from warm_ranks import run_ranks
 
 from bridge_hpc.training.engine.collectives import reduce_loss_dicts
 from bridge_hpc.training.state import GlobalState
@@ -317,12 +317,7 @@ def test_train_step_returns_bridge_tuple(single_rank, tmp_path):
 def test_two_ranks(tmp_path):
     job = tmp_path / "job.toml"
     shutil.copy(TINY, job)
-    port = free_port()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-         os.path.abspath(__file__), str(job)],
-        cwd=os.path.dirname(str(job)), capture_output=True, text=True, timeout=240,
-    )
+    proc = run_ranks([str(job)], cwd=os.path.dirname(str(job)), script=os.path.abspath(__file__), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in (0, 1):
         assert json.loads((tmp_path / f"ok_{rank}.json").read_text())["calls"] == 12
@@ -412,7 +407,7 @@ def _two_rank_reduce(rank: int, port: int, out_dir: str) -> None:
 def test_losses_and_stop_observations_are_agreed_in_one_all_reduce(tmp_path):
     import json
 
-    from bridge_test_helpers import free_port, run_gloo_ranks
+    from bridge_test_helpers import run_gloo_ranks
 
     run_gloo_ranks(_two_rank_reduce, free_port(), str(tmp_path))
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]

@@ -9,7 +9,9 @@ is a fork of that clean, single-threaded server, gets the rank's environment as 
 file, and runs ``bridge_hpc.rank.main(argv)``, the entry point the batch script and torchrun start. What
 the rank does from there is the real thing: its job file, torch.distributed over gloo, checkpoints.
 
-For the runs a test only waits for: a test that signals its ranks or watches torchrun keeps torchrun.
+A test's own script runs so too (``script``: as ``torchrun SCRIPT ARGV`` runs it, ``__main__`` with
+its folder first on ``sys.path``); :func:`start_ranks` returns at once, for a test that kills the
+ranks. A test that watches torchrun itself keeps torchrun.
 
 :func:`run_module` does the same for a tool: ``python -m MODULE ARGS`` (``bridge-hf``, whose imports
 of torch, megatron-core and safetensors are most of its time), run as ``-m`` runs it (``runpy``, as
@@ -28,7 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 #: What the server imports once: the packages every rank imports (megatron-core's models and
 #: optimizer, torch.distributed's checkpointing), none of the toolkit's own modules (those read the
@@ -59,13 +62,44 @@ def _enter(env: Dict[str, str], cwd: str, stdout: str, stderr: str, stdin: str =
     os.chdir(cwd)
 
 
-def _rank(env: Dict[str, str], cwd: str, argv: List[str], stdout: str, stderr: str) -> None:
-    """One rank in a forked child: its environment, folder and output files, then the entry point; the
-    process ends with the entry point's status (the entry point itself leaves through ``os._exit``)."""
+def _as_main(run: Callable[[], Any]) -> int:
+    """The exit status the interpreter gives a main program that ``run`` runs: ``SystemExit``'s code (a
+    message: printed, 1), 1 after an exception's traceback on stderr, else 0."""
+    try:
+        run()
+    except SystemExit as leaving:
+        if leaving.code is None or isinstance(leaving.code, int):
+            return leaving.code or 0
+        print(leaving.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - as the interpreter: the traceback on stderr, status 1
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _leave(status: int) -> None:
+    """Out as the interpreter leaves (its exit functions, flushed output), without the multiprocessing
+    child's own ending."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _rank(env: Dict[str, str], cwd: str, argv: List[str], stdout: str, stderr: str,
+          script: Optional[str] = None) -> None:
+    """One rank in a forked child: its environment, folder and output files, then the entry point (or
+    ``script`` as ``python SCRIPT ARGV`` runs it); the process ends with its status (the entry point
+    itself leaves through ``os._exit``)."""
     _enter(env, cwd, stdout, stderr)
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # as the variable does in a fresh process
+    if script is not None:
+        sys.argv = [script, *argv]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python puts a script's folder first
+        _leave(_as_main(lambda: runpy.run_path(script, run_name="__main__")))
     from bridge_hpc import rank
 
     status = rank.main(argv)
@@ -151,9 +185,9 @@ class StartedRanks:
 
 
 def start_ranks(argv: Sequence[str], cwd: str, nprocs: int = 2, env: Optional[Dict[str, str]] = None,
-                port: Optional[int] = None) -> StartedRanks:
-    """``python -m bridge_hpc.rank ARGV`` as ``nprocs`` ranks of one job on this machine, from the warm
-    server, in ``cwd``; returns at once."""
+                port: Optional[int] = None, script: Optional[str] = None) -> StartedRanks:
+    """``python -m bridge_hpc.rank ARGV`` (or ``python SCRIPT ARGV``) as ``nprocs`` ranks of one job on
+    this machine, as torchrun starts them, from the warm server, in ``cwd``; returns at once."""
     from bridge_test_helpers import free_port
 
     context = _forkserver()
@@ -167,7 +201,7 @@ def start_ranks(argv: Sequence[str], cwd: str, nprocs: int = 2, env: Optional[Di
         for r in range(nprocs):
             rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r),
                             LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            process = context.Process(target=_rank, args=(rank_env, str(cwd), [str(a) for a in argv], *files[r]))
+            process = context.Process(target=_rank, args=(rank_env, str(cwd), [str(a) for a in argv], *files[r], script))
             process.start()
             started.processes.append(process)
     except BaseException:
@@ -177,10 +211,10 @@ def start_ranks(argv: Sequence[str], cwd: str, nprocs: int = 2, env: Optional[Di
 
 
 def run_ranks(argv: Sequence[str], cwd: str, nprocs: int = 2, env: Optional[Dict[str, str]] = None,
-              timeout: float = 300, port: Optional[int] = None) -> Ranks:
+              timeout: float = 300, port: Optional[int] = None, script: Optional[str] = None) -> Ranks:
     """:func:`start_ranks`, then waits for all of them. Ranks still running after ``timeout`` are killed
     by their PIDs, with the processes they started, and the result says so (status -9)."""
-    return start_ranks(argv, cwd, nprocs, env, port).wait(timeout)
+    return start_ranks(argv, cwd, nprocs, env, port, script).wait(timeout)
 
 
 def run_job(config, overrides: Sequence[str], cwd, nprocs: int = 2, env: Optional[Dict[str, str]] = None,
@@ -197,29 +231,11 @@ def run_job(config, overrides: Sequence[str], cwd, nprocs: int = 2, env: Optiona
 
 
 def _module(env: Dict[str, str], cwd: str, module: str, argv: List[str], stdout: str, stderr: str, stdin: str) -> None:
-    """``python -m MODULE ARGV`` in a forked child: ``runpy`` as ``-m`` runs it; the exit status as the
-    interpreter makes it (``SystemExit``'s code, 1 after a traceback or a message), after the exit
-    functions the interpreter would run."""
+    """``python -m MODULE ARGV`` in a forked child: ``runpy`` as ``-m`` runs it, ending as the
+    interpreter ends."""
     _enter(env, cwd, stdout, stderr, stdin)
     sys.argv = [module, *argv]
-    status = 0
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as leaving:
-        if leaving.code is None or isinstance(leaving.code, int):
-            status = leaving.code or 0
-        else:
-            print(leaving.code, file=sys.stderr)
-            status = 1
-    except BaseException:  # noqa: BLE001 - as the interpreter: the traceback on stderr, status 1
-        import traceback
-
-        traceback.print_exc()
-        status = 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    _leave(_as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True)))
 
 
 def run_module(module: str, args: Sequence[str], cwd=None, env: Optional[Dict[str, str]] = None,
@@ -252,3 +268,42 @@ def run_module(module: str, args: Sequence[str], cwd=None, env: Optional[Dict[st
                                                f_out.read(), f_err.read())
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def _function_rank(env: Dict[str, str], cwd: str, stdout: str, stderr: str, dump_after_s: float,
+                   fn: Callable, rank: int, args: tuple) -> None:
+    """``fn(rank, *args)`` in a forked child with the test's environment; its threads' stacks go to
+    stderr after ``dump_after_s`` (a hang shows where it is); its status as a main program's, out
+    through ``os._exit``."""
+    _enter(env, cwd, stdout, stderr)
+    import faulthandler
+
+    if "OMP_NUM_THREADS" in env:
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    faulthandler.dump_traceback_later(dump_after_s, exit=False)
+    status = _as_main(lambda: fn(rank, *args))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # no teardown: run_gloo_ranks says why
+
+
+def run_functions(fn: Callable, args: Sequence[Any], nprocs: int, timeout: float) -> Ranks:
+    """``fn(rank, *args)`` for each rank in a child of the warm server (``fn`` a module-level function,
+    as for a spawned process), with this process's environment and folder; waits for all. A rank still
+    running after ``timeout`` is killed with what it started (status -9), its stacks dumped 15 s before."""
+    context = _forkserver()
+    logs = tempfile.mkdtemp(prefix="warm-functions-")
+    files = [(os.path.join(logs, f"rank{r}.out"), os.path.join(logs, f"rank{r}.err")) for r in range(nprocs)]
+    started = StartedRanks([], files, logs, time.monotonic())
+    try:
+        for r in range(nprocs):
+            process = context.Process(target=_function_rank, args=(dict(os.environ), os.getcwd(), *files[r],
+                                                                   max(timeout - 15, 1), fn, r, tuple(args)))
+            process.start()
+            started.processes.append(process)
+    except BaseException:
+        started.kill()
+        raise
+    return started.wait(timeout)
