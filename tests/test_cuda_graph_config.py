@@ -4,11 +4,10 @@ graph itself runs on GPUs: tests/test_gpu_cuda_graph.py)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 from bridge_test_helpers import TINY, direct_rank_env
+from warm_ranks import run_module
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import ConfigContainer, GPTModelConfig
@@ -47,9 +46,8 @@ def test_overlapped_param_gather_is_refused_with_the_graph():
 def test_the_graph_is_refused_on_a_rank_without_a_gpu(tmp_path):
     """A CPU rank ends with one line naming the key, status 2, before it builds anything."""
     shutil.copy(TINY, tmp_path / "job.toml")
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml",
-                           "--set", 'model.cuda_graph_impl="full_iteration"'],
-                          cwd=tmp_path, env=direct_rank_env(), capture_output=True, text=True, timeout=300)
+    proc = run_module("bridge_hpc.rank", ["job.toml", "--set", 'model.cuda_graph_impl="full_iteration"'], cwd=tmp_path,
+                      env=direct_rank_env(), timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "error: job.toml: key 'model.cuda_graph_impl': CUDA graphs need GPUs" in proc.stderr, proc.stderr[-3000:]

@@ -13,15 +13,13 @@ small samples; bad input is one ConfigError naming the file:line or the key.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from bridge_test_helpers import assert_bitwise_equal, model_params
-from warm_ranks import run_job
+from warm_ranks import run_job, run_module
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import (
@@ -198,8 +196,7 @@ def test_finetune_starts_from_pretrained_weights_with_fresh_optimizer_and_resume
 def test_finetune_entry_without_pretrained_checkpoint_names_the_key(tmp_path, sft_data):
     job = _finetune_job(tmp_path, Path("unused"), sft_data)
     job.write_text(job.read_text().replace('pretrained_checkpoint = "unused"\n', ""))
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", str(job)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_module("bridge_hpc.rank", [str(job)], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {job}: key 'checkpoint.pretrained_checkpoint'")
 
@@ -389,8 +386,8 @@ def test_a_base_of_another_vocabulary_is_one_line_naming_the_key_and_the_tensor(
     from bridge_test_helpers import direct_rank_env
 
     job = _finetune_job(tmp_path / "ft", pretrained, sft_data)
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", str(job), "--set", "tokenizer.vocab_extra_ids=200"],
-                          cwd=job.parent, env=direct_rank_env(), capture_output=True, text=True, timeout=300)
+    proc = run_module("bridge_hpc.rank", [str(job), "--set", "tokenizer.vocab_extra_ids=200"], cwd=job.parent,
+                      env=direct_rank_env(), timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "key 'checkpoint.pretrained_checkpoint'" in last and "word_embeddings" in last, last

@@ -4,11 +4,10 @@ tests/test_gpu_fused_kernels.py)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 from bridge_test_helpers import TINY, direct_rank_env
+from warm_ranks import run_module
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.config import FUSED_NORM_MAX_WIDTH, GPTModelConfig
@@ -38,8 +37,8 @@ def test_the_widest_norm_is_accepted():
 def test_the_fused_kernels_are_refused_on_a_rank_without_a_gpu(tmp_path):
     """A CPU rank ends with one line naming the key, status 2, before it builds anything."""
     shutil.copy(TINY, tmp_path / "job.toml")
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml", "--set", "model.fused_kernels=true"],
-                          cwd=tmp_path, env=direct_rank_env(), capture_output=True, text=True, timeout=300)
+    proc = run_module("bridge_hpc.rank", ["job.toml", "--set", "model.fused_kernels=true"], cwd=tmp_path,
+                      env=direct_rank_env(), timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "error: job.toml: key 'model.fused_kernels': the fused kernels run on GPUs" in proc.stderr, proc.stderr[-3000:]

@@ -487,8 +487,7 @@ def test_an_exported_toolkit_gpt_names_its_own_special_tokens_inside_its_vocabul
     from bridge_test_helpers import direct_rank_env
 
     (tmp_path / "job.toml").write_text(SCRATCH_GPT_JOB)
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=tmp_path, env=direct_rank_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_module("bridge_hpc.rank", ["job.toml"], cwd=tmp_path, env=direct_rank_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "exported"
     proc = run_module(HF_MODULE, ["export", str(tmp_path / "runs" / "job" / "checkpoints"), str(out)], timeout=300)

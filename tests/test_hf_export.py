@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from bridge_test_helpers import direct_rank_env, single_rank_world
 from hf_models import FAMILIES, FINETUNE_JOB, SEQ, VOCAB, batch, hf_logits, make_hf_model, model_config
 from safetensors.torch import load_file
+from warm_ranks import run_module
 
 
 @pytest.fixture
@@ -94,8 +93,7 @@ def test_pretrain_starts_from_a_hugging_face_folder_too(tmp_path, world):
     job = FINETUNE_JOB.format(seq=SEQ, hf=hf).replace('entry = "finetune"\n', "").replace("lr = 0.01", "lr = 1e-30")
     assert "entry" not in job and "lr = 1e-30" in job
     (tmp_path / "job.toml").write_text(job)
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=tmp_path,
-                          env=direct_rank_env(), capture_output=True, text=True, timeout=300)
+    proc = run_module("bridge_hpc.rank", ["job.toml"], cwd=tmp_path, env=direct_rank_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"loaded pretrained weights from Hugging Face folder {hf}" in proc.stdout
     export(str(tmp_path / "runs" / "job" / "checkpoints"), str(tmp_path / "exported"))
@@ -111,8 +109,7 @@ def test_fine_tuned_export_gives_transformers_the_toolkits_loss(tmp_path, world)
     hf = str(tmp_path / "llama")
     original = make_hf_model("llama", hf)
     (tmp_path / "job.toml").write_text(FINETUNE_JOB.format(seq=SEQ, hf=hf))
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=tmp_path,
-                          env=direct_rank_env(), capture_output=True, text=True, timeout=300)
+    proc = run_module("bridge_hpc.rank", ["job.toml"], cwd=tmp_path, env=direct_rank_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"loaded pretrained weights from Hugging Face folder {hf}" in proc.stdout
     checkpoints = tmp_path / "runs" / "job" / "checkpoints"

@@ -5,8 +5,6 @@ the adapted model's loss; a base that changed since is refused by name."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -44,8 +42,7 @@ def test_a_peft_run_exports_its_adapters_merged_into_the_base(tmp_path, world, k
     hf = str(tmp_path / "llama")
     original = make_hf_model("llama", hf)
     (tmp_path / "job.toml").write_text(PEFT_JOB.format(seq=SEQ, hf=hf, kind=kind))
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=tmp_path,
-                          env=direct_rank_env(), capture_output=True, text=True, timeout=300)
+    proc = run_module("bridge_hpc.rank", ["job.toml"], cwd=tmp_path, env=direct_rank_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     checkpoints = tmp_path / "runs" / "job" / "checkpoints"
     export(str(checkpoints), str(tmp_path / "exported"))

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -38,10 +36,10 @@ def world():
 
 
 def _rank(cwd, *sets: str) -> str:
-    args = [sys.executable, "-m", "bridge_hpc.rank", "job.toml"]
+    args = ["job.toml"]
     for item in sets:
         args += ["--set", item]
-    proc = subprocess.run(args, cwd=cwd, env=direct_rank_env(), capture_output=True, text=True, timeout=300)
+    proc = run_module("bridge_hpc.rank", args, cwd=cwd, env=direct_rank_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 

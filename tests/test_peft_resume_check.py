@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 from bridge_test_helpers import direct_rank_env, submit_cli
 from hf_models import FINETUNE_JOB, SEQ, make_hf_model
 from test_dry_run_checks import calls, folder_state, slurm_shims
+from warm_ranks import run_module
 
 pytest.importorskip("transformers")
 
@@ -32,8 +31,7 @@ def trained(tmp_path_factory):
     make_hf_model("llama", str(base))
     make_hf_model("llama", str(other), seed=1)  # the same architecture and file sizes, other weights
     (root / "job.toml").write_text(LORA_JOB.format(seq=SEQ, hf=base))
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=root, env=direct_rank_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_module("bridge_hpc.rank", ["job.toml"], cwd=root, env=direct_rank_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (root / "runs" / "job" / "checkpoints" / "iter_0000003" / "peft_base.json").is_file()
     return root, base, other

@@ -110,8 +110,7 @@ def test_a_base_damaged_at_its_full_size_is_one_line_naming_the_key_on_the_ranks
         f'[job]\nentry = "finetune"\n[train]\ntrain_iters = 1\nmicro_batch_size = 1\nglobal_batch_size = 1\n'
         f'[optimizer]\nlr = 1e-4\n[model]\nhf_config = "{llama_hf}"\nseq_length = 16\n[dataset]\nseq_length = 16\n'
         f'[checkpoint]\npretrained_checkpoint = "{copy}"\n')
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", "job.toml"], cwd=tmp_path, env=direct_rank_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_module("bridge_hpc.rank", ["job.toml"], cwd=tmp_path, env=direct_rank_env(), timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert last.startswith("error: job.toml: key 'checkpoint.pretrained_checkpoint': ") and str(copy) in last, last

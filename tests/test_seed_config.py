@@ -22,6 +22,7 @@ from typing import List
 import numpy as np
 import pytest
 from bridge_test_helpers import TINY, single_rank_world
+from warm_ranks import run_module
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.training.comm_overlap import CommOverlapConfig
@@ -544,8 +545,7 @@ def test_tensor_inspect_section_is_accepted_and_checked_while_disabled():
 def test_tensor_inspect_enabled_is_one_clear_error_and_exit_2(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text(Path(TINY).read_text() + "\n[tensor_inspect]\nenabled = true\n")
-    proc = subprocess.run([sys.executable, "-m", "bridge_hpc.rank", str(job)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    proc = run_module("bridge_hpc.rank", [str(job)], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr
