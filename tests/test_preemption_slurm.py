@@ -103,29 +103,49 @@ def test_scancel_usr1_at_a_random_moment(slurm_cluster, reference, tmp_path):
     assert runs[1].restart_count == 1  # SLURM_RESTART_COUNT reached the ranks
 
 
-def test_signal_during_checkpoint_saves_and_a_second_sigterm(slurm_cluster, reference, tmp_path):
+#: The job that saves every step: short, as each of its steps writes a checkpoint.
+SAVING_ITERS = 80
+
+
+@pytest.fixture(scope="module")
+def saving_reference(tmp_path_factory) -> Path:
+    return reference_run(tmp_path_factory.mktemp("saving-reference") / "run", SAVING_ITERS)
+
+
+def test_signal_during_checkpoint_saves_and_a_second_sigterm(slurm_cluster, saving_reference, tmp_path):
     """Saving every step, a signal very likely lands inside a save; a SIGTERM right behind it must
     neither be lost nor corrupt the save in progress."""
     run_dir = tmp_path / "run"
-    job_id = submit(run_dir, ITERS, ["checkpoint.save_interval=1"])
-    wait_running_past(job_id, run_dir, 40)
+    job_id = submit(run_dir, SAVING_ITERS, ["checkpoint.save_interval=1"])
+    wait_running_past(job_id, run_dir, 20)
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True)
     time.sleep(0.05)
     subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
     assert drive(job_id) == "COMPLETED"
-    runs = check_exact(run_dir, reference, job_id, tmp_path)
+    runs = check_exact(run_dir, saving_reference, job_id, tmp_path, SAVING_ITERS)
     assert len(runs) == 2
+
+
+#: Each forward pass (2 a step) sleeps this long on top of its work in the exit_duration job: its
+#: ITERS steps take more than 30 s however fast the machine, more than one run's duration below, and
+#: the sleep, not the machine's load, sets most of a step's time (2 runs here, idle or loaded; a
+#: 6-second duration without it took 5 runs idle and more under load).
+DURATION_STEP_SLEEP = 0.05
+#: The exit_duration job's runs: 30 s each, counted from the start of pretrain.
+EXIT_DURATION_MINS = 0.5
 
 
 def test_exit_interval_and_exit_duration_requeue_until_done(slurm_cluster, reference, tmp_path):
     run_dir = tmp_path / "interval"
-    job_id = submit(run_dir, ITERS, ["train.exit_interval=100"])
+    job_id = submit(run_dir, ITERS, [f"train.exit_interval={ITERS // 2}"])
     assert drive(job_id) == "COMPLETED"
     runs = check_exact(run_dir, reference, job_id, tmp_path)
-    assert [r.last("Ending job").fields["Reason"] for r in runs] == ["interval", "interval", "done"]
+    assert [r.last("Ending job").fields["Reason"] for r in runs] == ["interval", "done"]
 
     run_dir = tmp_path / "duration"
-    job_id = submit(run_dir, ITERS, ["train.exit_duration_in_mins=0.1"])  # 6 s of each run
+    job_id = submit(run_dir, ITERS, [f"train.exit_duration_in_mins={EXIT_DURATION_MINS}",
+                                     f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'",
+                                     f"env.TEST_STEP_SLEEP='{DURATION_STEP_SLEEP}'"])
     assert drive(job_id) == "COMPLETED"
     runs = check_exact(run_dir, reference, job_id, tmp_path)
     reasons = [r.last("Ending job").fields["Reason"] for r in runs]
