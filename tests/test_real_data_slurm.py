@@ -2,12 +2,13 @@
 
 A small corpus (docstrings of standard-library functions and classes, text already on the machine) is
 prepared by the ``bridge-prepare-data`` command into two megatron-core indexed datasets. The demo's tiny
-GPT then trains on them with 2 ranks in a Slurm job, once on one dataset and once on a 0.7/0.3 blend of
-both; each job is preempted mid-run with ``scancel --signal=USR1``, requeues itself and finishes. Its
-losses, grad norms and final parameters must equal bit for bit those of the same config trained in one
-go by torchrun, and the progress log must show that the second run resumed from the checkpoint the
-first one wrote when it stopped (not from the start), so an equality cannot come from a run that was
-never interrupted.
+GPT then trains on a 0.7/0.3 blend of both with 2 ranks in a Slurm job, which is preempted mid-run with
+``scancel --signal=USR1``, requeues itself and finishes. Its losses, grad norms and final parameters must
+equal bit for bit those of the same config trained in one go, and the progress log must show that the
+second run resumed from the checkpoint the first one wrote when it stopped (not from the start), so an
+equality cannot come from a run that was never interrupted. One dataset alone (no blend: megatron-core's
+GPTDataset itself) is stopped and resumed the same way by two runs of the ranks, without Slurm, whose
+part in the resume the blend's job covers.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from bridge_hpc.contracts.progress_log import ENDING_JOB, LOADED_CHECKPOINT, par
 from bridge_hpc.contracts.run_folder import DATASET_CACHE_DIR, METRICS_FILE
 from bridge_hpc.training.engine.metrics import read_metrics
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 ITERS = 300  # about 15 s of training on 2 CPU ranks: the signal lands well before the end
 PREEMPT_AT = 40  # past the first periodic checkpoint (save_interval 25), well before the end
@@ -148,9 +149,40 @@ def _train_dataset(run_dir: Path) -> dict:
     return json.loads(found[0].read_text())
 
 
-@pytest.mark.parametrize("blend", [False, True], ids=["one-dataset", "blend"])
-def test_usr1_preemption_on_prepared_data_resumes_bitwise(slurm_cluster, prefixes, tmp_path, blend):
-    data_path = ["0.7", prefixes["a"], "0.3", prefixes["b"]] if blend else [prefixes["a"]]
+def _assert_same_training(run_dir: Path, reference: Path, iters: int, scratch: Path, log: str = "") -> None:
+    """Bit for bit the uninterrupted run: every step once, same losses, grad norms and final parameters."""
+    got, want = losses(run_dir), losses(reference)
+    assert sorted(got) == list(range(1, iters + 1)), log[-4000:]
+    assert got == want
+    got_metrics, want_metrics = read_metrics(str(run_dir / METRICS_FILE)), read_metrics(str(reference / METRICS_FILE))
+    assert {s: r["grad_norm"] for s, r in got_metrics.items()} == {s: r["grad_norm"] for s, r in want_metrics.items()}
+    final = f"iter_{iters:07d}"
+    assert_bitwise_equal(model_params(str(run_dir / "checkpoints" / final), str(scratch)),
+                         model_params(str(reference / "checkpoints" / final), str(scratch)))
+
+
+#: The one-dataset runs: stopped by ``exit_interval`` at the middle, resumed to the end.
+ONE_DATASET_ITERS = 60
+
+
+def test_one_prepared_dataset_stopped_and_resumed_is_bitwise(prefixes, tmp_path):
+    job = _job_config(tmp_path, [prefixes["a"]])
+    reference = reference_run(tmp_path / "reference", ONE_DATASET_ITERS, config=job)
+    run_dir = tmp_path / "run"
+    for _ in range(2):
+        reference_run(run_dir, ONE_DATASET_ITERS, config=job, extra=[f"train.exit_interval={ONE_DATASET_ITERS // 2}"])
+    runs = parse_progress(str(run_dir / "checkpoints" / "progress.txt"))
+    assert [r.last(ENDING_JOB).fields["Reason"] for r in runs] == ["interval", "done"]
+    assert int(runs[1].last(LOADED_CHECKPOINT).fields["Iteration"]) == ONE_DATASET_ITERS // 2
+    for folder in (run_dir, reference):
+        train = _train_dataset(folder)
+        assert train["class"] == "GPTDataset" and train["dataset_path"] == prefixes["a"]
+    _assert_same_training(run_dir, reference, ONE_DATASET_ITERS, tmp_path)
+
+
+@pytest.mark.slurm
+def test_usr1_preemption_on_prepared_data_resumes_bitwise(slurm_cluster, prefixes, tmp_path):
+    data_path = ["0.7", prefixes["a"], "0.3", prefixes["b"]]
     job = _job_config(tmp_path, data_path)
     reference = reference_run(tmp_path / "reference", ITERS, config=job)
 
@@ -176,18 +208,6 @@ def test_usr1_preemption_on_prepared_data_resumes_bitwise(slurm_cluster, prefixe
     # Both trained on the prepared data: megatron-core's description of the training dataset it built
     for folder in (run_dir, reference):
         train = _train_dataset(folder)
-        if blend:
-            assert train["class"] == "BlendedDataset" and train["weights"] == [0.7, 0.3]
-            assert [d["dataset_path"] for d in train["datasets"]] == [prefixes["a"], prefixes["b"]]
-        else:
-            assert train["class"] == "GPTDataset" and train["dataset_path"] == prefixes["a"]
-
-    # Bit for bit the uninterrupted run: every step once, same losses, grad norms and final parameters.
-    got, want = losses(run_dir), losses(reference)
-    assert sorted(got) == list(range(1, ITERS + 1)), log[-4000:]
-    assert got == want
-    got_metrics, want_metrics = read_metrics(str(run_dir / METRICS_FILE)), read_metrics(str(reference / METRICS_FILE))
-    assert {s: r["grad_norm"] for s, r in got_metrics.items()} == {s: r["grad_norm"] for s, r in want_metrics.items()}
-    final = f"iter_{ITERS:07d}"
-    assert_bitwise_equal(model_params(str(run_dir / "checkpoints" / final), str(tmp_path)),
-                         model_params(str(reference / "checkpoints" / final), str(tmp_path)))
+        assert train["class"] == "BlendedDataset" and train["weights"] == [0.7, 0.3]
+        assert [d["dataset_path"] for d in train["datasets"]] == [prefixes["a"], prefixes["b"]]
+    _assert_same_training(run_dir, reference, ITERS, tmp_path, log)
