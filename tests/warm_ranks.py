@@ -13,10 +13,10 @@ A test's own script runs so too (``script``: as ``torchrun SCRIPT ARGV`` runs it
 its folder first on ``sys.path``); :func:`start_ranks` returns at once, for a test that kills the
 ranks. A test that watches torchrun itself keeps torchrun.
 
-:func:`run_module` does the same for a tool: ``python -m MODULE ARGS`` (``bridge-hf``, whose imports
-of torch, megatron-core and safetensors are most of its time), run as ``-m`` runs it (``runpy``, as
-``__main__``), in a child of the same server, with its exit status and output as
-:func:`subprocess.run` gives them.
+:func:`run_module` does the same for one process started directly: ``python -m MODULE ARGS`` (a
+tool such as ``bridge-hf``, or one rank of ``bridge_hpc.rank`` as srun starts a task), run as ``-m``
+runs it (``runpy``, as ``__main__``), with its exit status and output as :func:`subprocess.run` gives
+them; :func:`run_functions`, a test's own function on each rank (``run_gloo_ranks``).
 """
 
 from __future__ import annotations
