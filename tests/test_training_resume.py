@@ -182,7 +182,8 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(straight, tmp_path):
                 pass
             time.sleep(0.02)
         else:
-            pytest.fail("no checkpoint appeared")
+            ranks.kill()
+            pytest.fail("no checkpoint appeared:\n" + ranks.wait().output[-4000:])
         time.sleep(rng.uniform(0.0, 0.5))
         ranks.kill()  # both ranks and what they started, at once
         ranks.wait()
