@@ -334,7 +334,13 @@ def descendants(pid: int) -> list:
 def signal_tree(pid: int, signum: int) -> None:
     """Send ``signum`` to ``pid`` and every process below it, by PID (as Slurm signals a job step's
     processes); one that has ended meanwhile is skipped."""
-    for target in [pid] + descendants(pid):
+    signal_trees([pid], signum)
+
+
+def signal_trees(pids: Sequence[int], signum: int) -> None:
+    """:func:`signal_tree` of several processes at once: every process below them is found before the
+    first is signalled (a rank killed first cannot leave its workers to be found under another parent)."""
+    for target in [found for pid in pids for found in (pid, *descendants(pid))]:
         try:
             os.kill(target, signum)
         except ProcessLookupError:

@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -148,14 +149,9 @@ class StartedRanks:
     def kill(self) -> None:
         """SIGKILL every rank and every process below them (checkpoint workers and theirs) by PID, all
         found first, as a node's loss ends a job; then reap the ranks."""
-        from bridge_test_helpers import descendants
+        from bridge_test_helpers import signal_trees
 
-        targets = [pid for process in self.processes for pid in (process.pid, *descendants(process.pid))]
-        for pid in targets:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        signal_trees(self.pids, signal.SIGKILL)
         for process in self.processes:
             process.join()
 
@@ -243,7 +239,7 @@ def run_module(module: str, args: Sequence[str], cwd=None, env: Optional[Dict[st
     """``subprocess.run([sys.executable, "-m", MODULE, *ARGS], cwd=..., env=..., input=..., timeout=...,
     capture_output=True, text=True)``, from the warm server: the same result (``returncode``, ``stdout``,
     ``stderr``), or :class:`subprocess.TimeoutExpired` after killing the child and what it started by PID."""
-    from bridge_test_helpers import descendants
+    from bridge_test_helpers import signal_trees
 
     argv = [str(a) for a in args]
     logs = tempfile.mkdtemp(prefix="warm-module-")
@@ -256,11 +252,7 @@ def run_module(module: str, args: Sequence[str], cwd=None, env: Optional[Dict[st
         process.start()
         process.join(timeout)
         if process.is_alive():
-            for pid in [*descendants(process.pid), process.pid]:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
+            signal_trees([process.pid], signal.SIGKILL)
             process.join()
             raise subprocess.TimeoutExpired([sys.executable, "-m", module, *argv], timeout)
         with open(out, errors="replace") as f_out, open(err, errors="replace") as f_err:
