@@ -8,7 +8,8 @@ tests cannot see this. Here, for every family:
 * ``bridge-hf import`` then ``bridge-hf export`` through the command line, CUDA visible: exit 0, and the
   exported tensors are the original ones bit for bit (so transformers gives the same logits);
 * the toolkit's GPT built on the GPU from the folder gives transformers' logits (fp32, TP1), on the local
-  layers and on Transformer Engine's (where the package is).
+  layers and on Transformer Engine's (where the package is; within TF32's tolerance there: TE's fp32
+  GEMMs are TF32, see :data:`TF32_MARGIN`).
 
 Run: ``python -m pytest -q tests/test_gpu_hf.py`` (about a minute on an H100).
 """
@@ -61,16 +62,14 @@ LAYERS = ["local", pytest.param("transformer_engine", marks=pytest.mark.skipif(
     importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"))]
 
 
-@pytest.mark.parametrize("layers", LAYERS)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_the_gpt_built_on_the_gpu_gives_transformers_logits(tmp_path, gpu_world, family, layers):
+def _gpt_logits(folder: str, layers: str, tf32: bool = False) -> torch.Tensor:
+    """The toolkit's GPT on the GPU from ``folder`` (``layers``), its fp32 logits on :func:`batch`; with
+    ``tf32`` torch's own matrix multiplies run in TF32 (``torch.backends.cuda.matmul.allow_tf32``)."""
     from bridge_hpc.models.hf.convert import TOOL_SEED
     from bridge_hpc.training.engine.model import gpt_model_provider
     from bridge_hpc.training.hf import load
     from bridge_hpc.training.pretrain import set_random_seed
 
-    folder = str(tmp_path / family)
-    make_hf_model(family, folder)
     set_random_seed(TOOL_SEED)  # as a rank and the tools do: the GPU layers' init reads the CUDA RNG tracker
     model = gpt_model_provider(dataclasses.replace(model_config(folder), transformer_impl=layers)).eval()
     assert (type(model.decoder.layers[0].self_attention.linear_qkv).__name__ == "TELayerNormColumnParallelLinear") \
@@ -78,8 +77,40 @@ def test_the_gpt_built_on_the_gpu_gives_transformers_logits(tmp_path, gpu_world,
     assert next(model.parameters()).is_cuda
     load.load_hf_weights(folder, [model])
     b = {k: v.cuda() for k, v in batch().items()}
-    with torch.no_grad():
-        ours = model(b["tokens"], b["position_ids"], None)[..., :VOCAB].float().cpu()
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        with torch.no_grad():
+            return model(b["tokens"], b["position_ids"], None)[..., :VOCAB].float().cpu()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+
+
+#: Transformer Engine runs every fp32 matrix multiply in TF32 (its cuBLASLt GEMM's compute type is
+#: ``CUBLAS_COMPUTE_32F_FAST_TF32`` for all but FP8 inputs; no setting turns that off), so its fp32 logits
+#: cannot come within :data:`GPU_TOLERANCE`, which is fp32's. Its tolerance is TF32's own: the distance of
+#: the local layers from transformers when torch's GEMMs run in TF32 too, measured in the same test, times
+#: this margin (two roundings of the same kind never land exactly alike). A wrong mapping is off by O(1).
+TF32_MARGIN = 2.0
+
+
+@pytest.mark.parametrize("layers", LAYERS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_gpt_built_on_the_gpu_gives_transformers_logits(tmp_path, gpu_world, family, layers):
+    folder = str(tmp_path / family)
+    make_hf_model(family, folder)
+    ours = _gpt_logits(folder, layers)
     theirs = hf_logits(folder, batch()["tokens"])
-    assert (ours - theirs).abs().max().item() <= GPU_TOLERANCE
-    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    distance = (ours - theirs).abs().max().item()
+    tolerance = GPU_TOLERANCE
+    if layers == "transformer_engine":
+        tf32_distance = (_gpt_logits(folder, "local", tf32=True) - theirs).abs().max().item()
+        tolerance = max(GPU_TOLERANCE, TF32_MARGIN * tf32_distance)
+        print(f"[{family}] TE layers {distance:.2e} from transformers' logits; local layers in TF32 "
+              f"{tf32_distance:.2e}; tolerance {tolerance:.2e}")
+    assert distance <= tolerance, f"{layers}: {distance:.3e} from transformers' logits (tolerance {tolerance:.1e})"
+    # The top token agrees wherever transformers' top two are further apart than the tolerance allows.
+    top2 = theirs.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * tolerance
+    assert clear.float().mean().item() > 0.5  # the comparison below covers most positions
+    assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
