@@ -52,7 +52,8 @@ NOT_ON_TE = {"test_gpu_cuda_graph.py": _NO_TE_GRAPH,
              "test_gpu_speed_defaults.py::test_the_default_path_trains_as_the_plain_path_within_bf16": _NO_TE_GRAPH,
              "test_gpu_speed_defaults.py::test_a_run_stopped_and_resumed_on_the_default_path_is_bit_exact": _NO_TE_GRAPH,
              "test_gpu_speed_defaults.py::test_a_forward_step_that_cannot_be_captured_falls_back_to_eager_once_and_exactly":
-                 _NO_TE_GRAPH}
+                 _NO_TE_GRAPH,
+             "test_gpu_peft.py::test_adapters_train_on_the_default_path_as_on_the_plain_path": _NO_TE_GRAPH}
 #: ``--part``'s choices: every test, the Slurm tests only, or every other test.
 PARTS = ("all", "slurm", "rest")
 

@@ -291,12 +291,19 @@ def _init_empty_distributed_optimizer_state(optimizer) -> list:
     ``step`` without Apex or Transformer Engine and asserts they agree, and a fresh optimizer has
     none. Zeros, as torch's Adam makes them at its first step. Returns the state dicts it filled,
     which the caller empties again before ``load_state_dict``: megatron allocates an empty
-    optimizer's state there itself (and does not expect it filled)."""
+    optimizer's state there itself (and does not expect it filled).
+
+    Only torch's own Adam gets them. Where Transformer Engine is installed megatron-core's Adam is
+    TE's ``FusedAdam``, which keeps ``step`` in the parameter groups and whose ``state_dict`` takes
+    every state key for one of its moments (a placeholder ``step`` there failed every resume of a
+    distributed optimizer with ``KeyError: 'step'``, on either layer implementation: one H200,
+    2026-12-03); it needs none."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     filled = []
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(inner, DistributedOptimizer) or len(inner.optimizer.state) > 0:
+        if (not isinstance(inner, DistributedOptimizer) or not isinstance(inner.optimizer, torch.optim.Adam)
+                or len(inner.optimizer.state) > 0):
             continue
         torch_opt = inner.optimizer
         filled.append(torch_opt.state)
@@ -321,11 +328,13 @@ def _torch_adam_step_kept(optimizer) -> Iterator[None]:
     (the placeholder zero of :func:`_init_empty_distributed_optimizer_state`), and elsewhere it is
     missing (KeyError 'step' without Apex/TE). Either way ``step`` is taken from the current state,
     copied onto itself, so it keeps the groups' value. (Seen on a GPU: a resumed LoRA run's Adam
-    counted from step 1 again, so its updates differed from the uninterrupted run's from the first.)"""
+    counted from step 1 again, so its updates differed from the uninterrupted run's from the first.)
+    Transformer Engine's ``FusedAdam`` keeps ``step`` in its parameter groups: it is left to megatron."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     patched = [inner for inner in getattr(optimizer, "chained_optimizers", [optimizer])
-               if isinstance(inner, DistributedOptimizer) and not inner.config.use_precision_aware_optimizer]
+               if isinstance(inner, DistributedOptimizer) and isinstance(inner.optimizer, torch.optim.Adam)
+               and not inner.config.use_precision_aware_optimizer]
     for inner in patched:
         def set_states(model_param, tensors, __inner=inner, __set=inner._set_main_param_and_optimizer_states):
             group_index, group_order = __inner.model_param_group_index_map[model_param]
