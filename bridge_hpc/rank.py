@@ -36,7 +36,7 @@ from bridge_hpc.jobfile.jobconfig import load_job_config
 from bridge_hpc.slurm.job_environment import JobEnvironment
 from bridge_hpc.training.checkpoint.read_ahead import start_read_ahead
 from bridge_hpc.training.config import ConfigContainer
-from bridge_hpc.training.process import compiler_imports, heap
+from bridge_hpc.training.process import compiler_imports, heap, lazy_imports
 from bridge_hpc.training.process.bytecode_cache import ensure_bytecode_cache
 from bridge_hpc.training.process.signal_recorder import StopSignalRecorder
 
@@ -127,8 +127,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             # pretrain's own recorder takes it over.
             StopSignalRecorder(job.training.train.exit_signal).__enter__()
         quiet_known_warnings()
-        # Most of a requeued rank's start-up: the collector kept out of it, and torch's compiler
-        # imported only if a compiled function is called (process.heap, process.compiler_imports).
+        # Most of a requeued rank's start-up: the collector kept out of it, torch's compiler imported
+        # only if a compiled function is called and W&B only if it is used (process.heap,
+        # process.compiler_imports, process.lazy_imports).
+        lazy_imports.install()
         with heap.imports_uncollected(), compiler_imports.deferred():
             forward_step = load_forward_step(job.job.forward_step, source=args.config)
             entry = load_entry(job.job.entry)

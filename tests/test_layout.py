@@ -39,8 +39,9 @@ TORCH_FREE_TRAINING = (
     "bridge_hpc.training.hf.mapping", "bridge_hpc.training.hf.mapping_registry", "bridge_hpc.training.hf.param_mapping",
     # the model a toolkit checkpoint was written by (its run_config.json), checked against [model]
     "bridge_hpc.training.checkpoint", "bridge_hpc.training.checkpoint.architecture",
-    # torch's compiler imported when first used: bridge-hf imports megatron-core inside it, as the ranks do
+    # torch's compiler and W&B imported when first used: bridge-hf imports megatron-core so, as the ranks do
     "bridge_hpc.training.process", "bridge_hpc.training.process.compiler_imports",
+    "bridge_hpc.training.process.lazy_imports",
 )
 #: The PEFT configs (``[peft]``), read by the torch-free training config: torch-free at module level too.
 TORCH_FREE_PEFT = (

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 from bridge_hpc.contracts import new_output
 from bridge_hpc.contracts.errors import ConfigError, exits_on_config_error
 from bridge_hpc.contracts.text import has_control_chars, one_line
-from bridge_hpc.training.process import compiler_imports
+from bridge_hpc.training.process import compiler_imports, lazy_imports
 
 
 def parser() -> argparse.ArgumentParser:
@@ -96,6 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         from bridge_hpc.training.hf import mapping
 
         mapping.checked_model_config(args.hf_dir)  # before torch: a bad folder is refused at once
+        lazy_imports.install()  # W&B, which megatron-core imports, loaded only if used
         with compiler_imports.deferred():  # megatron-core's import, as the ranks import it
             from bridge_hpc.models.hf.convert import import_folder
 
