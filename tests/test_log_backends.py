@@ -24,7 +24,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -264,12 +263,10 @@ def test_a_failing_backend_is_one_warning_and_training_goes_on(tmp_path):
     script.write_text(RUN)
     run_dir = tmp_path / "run"
     on = ALL_ON + ['logger.mlflow_tracking_uri="http://127.0.0.1:1"']
-    began = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", FAILING, str(script), str(run_dir), "0", "30", "0", "close", str(TINY),
                            json.dumps(on)], capture_output=True, text=True, timeout=300,
                           env=backend_env(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0"))
     assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-4000:]
-    assert time.monotonic() - began < 60
     warnings = [line for line in proc.stderr.splitlines() if "logging is off for the rest of this run" in line]
     assert len(warnings) == 2, proc.stderr[-4000:]
     comet, = [w for w in warnings if "Comet logging" in w]
