@@ -63,7 +63,9 @@ from bridge_test_helpers import direct_rank_env, signal_tree, steps_done  # noqa
 from hf_import import SHAPES as HF_SHAPES  # noqa: E402
 from hf_import import make_folder  # noqa: E402
 from parallel import GPT_1_3B, job_sections  # noqa: E402
+from te import graph_state  # noqa: E402
 
+from bridge_hpc.contracts.fast_path import LINE_PREFIX as FAST_PATH_LINE  # noqa: E402
 from bridge_hpc.contracts.progress_log import SAVE_SECONDS, SAVED_CHECKPOINT, parse_progress  # noqa: E402
 from bridge_hpc.contracts.run_folder import CHECKPOINTS_DIR, METRICS_FILE, PROGRESS_FILE, tracked_iteration  # noqa: E402
 
@@ -181,7 +183,8 @@ def fine_tune(work: Path, name: str, job: Path, base: Path, steps: int, warmup: 
     if not ckpt.is_dir():
         raise SystemExit(f"{name}: the tracker names iteration {iteration}, but {ckpt} is missing")
     # the rank's own line has the save's seconds to 0.01 s (the progress log's to 0.1 s)
-    found = re.findall(rf"saved checkpoint \S*{ckpt.name} in ([0-9.]+)s", log.read_text())
+    text = log.read_text()
+    found = re.findall(rf"saved checkpoint \S*{ckpt.name} in ([0-9.]+)s", text)
     save_s = float(found[-1]) if found else float(saved.fields[SAVE_SECONDS])
     result = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
               "step_s": statistics.median(r["step_time_s"] for r in steady), "steps_timed": len(steady),
@@ -189,7 +192,10 @@ def fine_tune(work: Path, name: str, job: Path, base: Path, steps: int, warmup: 
               "exit_save_s_progress_log": float(saved.fields[SAVE_SECONDS]),
               "exit_save_bytes": folder_bytes(ckpt), "exit_save_iteration": iteration,
               "signal_to_gone_s": gone_s, "wall_s": time.time() - t0,
-              "final_loss": records[-1].get("loss")}
+              "final_loss": records[-1].get("loss"),
+              # what the step ran as: a LoRA step and a full one compare only on the same footing
+              "cuda_graph": graph_state(text) or "off",
+              "fast_path": next((line.strip() for line in text.splitlines() if FAST_PATH_LINE in line), None)}
     shutil.rmtree(run_dir / CHECKPOINTS_DIR)  # a full one is ~18 GB: two would crowd a 64 GB disk
     print(f"[peft] {name}: {result['tokens_per_s']:,.0f} tokens/s, exit save {result['exit_save_s']:.2f} s "
           f"({result['exit_save_bytes'] / 1e9:.3f} GB), done in {result['wall_s']:.0f} s", flush=True)
@@ -343,13 +349,15 @@ def main() -> int:
           f"{LORA['alpha']} on {', '.join(LORA['target_modules'])}; {steps} steps a run, first {warmup} left out; "
           f"exit save after SIGUSR1")
     print()
-    print("| run | variant | tokens/s | step s | peak GB | exit save s | exit save GB | loss at the last step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | variant | tokens/s | step s | peak GB | exit save s | exit save GB | loss at the last step "
+          "| CUDA graph |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, r in enumerate(results["runs"]):
         save_gb = None if r["exit_save_bytes"] is None else r["exit_save_bytes"] / 1e9
         loss = f"{r['final_loss']:.4f}" if isinstance(r["final_loss"], (int, float)) else "?"
         print(f"| {i + 1} | {LABELS[r['variant']]} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} "
-              f"| {cell(r['peak_gb'], '.2f')} | {cell(r['exit_save_s'], '.2f')} | {cell(save_gb, '.4f')} | {loss} |")
+              f"| {cell(r['peak_gb'], '.2f')} | {cell(r['exit_save_s'], '.2f')} | {cell(save_gb, '.4f')} | {loss} "
+              f"| {r.get('cuda_graph') or 'n/a'} |")
     print()
     for c in checks:
         value = "n/a" if c["ratio"] is None else f"{c['ratio']:.3f}x"
