@@ -18,7 +18,9 @@ Variants (``--order``): ``full`` is the job without ``[peft]``; ``lora`` the sam
 above. The runs alternate (default ``full,lora,dora,lora,full``, with ``hf-lora`` in the middle for the
 ``llama`` base) so that a drift of the machine hits all, and every figure is a ratio within one call.
 Each toolkit run is the rank entry point (``python -m bridge_hpc.rank``) started directly, one process on
-one GPU, mock data, dropout off, global batch 32 of 4 x 2048 tokens; after ``--steps`` steps it gets
+one GPU, mock data, dropout off, global batch 32 of 4 x 2048 tokens, ``ddp.overlap_param_gather`` off
+(parallel.py's multi-GPU job has it on; on one GPU there is nothing to gather, and on it keeps the
+whole-step CUDA graph off); after ``--steps`` steps it gets
 SIGUSR1 (Slurm's preemption notice, sent to the rank and every process it started, as
 ``benchmarks/preemption.py`` does) and exits through its synchronous exit save. Measured per run:
 
@@ -102,6 +104,10 @@ def job_toml(shape: Dict[str, int], gpu: bool, variant: str, entry: str, hf_base
                              if k in ("seq_length", "hidden_dropout", "attention_dropout", "bf16")}
     if gpu:
         sections["slurm"] = {"gpus_per_node": 1}  # a GPU job: the loader gives it the fast path
+        # One GPU: no data-parallel peers to gather parameters from. parallel.py's multi-GPU job overlaps
+        # that gather, and left on it keeps the whole-step CUDA graph off (speed_defaults: its forward
+        # pre-hooks wait outside the graph), so both variants ran eager: 2026-12-03, device-2026-12-03c.
+        sections["ddp"]["overlap_param_gather"] = False
     else:
         del sections["model"]["bf16"], sections["optimizer"]["bf16"]
         sections["ddp"] = {"grad_reduce_in_fp32": True}
