@@ -76,7 +76,9 @@ def test_exact_resume(straight, tmp_path):
     phases = parse_phases(first.fields[STARTUP_PHASES])
     assert list(phases) == ["launch and imports", "process group", "set-up", "model", "optimizer", "checkpoint load",
                             "data", "first step"]
-    assert phases["launch and imports"] > 0.5 and all(v >= 0 for v in phases.values())  # torch alone takes that
+    # > 0, not a floor in seconds: these ranks are forks of tests/warm_ranks.py's server, which imported torch
+    # and megatron-core before the process began (0.4 s was seen on a busy 2-core machine, 2026-12-03)
+    assert phases["launch and imports"] > 0 and all(v >= 0 for v in phases.values())
     assert abs(sum(phases.values()) - first.number("Start-up seconds")) <= 0.1 + 0.005 * len(phases)
 
     a = read_metrics(os.path.join(tiny_run_dir(straight), "metrics.jsonl"))
