@@ -2,7 +2,8 @@
 
 The job (configs/local-tiny.toml with ``[nvrx_straggler] enabled, stop_if_detected``) trains with a
 user's forward step (tests/data/faulty_forward_step.py) that, in the job's first Slurm run only, makes
-rank 1 burn extra CPU on every forward pass from step SLOW_FROM on. On CPU the detector compares the
+rank 1 burn extra CPU on every forward pass from step SLOW_FROM on (and every rank a little on every
+step: a floor under the step time that the detector's report interval is derived from). On CPU the detector compares the
 ranks' step times (process CPU time: a rank waiting in the gradient all-reduce for the straggler does
 not look slow itself), and flags a rank slow in two reports in a row. Rank 1 must be flagged by the
 second or third report after the slow-down (the first may hold only a few slow steps), and no report
@@ -39,6 +40,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 ITERS = 160
 SLOW_FROM = 60
+STEP_BURN_S = 0.025
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,11 @@ def run_with_a_straggler(run_dir: Path, reference: Path):
         # TensorBoard's writer thread runs in the last rank's process: on 2 cores it takes CPU time from
         # rank 1 alone, which the CPU-time comparison reads as a straggler after every resume
         'logger.tensorboard_dir=""',
-        f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'", f"env.TEST_SLOW='0:{SLOW_FROM}:1:0.1'"])
+        f"job.forward_step='{FAULTY_FORWARD_STEP}:forward_step'", f"env.TEST_SLOW='0:{SLOW_FROM}:1:0.1'",
+        # a floor under every rank's step CPU time: the report interval (0.5 s over the warm-up steps' CPU
+        # time) is then at most 0.5 / 0.025 = 20 steps, however fast the machine (2026-12-03: a fast one's
+        # tiny steps gave an interval past the run's 160 steps, and no report came at all)
+        f"env.TEST_STEP_BURN='{STEP_BURN_S}'"])
     state = drive(job_id, timeout=400)
     log = log_text(run_dir, job_id)
     assert state == "COMPLETED", log[-4000:]

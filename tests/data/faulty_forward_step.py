@@ -13,6 +13,10 @@ the job (``SLURM_RESTART_COUNT``) and the first worker group of that run (``TORC
   long the job's start took.
 * ``TEST_SLOW = "<slurm restart>:<from step>:<rank>:<seconds>"``: from that step on, that rank burns
   this much CPU before each of its forward passes (a slow or throttled processor).
+* ``TEST_STEP_BURN = "<seconds>"``: every rank, in every run, burns this much CPU before each forward
+  pass (a floor under each step's process CPU time, which the steptime straggler detector times: its
+  report interval in steps is ``report_time_interval`` over that time, and on a fast machine a tiny
+  GPT's steps cost so little CPU that no report would come before the run ends).
 * ``TEST_STEP_SLEEP = "<seconds>"``: every rank, in every run, sleeps this long before each forward
   pass (a slower machine: a floor under the step time, so that a test can count on a time limit
   being reached however fast the machine is).
@@ -93,6 +97,7 @@ def forward_step(state, data_iterator, model):
             _announced.append(step)
             print(f"TEST SLOW rank {rank} from step {step} at {time.time():.3f}", flush=True)
         _burn(float(slow[3]))
+    _burn(float(os.environ.get("TEST_STEP_BURN", "0")))
     time.sleep(float(os.environ.get("TEST_STEP_SLEEP", "0")))
     hold = os.environ.get("TEST_HOLD")
     if hold and step == int(hold.split(":", 1)[0]):

@@ -313,6 +313,10 @@ class StragglerDetector:
             interval = self.cfg.report_time_interval
             self.interval_steps = max(1, int(round(interval / max(slowest, 1e-6))))
             self._next_check = self._steps + self.interval_steps
+            if self._rank == 0:  # a run shorter than the interval gets no report: the log says what to expect
+                logger.info("straggler detection: a report every %d steps (report_time_interval %.3g s over the "
+                            "slowest rank's mean step of %.4f s, timed over the first %d steps)",
+                            self.interval_steps, interval, slowest, self._steps)
             self._sum, self._count = 0.0, 0  # warm-up steps (compilation, caches) do not count
             return None
         if self._steps < self._next_check:
