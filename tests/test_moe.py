@@ -44,7 +44,10 @@ TINY_MOE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=
     ({"moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": True}, "model.moe_shared_expert_gate"),
     ({"add_bias_linear": True}, "model.moe_shared_expert_intermediate_size"),
     ({"add_bias_linear": True, "moe_shared_expert_intermediate_size": None}, "model.add_bias_linear"),
-    ({"moe_grouped_gemm": True}, "model.moe_grouped_gemm"),
+    # the local layers' grouped experts (torch's grouped GEMM): no biases, each expert whole on its rank
+    ({"moe_grouped_gemm": True, "add_bias_linear": True, "moe_shared_expert_intermediate_size": None},
+     "model.moe_grouped_gemm"),
+    ({"moe_grouped_gemm": True, "expert_tensor_parallel_size": 2}, "model.moe_grouped_gemm"),
     ({"moe_permute_fusion": True}, "model.moe_permute_fusion"),
     ({"moe_shared_expert_overlap": True}, "model.moe_shared_expert_overlap"),
     ({"moe_ffn_hidden_size": 18, "expert_tensor_parallel_size": 4}, "model.expert_tensor_parallel_size"),

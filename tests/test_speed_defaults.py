@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import toml
-from bridge_test_helpers import TINY, submit_cli
+from bridge_test_helpers import ROOT, TINY, submit_cli
 
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.fast_path import LINE_PREFIX, FastPath
@@ -26,7 +26,8 @@ from bridge_hpc.jobfile.jobconfig import dump_resolved, load_job_config
 from bridge_hpc.training.engine import speed_defaults as S
 
 GPU = "slurm.gpus_per_node=1"
-KEYS = tuple(c.dotted for c in S.CHOICES)
+#: The keys of a dense GPT (the experts' grouped GEMM is a question for MoE models only: never listed here).
+KEYS = tuple(c.dotted for c in S.CHOICES if c != S.GROUPED_EXPERTS)
 #: The layer implementation is a choice between two, taken where TE's layers are needed or measured
 #: faster; the tiny GPT is neither, so every other key is what a plain GPU job gets.
 LAYERS = S.TE_LAYERS.dotted
@@ -64,6 +65,42 @@ def value(cfg, dotted: str):
 
 
 # ------------------------------------------------------------------ what is chosen
+
+
+MOE_JOB = ROOT / "configs" / "local-tiny-moe.toml"
+
+
+@pytest.fixture
+def moe_job(tmp_path: Path) -> Path:
+    path = tmp_path / "moe.toml"
+    path.write_text(MOE_JOB.read_text().replace('extends = "clusters/local.toml"\n', ""))
+    return path
+
+
+#: The MoE job on one GPU in bf16 (torch's grouped GEMM on CUDA multiplies bf16).
+MOE_ON_GPU = (GPU, "slurm.ntasks_per_node=1", "model.expert_model_parallel_size=1")
+BF16 = "mixed_precision.bf16=true"
+
+
+def test_an_moe_gpu_job_gets_the_experts_as_grouped_gemms(moe_job):
+    cfg = load(moe_job, *MOE_ON_GPU, BF16)
+    record = cfg.training.fast_path
+    assert S.GROUPED_EXPERTS.dotted in record.chosen and S.GROUPED_EXPERTS.dotted in record.set_here
+    assert cfg.training.model.moe_grouped_gemm is True and cfg.raw["model"]["moe_grouped_gemm"] is True
+    # a job without GPUs keeps the sequential experts
+    assert load(moe_job).training.model.moe_grouped_gemm is False
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    ([BF16, 'peft.type="lora"', 'checkpoint.pretrained_checkpoint="base"'], "adapts the experts' own linear layers"),
+    ([BF16, "model.moe_grouped_gemm=false"], "model.moe_grouped_gemm = false in the job"),
+    ([BF16, "model.expert_tensor_parallel_size=2", "slurm.ntasks_per_node=2"], "expert tensor-parallel size is 2"),
+    ([], "the model is not bf16"),
+])
+def test_an_moe_gpu_job_keeps_the_sequential_experts_where_the_grouped_gemm_cannot_run(moe_job, overrides, reason):
+    cfg = load(moe_job, *MOE_ON_GPU, *overrides)
+    assert cfg.training.model.moe_grouped_gemm is False
+    assert reason in reasons(cfg)[S.GROUPED_EXPERTS.dotted]
 
 
 def test_a_gpu_job_gets_every_fast_setting_it_leaves_unset(job):

@@ -51,6 +51,7 @@ from bridge_hpc.jobfile.training_sections import _resolved_training_sections
 from bridge_hpc.training.config import SECTIONS as TRAINING_SECTIONS  # torch-free
 from bridge_hpc.training.config import ConfigContainer
 from bridge_hpc.training.engine import low_precision, speed_defaults
+from bridge_hpc.training.mixed_precision import runs_in_bf16
 
 # Every pattern below is applied with fullmatch: ``$`` would also match before a final newline, and a
 # name ending in a newline would end an ``#SBATCH`` line and start a shell line.
@@ -491,7 +492,8 @@ def load_job_config(path: Union[str, Path], overrides: Sequence[str] = (), cwd: 
         resolved["job"][fast_path.TOML_KEY] = record.to_toml()
         try:
             low_precision.check_before_queue(container_cfg, slurm.gpus_per_node > 0, cluster.gpu_model)
-            container_cfg.model.check_moe_kernels(slurm.gpus_per_node > 0)
+            container_cfg.model.check_moe_kernels(slurm.gpus_per_node > 0, bf16=runs_in_bf16(
+                container_cfg.model, container_cfg.mixed_precision))
             container_cfg.model.check_expert_world(slurm.nodes * slurm.ntasks_per_node)  # the experts tile the job
         except ConfigError as err:
             raise where.error(err.key, err.message) from None

@@ -251,6 +251,14 @@ for _factory in (bf16_mixed, fp16_mixed, bf16_with_fp8_delayed_scaling_mixed, fp
     MIXED_PRECISION_RECIPES[_factory.__name__] = MIXED_PRECISION_RECIPES[_factory.__name__.replace("_", "-")] = _factory
 
 
+def runs_in_bf16(model: Any, mixed_precision: Optional[Union[str, MixedPrecisionConfig]]) -> bool:
+    """Whether the ranks will run ``model`` in bf16: its own ``bf16``, or ``[mixed_precision]``'s (which
+    the ranks write into it before the build), read before that is applied (the login node's checks)."""
+    if mixed_precision is not None and get_mixed_precision_config(mixed_precision).bf16:
+        return True
+    return bool(getattr(model, "bf16", False))
+
+
 def get_mixed_precision_config(name: Union[str, MixedPrecisionConfig]) -> MixedPrecisionConfig:
     """The config for a recipe name (``"bf16_mixed"``, ``"bf16-mixed"``, ``"fp16_mixed"``), or ``name``
     itself when it is a config already. ConfigError naming the known recipes otherwise."""

@@ -5,8 +5,9 @@ megatron-core builds the MoE layer (``MoELayer``: router, experts, optional shar
 dispatcher); what is here only wires it as Megatron-LM does:
 
 - :func:`decoder_block_spec`: each layer dense or MoE as ``model.moe_layer_freq`` says, over the local
-  layers (the experts a ``SequentialMLP`` of megatron-core's MLPs) or Transformer Engine's (with
-  ``moe_grouped_gemm``, one grouped GEMM per rank's experts);
+  layers (the experts a ``SequentialMLP`` of megatron-core's MLPs; with ``moe_grouped_gemm`` the same
+  experts as torch's grouped GEMM, :mod:`bridge_hpc.training.engine.grouped_experts`) or Transformer
+  Engine's (with ``moe_grouped_gemm``, TE's grouped linear);
 - on a CPU rank megatron-core's router moves its weight to ``torch.cuda.current_device()`` and its
   gating GEMM needs Transformer Engine, and its all-gather dispatcher allocates on CUDA:
   :class:`HostTopKRouter` and :class:`HostAllGatherDispatcher` compute the same where the tensors are
@@ -56,6 +57,10 @@ def decoder_block_spec(cfg, config, vp_stage: Optional[int], dense_layer_spec, t
             num_experts=cfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
             normalization=cfg.normalization)
     moe_spec = copy.deepcopy(moe_spec)
+    if not te and cfg.moe_grouped_gemm:  # the sequential experts' parameters, one grouped GEMM per linear
+        from bridge_hpc.training.engine.grouped_experts import GroupedSequentialMLP
+
+        moe_spec.submodules.mlp.submodules.experts.module = GroupedSequentialMLP
     moe_spec.submodules.self_attention = dense_layer_spec.submodules.self_attention
     moe_spec.submodules.input_layernorm = dense_layer_spec.submodules.input_layernorm
     pattern = cfg.moe_layer_pattern()

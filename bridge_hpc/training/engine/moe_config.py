@@ -24,8 +24,10 @@ TE = "transformer_engine"
 
 #: Dispatchers that move tokens with all-to-all collectives and CUDA streams; "allgather" runs anywhere.
 CUDA_ONLY_DISPATCHERS = ("alltoall", "flex")
-#: Fields that need Transformer Engine's kernels (grouped GEMM, fused permutation, fused router).
-TE_KERNEL_FIELDS = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion")
+#: Fields that need Transformer Engine's kernels (fused permutation, fused router). ``moe_grouped_gemm``
+#: runs on either layers: TE's grouped linear, or on the local layers torch's grouped GEMM
+#: (:mod:`bridge_hpc.training.engine.grouped_experts`).
+TE_KERNEL_FIELDS = ("moe_permute_fusion", "moe_router_fusion")
 
 
 @dataclass
@@ -41,8 +43,10 @@ class MoEFields:
     ``moe_router_load_balancing_type`` with ``moe_aux_loss_coeff``, and the router z-loss
     ``moe_z_loss_coeff``; both are logged per step. ``expert_model_parallel_size`` spreads the experts
     over that many ranks (each holds ``num_moe_experts / EP``), ``expert_tensor_parallel_size`` splits each
-    expert (default: the tensor-parallel size). ``moe_grouped_gemm`` runs a rank's experts in one grouped
-    matrix multiply (Transformer Engine's layers).
+    expert (default: the tensor-parallel size). ``moe_grouped_gemm`` runs a rank's experts as grouped
+    matrix multiplies: Transformer Engine's grouped linear on its layers; on the local layers torch's
+    grouped GEMM over the sequential experts' own parameters (no biases, no expert tensor parallelism;
+    bf16 on GPUs).
     """
 
     num_moe_experts: Optional[int] = None
@@ -196,10 +200,12 @@ class MoEFields:
         if not any(freq):
             refuse("moe_layer_freq", "makes no layer an MoE layer: leave model.num_moe_experts out for a dense model")
 
-    def check_moe_kernels(self, gpus: Optional[bool], prefix: str = "model") -> None:
+    def check_moe_kernels(self, gpus: Optional[bool], prefix: str = "model", bf16: Optional[bool] = None) -> None:
         """What the job's layers and nodes can run: Transformer Engine's MoE kernels need its layers (and
-        GPUs); the all-to-all dispatchers need GPUs. ``gpus`` False: a job that asks for none; None: not
-        known (a Python config)."""
+        GPUs); the all-to-all dispatchers need GPUs; the local grouped experts their conditions
+        (:meth:`local_grouped_experts_refusal`). ``gpus`` False: a job that asks for none; None: not
+        known (a Python config). ``bf16``: whether the ranks will run the model in bf16 (``[mixed_precision]``
+        applied; None: this config's ``bf16``)."""
         if not self.is_moe:
             return
         layers = getattr(self, "transformer_impl", "local")
@@ -210,9 +216,29 @@ class MoEFields:
             if getattr(self, name) and gpus is False:
                 raise ConfigError("is a Transformer Engine kernel, which runs on GPUs, and the job asks for none",
                                   key=f"{prefix}.{name}")
+        if self.moe_grouped_gemm and layers != TE:
+            why = self.local_grouped_experts_refusal(gpus, bf16)
+            if why is not None:
+                raise ConfigError(f"on the local layers {why}", key=f"{prefix}.moe_grouped_gemm")
         if self.moe_token_dispatcher_type in CUDA_ONLY_DISPATCHERS and gpus is False:
             raise ConfigError(f"\"{self.moe_token_dispatcher_type}\" dispatches with CUDA streams and all-to-all "
                               "collectives; a job without GPUs takes \"allgather\"", key=f"{prefix}.moe_token_dispatcher_type")
+
+    def local_grouped_experts_refusal(self, gpus: Optional[bool], bf16: Optional[bool] = None) -> Optional[str]:
+        """Why ``moe_grouped_gemm`` cannot run on the local layers (torch's grouped GEMM over the sequential
+        experts' parameters, ``engine/grouped_experts.py``), or None; torch-free (the login node asks).
+        ``bf16``: as :meth:`check_moe_kernels` takes it."""
+        if not torch_has_grouped_mm():
+            return "needs torch's grouped GEMM (torch._grouped_mm, torch 2.8 on), which the installed torch lacks"
+        if getattr(self, "add_bias_linear", False):
+            return "runs the experts without biases, and model.add_bias_linear is true"
+        etp = self.expert_tensor_parallel_size or getattr(self, "tensor_model_parallel_size", 1)
+        if etp > 1:
+            return f"runs each expert whole on its rank, and the expert tensor-parallel size is {etp}"
+        if gpus and not (getattr(self, "bf16", False) if bf16 is None else bf16):
+            return ("multiplies bf16 on GPUs (torch's grouped GEMM on CUDA), and the model is not bf16: set "
+                    "[mixed_precision] to bf16, or model.moe_grouped_gemm = false")
+        return None
 
     def check_expert_world(self, world_size: int, prefix: str = "model") -> None:
         """megatron-core's expert groups tile the world: expert x expert-tensor x pipeline parallel must
@@ -225,6 +251,18 @@ class MoEFields:
         if world_size % (ep * etp * pp):
             raise ConfigError(f"expert x expert-tensor x pipeline parallel ({ep} x {etp} x {pp} = {ep * etp * pp}) "
                               f"must divide the world size {world_size}", key=f"{prefix}.expert_model_parallel_size")
+
+
+def torch_has_grouped_mm() -> bool:
+    """Whether the installed torch has ``torch._grouped_mm`` (2.8 on), read from its version without
+    importing it (the login node's checks stay torch-free)."""
+    from importlib import metadata
+
+    try:
+        major, minor = (int(part) for part in metadata.version("torch").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (2, 8)
 
 
 def is_moe(cfg: Any) -> bool:

@@ -32,8 +32,10 @@ from typing import Any, Dict, Optional, Tuple
 from bridge_hpc.contracts.errors import ConfigError
 from bridge_hpc.contracts.fast_path import FastPath
 from bridge_hpc.contracts.schema import field_default
+from bridge_hpc.peft.config import check_peft
 from bridge_hpc.training.config import ConfigContainer, FinetuningDatasetConfig
 from bridge_hpc.training.engine import low_precision
+from bridge_hpc.training.mixed_precision import runs_in_bf16
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,15 @@ TE_LAYERS = Choice("model", "transformer_impl", low_precision.TE)
 FUSIONS = (Choice("model", "bias_activation_fusion", True), Choice("model", "bias_dropout_fusion", True),
            Choice("model", "cross_entropy_loss_fusion", True))
 FUSED_KERNELS = Choice("model", "fused_kernels", True)
+#: An MoE model's experts as grouped GEMMs (TE's grouped linear, or torch's over the local layers'
+#: sequential experts): the sequential experts launch two GEMMs per expert each way from the host.
+GROUPED_EXPERTS = Choice("model", "moe_grouped_gemm", True)
 CUDA_GRAPH = Choice("model", "cuda_graph_impl", "full_iteration")
 FUSED_STEP = Choice("optimizer", "fused_step", True)
 ASYNC_SAVE = Choice("checkpoint", "async_save", True)
 #: Every fast-path key, in the order the log line names them. ``optimizer.fused_step`` is on by its
 #: own default already; it is listed so that the line and the record say when a job turned it off.
-CHOICES = (TE_LAYERS,) + FUSIONS + (FUSED_KERNELS, CUDA_GRAPH, FUSED_STEP, ASYNC_SAVE)
+CHOICES = (TE_LAYERS,) + FUSIONS + (FUSED_KERNELS, GROUPED_EXPERTS, CUDA_GRAPH, FUSED_STEP, ASYNC_SAVE)
 _BY_KEY = {c.dotted: c for c in CHOICES}
 
 NO_GPUS = "the job asks for no GPUs ([slurm] gpus_per_node = 0)"
@@ -141,8 +146,31 @@ def param_gather_overlapped(cfg: ConfigContainer, world_size: int) -> bool:
     return world_size // cfg.model.model_parallel_size > 1
 
 
+def applies(choice: Choice, cfg: ConfigContainer) -> bool:
+    """Whether ``choice`` is a question for this model at all (the experts' GEMMs only for an MoE model):
+    a key that does not apply is neither chosen nor listed."""
+    return choice != GROUPED_EXPERTS or getattr(cfg.model, "num_moe_experts", None) is not None
+
+
+def _grouped_experts_refusal(cfg: ConfigContainer) -> Optional[str]:
+    m = cfg.model
+    if m.transformer_impl != low_precision.TE:
+        why = m.local_grouped_experts_refusal(gpus=True, bf16=runs_in_bf16(m, cfg.mixed_precision))
+        if why is not None:
+            return f"on the local layers it {why}"
+    if cfg.peft is not None:
+        try:
+            check_peft(cfg.peft, m.num_layers, m.hidden_size, model=dataclasses.replace(m, moe_grouped_gemm=True))
+        except ConfigError as err:
+            if err.key == GROUPED_EXPERTS.dotted:
+                return "peft.target_modules adapts the experts' own linear layers, which the grouped GEMM replaces"
+    return None
+
+
 def refusal(choice: Choice, cfg: ConfigContainer, world_size: int) -> Optional[str]:
     """Why ``choice``'s fast value cannot run with ``cfg`` in a world of ``world_size`` ranks, or None."""
+    if choice == GROUPED_EXPERTS:  # (the model's own finalize checks it against gpus unknown: bf16 here)
+        return _grouped_experts_refusal(cfg) or _finalize_refuses(cfg.model, choice.key, choice.fast)
     if choice == CUDA_GRAPH and (cfg.model.low_precision or needs_te_layers(cfg) in
                                  ("mixed_precision.fp8", "mixed_precision.fp4")):
         return FP8_GRAPH
@@ -197,6 +225,8 @@ def resolve(sections: Dict[str, Any], previous: Dict[str, Any], gpus: bool, worl
         set_here.append(TE_LAYERS.dotted)
     cfg = ConfigContainer.from_sections(sections, source=source)
     for choice in CHOICES if gpus else ():
+        if not applies(choice, cfg):
+            continue
         body = sections.get(choice.section)
         if isinstance(body, dict) and choice.key in body or getattr(_section(cfg, choice.section), choice.key) == choice.fast:
             continue
@@ -232,6 +262,8 @@ def _record(cfg: ConfigContainer, sections: Dict[str, Any], gpus: bool, set_here
             reasons: Dict[str, str]) -> FastPath:
     chosen, not_chosen = [], []
     for choice in CHOICES:
+        if not applies(choice, cfg):
+            continue
         value = getattr(_section(cfg, choice.section), choice.key)
         body = sections.get(choice.section)
         if value == choice.fast:
