@@ -6,7 +6,10 @@ top-2 routing, seq 2048 x micro-batch 4, vocab 32768, bf16, adam, dropout 0, moc
 parameters in all, 0.3 B active per token. Rows:
 
 - **bridge-local**: ``pretrain`` with the job file's defaults on a GPU, megatron-core's local layers
-  (its ``SequentialMLP`` of experts, the all-gather dispatcher);
+  (the all-gather dispatcher; the fast path runs the experts' ``SequentialMLP`` parameters as torch's
+  grouped GEMM, ``model.moe_grouped_gemm``: bridge_hpc/training/engine/grouped_experts.py);
+- **bridge-local-sequential**: the same with ``model.moe_grouped_gemm = false`` (two GEMMs per expert
+  each way, as megatron-core's ``SequentialMLP`` runs them);
 - **bare-local**: megatron-core's bare loop of ``loop_overhead.py`` (GPTModel, Float16Module, megatron-core's
   DDP and ``get_megatron_optimizer``, nothing else per step) on the same model with the local layer spec;
 - **bridge-te** / **bare-te**: the same on Transformer Engine's layers, with the experts as one grouped
@@ -49,6 +52,7 @@ GROUPED = "model.moe_grouped_gemm=true"
 #: Row -> (loop_overhead.py's worker, the job's --set items).
 ROWS = {
     "bridge-local": ("bridge", [ON_GPU, LOCAL]),
+    "bridge-local-sequential": ("bridge", [ON_GPU, LOCAL, "model.moe_grouped_gemm=false"]),
     "bare-local": ("bare", [PLAIN, LOCAL]),
     "bridge-te": ("bridge", [ON_GPU, TE, GROUPED]),
     # A job that asks for no GPUs cannot ask for the grouped GEMM (a GPU kernel): this bare loop's job asks
@@ -56,7 +60,7 @@ ROWS = {
     "bare-te": ("bare", [ON_GPU, TE, GROUPED, *speed_overrides(False, False, False)]),
 }
 #: Each bridge row's bare loop of the same layers.
-BARE_OF = {"bridge-local": "bare-local", "bridge-te": "bare-te"}
+BARE_OF = {"bridge-local": "bare-local", "bridge-local-sequential": "bare-local", "bridge-te": "bare-te"}
 TARGET = 1.2
 
 

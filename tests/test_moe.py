@@ -183,3 +183,41 @@ def test_aux_losses_are_tracked_and_reset_each_step(single_rank):
     # balanced routing of 8 experts gives a load-balancing loss near 1; the z-loss is a mean of squares
     assert 0.5 < float(losses["load_balancing_loss"]) < 2.0 and float(losses["z_loss"]) > 0
     assert all(float(v) == 0.0 for v in moe.aux_losses(cfg, num_microbatches=1).values())
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_local_grouped_experts_give_the_sequential_experts_loss_and_gradients(single_rank, activation):
+    """``model.moe_grouped_gemm`` on the local layers: the same parameters (SequentialMLP's names), one
+    torch grouped GEMM per linear; in fp32 on CPU the loss and every gradient equal the sequential
+    experts' bit for bit."""
+    from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+    from bridge_hpc.training.engine.grouped_experts import GroupedSequentialMLP
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    results = {}
+    for grouped in (False, True):
+        _, model = _built(single_rank, moe_grouped_gemm=grouped, activation_func=activation)
+        assert (type(model.decoder.layers[0].mlp.experts) is GroupedSequentialMLP) is grouped
+        loss = model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens).mean()
+        loss.backward()
+        results[grouped] = (loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (loss_seq, grads_seq), (loss_grp, grads_grp) = results[False], results[True]
+    assert torch.equal(loss_seq, loss_grp)
+    assert grads_seq.keys() == grads_grp.keys() and any(".local_experts." in n for n in grads_grp)
+    assert all(torch.equal(grads_seq[n], grads_grp[n]) for n in grads_seq)
+
+
+def test_frozen_grouped_experts_compute_no_weight_gradients():
+    """The grouped linear's backward skips the weights' gradient GEMM when the experts are frozen (a
+    PEFT run adapting the attention only): only the input gradient is computed, an expert without tokens
+    included."""
+    from bridge_hpc.training.engine.grouped_experts import _GroupedLinearFunction
+
+    x = torch.randn(12, 16, requires_grad=True)
+    weights = [torch.randn(8, 16) for _ in range(3)]
+    offsets = torch.tensor([4, 4, 12], dtype=torch.int32)
+    _GroupedLinearFunction.apply(x, offsets, *weights).sum().backward()
+    expected = torch.cat([torch.ones(4, 8) @ weights[0], torch.ones(8, 8) @ weights[2]])
+    assert torch.allclose(x.grad, expected) and all(w.grad is None for w in weights)
