@@ -36,6 +36,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
         ctx.save_for_backward(x, offsets, *weights)
         stacked = torch.stack(weights)  # [experts, out, in]
         return torch._grouped_mm(x, stacked.transpose(1, 2), offs=offsets)
@@ -52,16 +53,18 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return (grad_x, None, *grad_w.unbind(0))
 
 
-class _GroupedLinear:
+class _GroupedLinear(torch.nn.Module):
     """A linear layer's call (``(output, bias)``, as megatron-core's parallel linears return) over the
-    experts' stacked tokens."""
+    experts' stacked tokens. A module (holding no parameters of its own: the experts' stay theirs),
+    since megatron-core 0.19's ``MLP.forward`` calls its linears through ``apply_module``, which checks."""
 
     def __init__(self, weights: List[torch.Tensor], offsets: torch.Tensor) -> None:
-        self.weights = weights
-        self.offsets = offsets
+        super().__init__()
+        self._weights = tuple(weights)  # a tuple: not registered, not in any state dict
+        self._offsets = offsets
 
-    def __call__(self, x: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        return _GroupedLinearFunction.apply(x, self.offsets, *self.weights), None
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        return _GroupedLinearFunction.apply(x, self._offsets, *self._weights), None
 
 
 class _GroupedExperts:

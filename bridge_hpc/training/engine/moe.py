@@ -24,6 +24,7 @@ dispatcher); what is here only wires it as Megatron-LM does:
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from typing import Dict, List, Optional
 
@@ -60,7 +61,7 @@ def decoder_block_spec(cfg, config, vp_stage: Optional[int], dense_layer_spec, t
     if not te and cfg.moe_grouped_gemm:  # the sequential experts' parameters, one grouped GEMM per linear
         from bridge_hpc.training.engine.grouped_experts import GroupedSequentialMLP
 
-        moe_spec.submodules.mlp.submodules.experts.module = GroupedSequentialMLP
+        _set_experts_class(moe_spec.submodules, GroupedSequentialMLP)
     moe_spec.submodules.self_attention = dense_layer_spec.submodules.self_attention
     moe_spec.submodules.input_layernorm = dense_layer_spec.submodules.input_layernorm
     pattern = cfg.moe_layer_pattern()
@@ -68,6 +69,18 @@ def decoder_block_spec(cfg, config, vp_stage: Optional[int], dense_layer_spec, t
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     layers = [moe_spec if pattern[i] else dense_layer_spec for i in range(offset, offset + count)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)
+
+
+def _set_experts_class(layer_submodules, cls) -> None:
+    """Build the MoE layer's experts as ``cls`` (same arguments): megatron-core 0.16's spec holds the MoE
+    layer and its experts as ``ModuleSpec`` s, 0.19's as ``functools.partial`` builders."""
+    mlp = layer_submodules.mlp
+    moe_submodules = mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+    experts = moe_submodules.experts
+    if isinstance(experts, functools.partial):
+        moe_submodules.experts = functools.partial(cls, *experts.args, **experts.keywords)
+    else:
+        experts.module = cls
 
 
 # ---------------------------------------------------------------------------------------------
