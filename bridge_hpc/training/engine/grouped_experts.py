@@ -16,8 +16,11 @@ grouped ones (:class:`_GroupedLinearFunction`): forward ``y_e = x_e W_e^T``, bac
 and ``dW_e = dy_e^T x_e`` (the grouped GEMM over the token dimension), each one kernel. The weights are
 stacked for each GEMM, not kept stacked: the step's memory is the sequential experts'.
 
-What it does not do, refused at submission (``moe_config.check_moe_kernels``): biases in the experts,
-expert tensor parallelism, FP8, adapters on the experts' linears (those wrap each expert's own layer).
+What it does not do, refused at submission: biases in the experts, expert tensor parallelism, fp32 or fp16
+on GPUs (``MoEFields.local_grouped_experts_refusal``), adapters on the experts' own linears (those wrap
+each expert's layer: ``peft.config.check_peft``). FP8 needs Transformer Engine's layers, whose grouped
+experts are TE's. The fast path (``speed_defaults.GROUPED_EXPERTS``) takes it for an MoE job on GPUs where
+none of these holds; measured 2.7x the sequential experts' tokens/s on one H200 (benchmarks/README.md).
 """
 
 from __future__ import annotations
