@@ -308,7 +308,7 @@ def main() -> int:
     start = [f"checkpoint.pretrained_checkpoint={json.dumps(str(dp1 / 'checkpoints'))}"]
     curves = {}
     # name -> (GPUs, tensor, pipeline); --scaling-only: data parallelism on every GPU count up to --gpus
-    layouts = ({f"dp{n}": (n, 1, 1, ()) for n in sorted(LAYOUTS) if n <= args.gpus} if args.scaling_only
+    layouts = ({f"dp{n}": (n, 1, 1, ()) for n in sorted(LAYOUTS) if 1 < n <= args.gpus} if args.scaling_only
                else {name: (args.gpus, *sizes) for name, sizes in LAYOUTS[args.gpus].items()
                      if not args.layouts or name in args.layouts.split(",") or name == f"dp{args.gpus}"})
     reference = f"dp{args.gpus}"

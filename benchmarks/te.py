@@ -341,8 +341,9 @@ def verdicts(r: Dict[str, Any]) -> Dict[str, Any]:
     if r.get("profiled"):  # the profiler's cost per operator is in every figure: no speed verdict from them
         for t in targets:
             t.update(holds=None, why="profiled runs (--kernels): the profiler's cost is in every figure")
-    loses = [{"shape": s, "row": row, "against": ref, "ratio": x} for s in shapes for row, ref in FP8_OF.items()
-             for x in [ratio(runs, s, row, ref)] if x is not None and x < 1]
+    loses = [] if r.get("profiled") else [  # (profiled figures carry the profiler's cost: no comparison)
+        {"shape": s, "row": row, "against": ref, "ratio": x} for s in shapes for row, ref in FP8_OF.items()
+        for x in [ratio(runs, s, row, ref)] if x is not None and x < 1]
     return {"targets": targets, "fp8_loses_to_bf16": loses}
 
 

@@ -209,15 +209,58 @@ def test_local_grouped_experts_give_the_sequential_experts_loss_and_gradients(si
     assert all(torch.equal(grads_seq[n], grads_grp[n]) for n in grads_seq)
 
 
-def test_frozen_grouped_experts_compute_no_weight_gradients():
+def _count_grouped_mm(monkeypatch) -> list:
+    calls = []
+    real = torch._grouped_mm
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    return calls
+
+
+def test_frozen_grouped_experts_compute_no_weight_gradients(monkeypatch):
     """The grouped linear's backward skips the weights' gradient GEMM when the experts are frozen (a
-    PEFT run adapting the attention only): only the input gradient is computed, an expert without tokens
-    included."""
+    PEFT run adapting the attention only): one grouped GEMM forward, one backward (the input's)."""
     from bridge_hpc.training.engine.grouped_experts import _GroupedLinearFunction
 
     x = torch.randn(12, 16, requires_grad=True)
     weights = [torch.randn(8, 16) for _ in range(3)]
     offsets = torch.tensor([4, 4, 12], dtype=torch.int32)
+    calls = _count_grouped_mm(monkeypatch)
     _GroupedLinearFunction.apply(x, offsets, *weights).sum().backward()
+    assert len(calls) == 2  # the forward and the input gradient, no weight gradient
     expected = torch.cat([torch.ones(4, 8) @ weights[0], torch.ones(8, 8) @ weights[2]])
     assert torch.allclose(x.grad, expected) and all(w.grad is None for w in weights)
+
+
+def test_grouped_experts_weight_gradients_with_an_expert_without_tokens(monkeypatch):
+    """Trainable experts: each weight's gradient is dy_e^T x_e over its own tokens, and the expert that got
+    none has a zero gradient (two grouped GEMMs: the forward and the weights'; the input needs none)."""
+    from bridge_hpc.training.engine.grouped_experts import _GroupedLinearFunction
+
+    x = torch.randn(12, 16)
+    weights = [torch.randn(8, 16, requires_grad=True) for _ in range(3)]
+    offsets = torch.tensor([4, 4, 12], dtype=torch.int32)
+    dy = torch.randn(12, 8)
+    calls = _count_grouped_mm(monkeypatch)
+    (_GroupedLinearFunction.apply(x, offsets, *weights) * dy).sum().backward()
+    assert len(calls) == 2
+    assert torch.allclose(weights[0].grad, dy[:4].t() @ x[:4], atol=1e-6)
+    assert torch.equal(weights[1].grad, torch.zeros(8, 16))
+    assert torch.allclose(weights[2].grad, dy[4:].t() @ x[4:], atol=1e-6)
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"add_bias_linear": True, "moe_shared_expert_intermediate_size": None}, "without biases"),
+    ({"expert_tensor_parallel_size": 2}, "expert tensor-parallel size is 2"),
+    ({"moe_ffn_hidden_size": 20}, "multiples of 8"),
+])
+def test_local_grouped_experts_refusals_say_why(changes, says):
+    cfg = GPTModelConfig(**dict(TINY_MOE, moe_grouped_gemm=True, **changes))
+    with pytest.raises(ConfigError) as err:
+        cfg.finalize()
+    assert err.value.key == "model.moe_grouped_gemm" and "on the local layers" in err.value.message
+    assert says in err.value.message

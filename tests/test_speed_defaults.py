@@ -96,6 +96,8 @@ def test_an_moe_gpu_job_gets_the_experts_as_grouped_gemms(moe_job):
     ([BF16, "model.moe_grouped_gemm=false"], "model.moe_grouped_gemm = false in the job"),
     ([BF16, "model.expert_tensor_parallel_size=2", "slurm.ntasks_per_node=2"], "expert tensor-parallel size is 2"),
     ([], "the model is not bf16"),
+    ([BF16, "model.moe_ffn_hidden_size=60"], "multiples of 8"),
+    ([BF16, 'model.transformer_impl="transformer_engine"'], "Transformer Engine's layers"),
 ])
 def test_an_moe_gpu_job_keeps_the_sequential_experts_where_the_grouped_gemm_cannot_run(moe_job, overrides, reason):
     cfg = load(moe_job, *MOE_ON_GPU, *overrides)
@@ -363,3 +365,15 @@ def test_a_job_that_sets_the_layers_keeps_them(job):
              "model.tensor_model_parallel_size=2", "slurm.ntasks_per_node=2")
     te = load(job, GPU, 'model.transformer_impl="transformer_engine"').training
     assert te.model.transformer_impl == "transformer_engine" and LAYERS not in te.fast_path.set_here
+
+
+def test_the_precision_the_ranks_will_run_is_mixed_precisions_where_set():
+    """``[mixed_precision]`` overwrites every precision field of the model on the ranks, bf16 = false too,
+    so the login node's bf16 question reads it first (the grouped experts multiply bf16 on GPUs)."""
+    from types import SimpleNamespace
+
+    from bridge_hpc.training.mixed_precision import runs_in_bf16
+
+    assert runs_in_bf16(SimpleNamespace(bf16=True), "fp16_mixed") is False
+    assert runs_in_bf16(SimpleNamespace(bf16=False), "bf16_mixed") is True
+    assert runs_in_bf16(SimpleNamespace(bf16=True), None) is True

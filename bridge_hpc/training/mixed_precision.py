@@ -252,10 +252,11 @@ for _factory in (bf16_mixed, fp16_mixed, bf16_with_fp8_delayed_scaling_mixed, fp
 
 
 def runs_in_bf16(model: Any, mixed_precision: Optional[Union[str, MixedPrecisionConfig]]) -> bool:
-    """Whether the ranks will run ``model`` in bf16: its own ``bf16``, or ``[mixed_precision]``'s (which
-    the ranks write into it before the build), read before that is applied (the login node's checks)."""
-    if mixed_precision is not None and get_mixed_precision_config(mixed_precision).bf16:
-        return True
+    """Whether the ranks will run ``model`` in bf16: ``[mixed_precision]``'s ``bf16`` where the section is
+    set (the ranks write all its precision fields into the model before the build), else the model's own;
+    read before that is applied (the login node's checks)."""
+    if mixed_precision is not None:  # its setup writes every precision field into the model, bf16 = false too
+        return bool(get_mixed_precision_config(mixed_precision).bf16)
     return bool(getattr(model, "bf16", False))
 
 

@@ -14,7 +14,8 @@ forward differs. It runs megatron-core's own ``MLP.forward`` once over every tok
 gated unit and the routing probabilities as the experts apply them) with the two linears replaced by
 grouped ones (:class:`_GroupedLinearFunction`): forward ``y_e = x_e W_e^T``, backward ``dx_e = dy_e W_e``
 and ``dW_e = dy_e^T x_e`` (the grouped GEMM over the token dimension), each one kernel. The weights are
-stacked for each GEMM, not kept stacked: the step's memory is the sequential experts'.
+stacked for each GEMM, not kept stacked: the step's memory is the sequential experts' plus a transient copy
+of the rank's expert weights per linear (and their gradients in one buffer until each is accumulated).
 
 What it does not do, refused at submission: biases in the experts, expert tensor parallelism, fp32 or fp16
 on GPUs (``MoEFields.local_grouped_experts_refusal``), adapters on the experts' own linears (those wrap
@@ -53,6 +54,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if not any(ctx.needs_input_grad[2:]):  # frozen experts: no weight gradients at all
             return (grad_x, None, *(None for _ in weights))
         grad_w = torch._grouped_mm(grad.t(), x, offs=offsets)  # [experts, out, in]: dy_e^T x_e
+        # An expert without tokens has a zero gradient; the kernel leaves its output unwritten on some cards
+        # (pytorch/pytorch#172439, B200), so it is zeroed here, on the device, without a sync.
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        grad_w.masked_fill_((counts == 0).view(-1, 1, 1), 0)  # (not a product: unwritten memory may hold NaN)
         return (grad_x, None, *grad_w.unbind(0))
 
 

@@ -28,6 +28,8 @@ CUDA_ONLY_DISPATCHERS = ("alltoall", "flex")
 #: runs on either layers: TE's grouped linear, or on the local layers torch's grouped GEMM
 #: (:mod:`bridge_hpc.training.engine.grouped_experts`).
 TE_KERNEL_FIELDS = ("moe_permute_fusion", "moe_router_fusion")
+#: torch's grouped GEMM needs every stride in multiples of 16 bytes: rows of 8 bf16 (or 4 fp32) elements.
+GROUPED_MM_ALIGN = 8
 
 
 @dataclass
@@ -216,6 +218,9 @@ class MoEFields:
             if getattr(self, name) and gpus is False:
                 raise ConfigError("is a Transformer Engine kernel, which runs on GPUs, and the job asks for none",
                                   key=f"{prefix}.{name}")
+        if self.moe_grouped_gemm and layers == TE and gpus is False:
+            raise ConfigError("on Transformer Engine's layers is TE's grouped linear, which runs on GPUs, and the job "
+                              "asks for none", key=f"{prefix}.moe_grouped_gemm")
         if self.moe_grouped_gemm and layers != TE:
             why = self.local_grouped_experts_refusal(gpus, bf16)
             if why is not None:
@@ -229,7 +234,14 @@ class MoEFields:
         experts' parameters, ``engine/grouped_experts.py``), or None; torch-free (the login node asks).
         ``bf16``: as :meth:`check_moe_kernels` takes it."""
         if not torch_has_grouped_mm():
-            return "needs torch's grouped GEMM (torch._grouped_mm, torch 2.8 on), which the installed torch lacks"
+            return ("needs torch's grouped GEMM (torch._grouped_mm, on CPU and GPU from torch 2.9), which the "
+                    "installed torch lacks")
+        ffn = self.moe_ffn_hidden_size or getattr(self, "ffn_hidden_size", None) or 4 * getattr(self, "hidden_size", 0)
+        widths = {"model.hidden_size": getattr(self, "hidden_size", 0), "the experts' width": ffn}
+        unaligned = [f"{name} {width}" for name, width in widths.items() if width % GROUPED_MM_ALIGN]
+        if unaligned:
+            return (f"needs the experts' row widths in multiples of {GROUPED_MM_ALIGN} (its strides in multiples of 16 "
+                    f"bytes): {', '.join(unaligned)}")
         if getattr(self, "add_bias_linear", False):
             return "runs the experts without biases, and model.add_bias_linear is true"
         etp = self.expert_tensor_parallel_size or getattr(self, "tensor_model_parallel_size", 1)
@@ -254,15 +266,16 @@ class MoEFields:
 
 
 def torch_has_grouped_mm() -> bool:
-    """Whether the installed torch has ``torch._grouped_mm`` (2.8 on), read from its version without
-    importing it (the login node's checks stay torch-free)."""
+    """Whether the installed torch has ``torch._grouped_mm`` on CPU and GPU (2.9 on; 2.8 has it on Hopper
+    only), read from its version without importing it (the login node's checks stay torch-free; the
+    ranks' torch is taken to be the login node's, as the job's environment is)."""
     from importlib import metadata
 
     try:
         major, minor = (int(part) for part in metadata.version("torch").split(".")[:2])
     except (metadata.PackageNotFoundError, ValueError):
         return False
-    return (major, minor) >= (2, 8)
+    return (major, minor) >= (2, 9)
 
 
 def is_moe(cfg: Any) -> bool:
