@@ -176,8 +176,8 @@ def _grouped_experts_refusal(cfg: ConfigContainer) -> Optional[str]:
 
 def refusal(choice: Choice, cfg: ConfigContainer, world_size: int) -> Optional[str]:
     """Why ``choice``'s fast value cannot run with ``cfg`` in a world of ``world_size`` ranks, or None."""
-    if choice == GROUPED_EXPERTS:  # (the model's own finalize checks it against gpus unknown: bf16 here)
-        return _grouped_experts_refusal(cfg) or _finalize_refuses(cfg.model, choice.key, choice.fast)
+    if choice == GROUPED_EXPERTS:  # the model's own checks with what a GPU job adds (bf16, adapters, TE)
+        return _grouped_experts_refusal(cfg)
     if choice == CUDA_GRAPH and (cfg.model.low_precision or needs_te_layers(cfg) in
                                  ("mixed_precision.fp8", "mixed_precision.fp4")):
         return FP8_GRAPH
